@@ -1,0 +1,65 @@
+"""`pr-specforge`: one console script, heavy imports inside each branch (fast `--help`).
+
+    pr-specforge train -c RECIPE.yaml [section.field=value ...] [pr.field=value ...]
+    pr-specforge data {conversations,regenerate,hidden-states,smollm2-target,validate} ...
+    pr-specforge export CKPT OUT_DIR --to {sglang,hf}
+    pr-specforge eval --target DIR --draft NAME=DIR ... --prompts mtbench ...
+    pr-specforge plot RUN_DIR
+    pr-specforge run [--scale small|full]   # the embedded default: SmolLM2 on CPU, end to end
+
+Under torchrun every rank runs `python -m pr_specforge.cli train ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import List, Optional
+
+# Sub-commands whose argument parsing lives in their own module (they take the rest of argv).
+_DELEGATED = {
+    "data": ("pr_specforge.data.cli", "prepare data: conversations, regeneration, hidden states, validation"),
+    "eval": ("pr_specforge.eval.cli", "offline acceptance-length evaluation (EAGLE-3 vs PR)"),
+    "export": ("pr_specforge.export", "export a training checkpoint for SGLang or as an HF directory"),
+    "plot": ("pr_specforge.telemetry", "render a run's metrics JSONL to PNG"),
+    "run": ("pr_specforge.pipeline", "the embedded default: SmolLM2-135M on CPU, prepare -> train -> export -> evaluate"),
+    "experiment": ("pr_specforge.experiment", "the SmolLM2 EAGLE-3 vs PR experiment (resumable stages)"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pr-specforge", description="Parallel Reconsideration drafters on SpecForge")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a drafter from a recipe (SpecForge config + pr: section)")
+    train.add_argument("-c", "--config", required=True, help="recipe YAML")
+    train.add_argument("--dry-run", action="store_true", help="load and validate the recipe, then stop")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. training.max_steps=20 pr.max_depth=2")
+    for name, (_, help_text) in _DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if argv and argv[0] in _DELEGATED:
+        import importlib
+
+        module = importlib.import_module(_DELEGATED[argv[0]][0])
+        return int(module.main(argv[1:]) or 0)
+    args = _parser().parse_args(argv)
+    if args.command == "train":
+        from pr_specforge.config import ConfigError
+        from pr_specforge.train import run_train
+
+        try:
+            return run_train(args.config, args.overrides, dry_run=args.dry_run)
+        except ConfigError as e:
+            print(f"pr-specforge train: {e}", file=sys.stderr)
+            return 2
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

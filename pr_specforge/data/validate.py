@@ -1,0 +1,145 @@
+"""Check a features directory before spending GPU hours training on it.
+
+For every `*.ckpt` under the directory: it loads; it has the four SpecForge
+keys; `input_ids`/`loss_mask` are 1-D of the same length L; `hidden_state` is
+`[1, L, H]` and `aux_hidden_state` `[1, L, 3H]` with H the target's hidden
+size; hidden states are floating point and finite; the loss mask is non-empty;
+`input_ids` lie in the target vocab. The vocab map must exist, be
+`{"t2d": bool[V], "d2t": int64[Vd]}`, and agree with itself (`t2d` marks
+exactly the `Vd` draft tokens `i + d2t[i]`).
+
+H and V come from the target config when a target path is given, else from
+`manifest.json`. It deliberately does not repair anything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+FEATURE_KEYS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
+
+
+@dataclass
+class ValidationReport:
+    files: int = 0
+    bad: dict = field(default_factory=dict)  # path -> reason
+    problems: list = field(default_factory=list)  # directory-level problems
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad and not self.problems and self.files > 0
+
+
+def _check_file(path: Path, hidden: int, vocab: int) -> str | None:
+    import torch
+
+    try:
+        d = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # any unreadable file is a finding, not a crash
+        return f"does not load ({type(e).__name__}: {str(e)[:120]})"
+    if not isinstance(d, dict):
+        return f"holds a {type(d).__name__}, not a dict"
+    missing = [k for k in FEATURE_KEYS if k not in d]
+    if missing:
+        return f"missing keys {missing}"
+    ids, mask, hs, aux = (d[k] for k in FEATURE_KEYS)
+    if not all(isinstance(t, torch.Tensor) for t in (ids, mask, hs, aux)):
+        return "a feature is not a tensor"
+    if ids.dim() != 1 or ids.dtype != torch.long:
+        return f"input_ids must be 1-D int64, got {tuple(ids.shape)} {ids.dtype}"
+    L = ids.shape[0]
+    if tuple(mask.shape) != (L,):
+        return f"loss_mask shape {tuple(mask.shape)} != ({L},)"
+    if tuple(hs.shape) != (1, L, hidden):
+        return f"hidden_state shape {tuple(hs.shape)} != (1, {L}, {hidden})"
+    if tuple(aux.shape) != (1, L, 3 * hidden):
+        return f"aux_hidden_state shape {tuple(aux.shape)} != (1, {L}, {3 * hidden})"
+    if not hs.is_floating_point() or not aux.is_floating_point():
+        return f"hidden states must be floating point, got {hs.dtype}/{aux.dtype}"
+    if not bool(torch.isfinite(hs).all()) or not bool(torch.isfinite(aux).all()):
+        return "non-finite values in the hidden states"
+    if int((mask != 0).sum()) == 0:
+        return "empty loss mask"
+    if L and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        return f"input_ids outside [0, {vocab})"
+    return None
+
+
+def _check_vocab(features_dir: Path, vocab: int, draft_vocab_size: int | None) -> list[str]:
+    import torch
+
+    from pr_specforge.data.vocab import VOCAB_MAPPING_RELPATH
+
+    path = features_dir / VOCAB_MAPPING_RELPATH
+    if not path.exists():
+        return [f"{path}: missing vocab mapping"]
+    try:
+        m = torch.load(path, map_location="cpu", weights_only=True)
+        t2d, d2t = m["t2d"], m["d2t"]
+    except Exception as e:
+        return [f"{path}: unreadable vocab mapping ({type(e).__name__}: {e})"]
+    out = []
+    if t2d.dtype != torch.bool or tuple(t2d.shape) != (vocab,):
+        out.append(f"{path}: t2d must be bool[{vocab}], got {t2d.dtype}{list(t2d.shape)}")
+    if d2t.dtype != torch.long or d2t.dim() != 1:
+        out.append(f"{path}: d2t must be 1-D int64, got {d2t.dtype}{list(d2t.shape)}")
+    if out:
+        return out
+    if draft_vocab_size is not None and len(d2t) != draft_vocab_size:
+        out.append(f"{path}: d2t has {len(d2t)} entries but the manifest says draft_vocab_size {draft_vocab_size}")
+    targets = torch.arange(len(d2t)) + d2t
+    if len(targets) and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
+        out.append(f"{path}: draft ids map outside the target vocab")
+    elif int(t2d.sum()) != len(d2t) or not bool(t2d[targets].all()):
+        out.append(f"{path}: t2d does not mark exactly the {len(d2t)} draft tokens of d2t")
+    return out
+
+
+def validate_features(features_dir: str | os.PathLike, target_path: str | None = None, max_files: int | None = None) -> ValidationReport:
+    """Validate every feature file (or the first `max_files`); see module doc."""
+    from tqdm import tqdm
+
+    from pr_specforge.data.hidden_states import MANIFEST
+    from pr_specforge.data.vocab import VOCAB_MAPPING_RELPATH
+
+    features_dir = Path(features_dir)
+    report = ValidationReport()
+    manifest = {}
+    if (features_dir / MANIFEST).exists():
+        manifest = json.loads((features_dir / MANIFEST).read_text())
+    if target_path is not None:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(target_path)
+        cfg = getattr(cfg, "text_config", None) or cfg
+        hidden, vocab = int(cfg.hidden_size), int(cfg.vocab_size)
+        for key, value in (("hidden_size", hidden), ("vocab_size", vocab)):
+            old = manifest.get("target", {}).get(key)
+            if old is not None and old != value:
+                report.problems.append(f"{features_dir / MANIFEST}: field 'target.{key}' is {old} but {target_path} has {value}")
+    elif manifest.get("target"):
+        hidden, vocab = int(manifest["target"]["hidden_size"]), int(manifest["target"]["vocab_size"])
+    else:
+        report.problems.append(f"{features_dir}: no manifest.json and no --target given; cannot know the hidden size")
+        return report
+
+    files = sorted(p for p in features_dir.rglob("*.ckpt") if VOCAB_MAPPING_RELPATH not in str(p))
+    if max_files is not None:
+        files = files[:max_files]
+    if not files:
+        report.problems.append(f"{features_dir}: no .ckpt feature files")
+    for path in tqdm(files, desc="validate", unit="file"):
+        report.files += 1
+        reason = _check_file(path, hidden, vocab)
+        if reason:
+            report.bad[str(path)] = reason
+    report.problems.extend(_check_vocab(features_dir, vocab, manifest.get("draft_vocab_size")))
+    if report.bad:
+        logger.error("%d of %d feature files are bad", len(report.bad), report.files)
+    return report

@@ -1,0 +1,225 @@
+"""The `pr` algorithm, registered with SpecForge and run by SpecForge's trainer.
+
+Owns: `PRTrainStrategy` (a `DraftTrainStrategy` named `pr`), the algorithm spec
+and providers (built from SpecForge's EAGLE-3 ones, so EAGLE-3 offline features
+and vocab maps train PR unchanged), and `build_registry`, which returns
+SpecForge's built-in registry with `pr` added.
+
+Does not own: the objective math (`pr_specforge.objective`), recipe parsing and
+process launch (`pr_specforge.train`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional
+
+import torch
+
+from pr_specforge.config import PRConfig
+from pr_specforge.modeling.drafter import EAGLE3_ARCHITECTURE, PR_ARCHITECTURE, PR_CONFIG_KEY, PR_PARAM_PREFIXES
+
+ALGORITHM_NAME = "pr"
+
+
+def _strategy_base():
+    from specforge.training.strategies.base import Eagle3TrainStrategy
+
+    return Eagle3TrainStrategy
+
+
+def make_strategy(wrapped_model, *, target_head=None, ploss_decay: float = 0.8, **options):
+    """Build `PRTrainStrategy` (a subclass of SpecForge's EAGLE-3 strategy, defined lazily)."""
+    return _strategy_class()(wrapped_model, target_head=target_head, ploss_decay=ploss_decay, **options)
+
+
+_STRATEGY_CLS = None
+
+
+def _strategy_class():
+    global _STRATEGY_CLS
+    if _STRATEGY_CLS is not None:
+        return _STRATEGY_CLS
+    from specforge.training.strategies.base import StepOutput
+
+    base = _strategy_base()
+
+    class PRTrainStrategy(base):
+        """SpecForge's EAGLE-3 step with the PR objective.
+
+        Target preparation (TargetHead over stored final hidden states) is the
+        parent's; the forward is `OnlinePRModel`, whose one-pass metrics keep
+        SpecForge's structured names (`plosses`, `acces`, ...) and whose PR
+        telemetry goes out as ratio metrics (`pr/...`), reduced across ranks
+        as numerator/denominator sums before division.
+        """
+
+        name = ALGORITHM_NAME
+
+        def forward_loss(self, batch, ctx=None):
+            self.validate_batch(batch)
+            t = batch.tensors
+            device = self._device()
+            input_ids, target, loss_mask = self._prepare_target(
+                batch.metadata.get("target_repr"), t["input_ids"], t["target"], t["loss_mask"], device
+            )
+            hidden = t["hidden_state"].to(device)
+            _check_feature_width(self.eagle3_model, hidden)
+            position_ids = t.get("position_ids")
+            out = self.eagle3_model(
+                input_ids=input_ids,
+                attention_mask=t["attention_mask"].to(device),
+                loss_mask=loss_mask,
+                target=target,
+                hidden_states=hidden,
+                position_ids=position_ids.to(device) if position_ids is not None else None,
+            )
+            metrics: Dict[str, Any] = {
+                "plosses": [p.detach() for p in out.plosses],
+                "acces": [a.detach() for a in out.acces],
+                "acceptance_rates": [a.detach() for a in out.acceptance_rates],
+                "acc_corrects": [c.detach() for c in out.acc_corrects],
+                "acc_denoms": [d.detach() for d in out.acc_denoms],
+                "metric_losses": [m.detach() for m in out.metric_losses],
+                "metric_loss_denoms": [d.detach() for d in out.metric_loss_denoms],
+            }
+            metrics.update({f"pr/{k}": v for k, v in out.terms.items()})
+            return StepOutput(loss=out.loss, metrics=metrics, ratio_metrics=dict(out.ratio_metrics))
+
+    _STRATEGY_CLS = PRTrainStrategy
+    return PRTrainStrategy
+
+
+def _unwrap(model):
+    while not hasattr(model, "draft_model") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _check_feature_width(training_model, hidden: torch.Tensor) -> None:
+    draft = _unwrap(training_model).draft_model
+    expected = 3 * int(draft.target_hidden_size)
+    if hidden.shape[-1] != expected:
+        raise ValueError(
+            f"offline feature aux_hidden_state has width {hidden.shape[-1]} but the drafter expects "
+            f"3 x target_hidden_size = {expected}; the features were captured from a different target "
+            "(check data.hidden_states_path and the draft config's target_hidden_size)"
+        )
+
+
+def pr_draft_config(draft_config, pr: PRConfig):
+    """The draft config with PR's architecture and settings (EAGLE-3 configs are converted)."""
+    archs = list(getattr(draft_config, "architectures", None) or [EAGLE3_ARCHITECTURE])
+    if archs[0] not in (EAGLE3_ARCHITECTURE, PR_ARCHITECTURE):
+        raise ValueError(
+            f"draft config architectures[0] = {archs[0]!r} is not an EAGLE-3 drafter; the pr algorithm extends "
+            f"{EAGLE3_ARCHITECTURE} (use an EAGLE-3 draft config, e.g. SpecForge's configs/*-eagle3.json)"
+        )
+    if int(getattr(draft_config, "num_hidden_layers", 1)) != 1:
+        raise ValueError("the pr algorithm needs a single-layer EAGLE-3 drafter (num_hidden_layers: 1)")
+    cfg = draft_config.__class__.from_dict(draft_config.to_dict())
+    cfg.architectures = [PR_ARCHITECTURE]
+    setattr(cfg, PR_CONFIG_KEY, pr.draft_settings().to_dict())
+    return cfg
+
+
+def build_registration(pr: PRConfig):
+    """An `AlgorithmRegistration` for `pr`, bound to these PR settings."""
+    import pr_specforge.modeling  # noqa: F401  (registers the draft architecture)
+    from specforge.algorithms.common.providers import make_registration
+    from specforge.algorithms.eagle3 import providers as eagle3
+
+    def build_step(wrapped_model, *, target_head=None, **options):
+        return make_strategy(wrapped_model, target_head=target_head, **options)
+
+    def step_options(config) -> Dict[str, Any]:
+        if config.training.compact_teacher:
+            raise ValueError("training.compact_teacher is not supported by the pr algorithm; set training.compact_teacher=false")
+        if config.training.lk_loss_type is not None:
+            raise ValueError("training.lk_loss_type is not supported by the pr algorithm; leave it unset")
+        return {}
+
+    def resume_contract(config, draft_model, training_model) -> Dict[str, Any]:
+        return {
+            "pr_ttt_length": int(training_model.length),
+            "pr_attention_backend": str(training_model.attention_backend),
+            "pr_settings": pr.to_dict(),
+        }
+
+    def build_draft(config, draft_config):
+        from specforge.algorithms.model_providers import build_eagle3_draft
+
+        draft = build_eagle3_draft(config, pr_draft_config(draft_config, pr))
+        from pr_specforge.modeling.drafter import rebuild_rope
+
+        rebuild_rope(draft)
+        if pr.max_depth == 0:
+            # R = 0 is plain EAGLE-3: the PR parts are never used, so keep them out of DDP/optimiser.
+            for name, p in draft.named_parameters():
+                if name.startswith(PR_PARAM_PREFIXES):
+                    p.requires_grad_(False)
+        return draft
+
+    def build_training_model(config, draft_model, draft_config, target_config, tokenizer):
+        from specforge.algorithms.model_providers import build_eagle3_model
+
+        from pr_specforge.objective.ttt import OnlinePRModel
+
+        parts = build_eagle3_model(config, draft_model, draft_config, target_config, tokenizer)
+        model = OnlinePRModel(
+            draft_model,
+            length=config.training.ttt_length,
+            attention_backend=config.training.attention_backend,
+            pr=pr,
+        )
+        ref = parts.model
+        model = model.to(device=next(ref.parameters()).device, dtype=next(ref.parameters()).dtype)
+        return dataclasses.replace(parts, model=model)
+
+    def build_offline_reader(hidden_states_path, *, run_id, ttt_length, max_len):
+        from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
+
+        return OfflineManifestReader(
+            hidden_states_path, run_id=run_id, strategy=ALGORITHM_NAME, ttt_length=ttt_length,
+            max_len=max_len, target_repr="hidden_state",
+        )
+
+    base_spec = eagle3.algorithm_spec()
+    spec = dataclasses.replace(
+        base_spec,
+        name=ALGORITHM_NAME,
+        draft=dataclasses.replace(
+            base_spec.draft,
+            compatible_architectures={EAGLE3_ARCHITECTURE, PR_ARCHITECTURE},
+            default_architecture=PR_ARCHITECTURE,
+        ),
+        capabilities=dataclasses.replace(
+            base_spec.capabilities, attention_backends={"sdpa"}, supports_compact_teacher=False
+        ),
+    )
+    base = eagle3.algorithm_providers()
+    providers = dataclasses.replace(
+        base,
+        algorithm_name=ALGORITHM_NAME,
+        step=dataclasses.replace(
+            base.step, build=build_step, options=step_options, resume_contract=resume_contract,
+        ),
+        model=dataclasses.replace(
+            base.model,
+            draft_config=dataclasses.replace(
+                base.model.draft_config, architecture=PR_ARCHITECTURE,
+                compatible_architectures=frozenset({EAGLE3_ARCHITECTURE, PR_ARCHITECTURE}),
+            ),
+            build_draft=build_draft,
+            build_training_model=build_training_model,
+        ),
+        offline=tuple(dataclasses.replace(o, build_reader=build_offline_reader) for o in base.offline),
+    )
+    return make_registration(spec, providers)
+
+
+def build_registry(pr: Optional[PRConfig] = None):
+    """SpecForge's built-in algorithm registry with `pr` added."""
+    from specforge.algorithms.builtin import builtin_algorithm_registry
+
+    return builtin_algorithm_registry().with_registration(build_registration(pr or PRConfig()))

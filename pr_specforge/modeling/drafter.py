@@ -1,0 +1,266 @@
+"""The Parallel Reconsideration drafter: SpecForge's EAGLE-3 drafter plus two small parts.
+
+Owns:
+  * `SelfQuery` — the self-query MLP `Q: R^d -> R^d` (Sec. 3.2) that steers a
+    reconsideration pass; it fills the slot where an ordinary step feeds the
+    token embedding.
+  * `HaltGate` — `lambda_r = sigmoid(gate(f^r))` (Eq. 4).
+  * `LlamaForCausalLMEagle3PR` — `LlamaForCausalLMEagle3` (EAGLE-3 parameters keep
+    SpecForge's names) with the two parts above under the `pr_` prefix, and a
+    row-level API over the single decoder layer `M`: `layer_qkv` (norms, fusion
+    of the two input slots, projections, RoPE at explicit positions) and
+    `layer_finish` (residual, MLP). Attention between rows is composed by the
+    caller (`pr_specforge.modeling.attention`), which is what lets an ordinary
+    draft step and reconsideration rows of different positions and caches run
+    in ONE batched call of `M` (co-forwarding, Eq. 5).
+
+Does not own: the training objective (`pr_specforge.objective`), the serving tree
+(`pr_specforge.serving`), or checkpoint export (`pr_specforge.export`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pr_specforge._specforge import (
+    LlamaForCausalLMEagle3,
+    LlamaMutiRotaryEmbedding,
+    apply_rotary_pos_emb,
+    register_draft,
+    repeat_kv,
+)
+
+PR_ARCHITECTURE = "LlamaForCausalLMEagle3PR"
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+PR_PARAM_PREFIXES = ("pr_self_query.", "pr_halt_gate.")
+PR_CONFIG_KEY = "pr_config"
+MAX_SUPPORTED_DEPTH = 8
+
+
+@dataclass(frozen=True)
+class PRDraftSettings:
+    """Architecture-level PR settings, stored in the draft config under `pr_config`.
+
+    max_depth: R, the cap on reconsideration passes per position (paper: 2).
+    self_query_hidden_size: width of the self-query MLP's hidden layer
+        (default: the drafter's hidden size).
+    gate_reads_normed: the gate reads `norm(f)` (the feature the head reads)
+        rather than the raw pre-norm feature; the raw feature's scale grows
+        with depth, the normed one does not. [choice; paper: `gate(f)`]
+    """
+
+    max_depth: int = 2
+    self_query_hidden_size: Optional[int] = None
+    gate_reads_normed: bool = True
+
+    @classmethod
+    def from_config(cls, config: Any) -> "PRDraftSettings":
+        raw = getattr(config, PR_CONFIG_KEY, None) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"draft config field {PR_CONFIG_KEY!r} must be a mapping, got {type(raw).__name__}")
+        unknown = set(raw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(
+                f"draft config {PR_CONFIG_KEY}: unknown key(s) {sorted(unknown)}; "
+                f"allowed: {sorted(cls.__dataclass_fields__)}"
+            )
+        settings = cls(**raw)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        if not isinstance(self.max_depth, int) or not 0 <= self.max_depth <= MAX_SUPPORTED_DEPTH:
+            raise ValueError(
+                f"pr max_depth (R) must be an integer in [0, {MAX_SUPPORTED_DEPTH}], got {self.max_depth!r}"
+            )
+        if self.self_query_hidden_size is not None and self.self_query_hidden_size < 1:
+            raise ValueError(f"pr self_query_hidden_size must be >= 1, got {self.self_query_hidden_size}")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "max_depth": self.max_depth,
+            "self_query_hidden_size": self.self_query_hidden_size,
+            "gate_reads_normed": self.gate_reads_normed,
+        }
+
+
+class SelfQuery(nn.Module):
+    """`Q(f) = W_out silu(W_in rmsnorm(f))` (Sec. 3.2).
+
+    The input norm makes Q indifferent to the growing scale of pre-norm features
+    across depths; its output is normed again by the layer's `input_layernorm`.
+    """
+
+    def __init__(self, hidden_size: int, inner_size: int, eps: float) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(hidden_size, eps=eps)
+        self.w_in = nn.Linear(hidden_size, inner_size, bias=False)
+        self.w_out = nn.Linear(inner_size, hidden_size, bias=False)
+
+    def forward(self, feature: torch.Tensor) -> torch.Tensor:
+        return self.w_out(F.silu(self.w_in(self.norm(feature))))
+
+
+class HaltGate(nn.Module):
+    """`lambda = sigmoid(w . x + b)` (Eq. 4); returns lambda with the last dim squeezed."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, 1, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.linear(x).squeeze(-1).float())
+
+
+def rebuild_rope(draft: nn.Module) -> None:
+    """Recompute the drafter's non-persistent rotary buffers in place.
+
+    `from_pretrained` in transformers 5.8.1 leaves them uninitialised (garbage
+    `inv_freq`, zero cos/sin caches): attention goes uniform and the drafter
+    silently accepts nothing. Every load path in this package calls this.
+    """
+    attn = draft.midlayer.self_attn
+    device = next(draft.parameters()).device
+    attn._init_rope()
+    attn.rotary_emb.to(device)
+
+
+def halting_distribution(lambdas: torch.Tensor) -> torch.Tensor:
+    """Eq. 4: `q(r) = lambda_r prod_{s<r}(1 - lambda_s)`, `q(R) = prod_{s<R}(1 - lambda_s)`.
+
+    `lambdas[..., r]` for `r = 0..R-1` (`lambda_R` is never computed: at the cap
+    the drafter halts regardless). Returns `q[..., 0..R]`, summing to 1.
+    """
+    ones = torch.ones_like(lambdas[..., :1])
+    survive = torch.cumprod(torch.cat([ones, 1.0 - lambdas], dim=-1), dim=-1)  # [..., R+1]
+    halt_here = torch.cat([lambdas, ones], dim=-1)
+    return survive * halt_here
+
+
+@register_draft
+class LlamaForCausalLMEagle3PR(LlamaForCausalLMEagle3):
+    """EAGLE-3 drafter with Parallel Reconsideration.
+
+    Reconsideration step (Eq. 3): `f^r = M(f^{r-1}, Q(f^{r-1}))` — the same layer
+    `M`, the previous depth's feature in the hidden slot, the self-query in the
+    token-embedding slot, the same position index; `head(f^r)` proposes a token.
+    """
+
+    def __init__(self, config, quant_config=None, attention_backend: str = "sdpa") -> None:
+        super().__init__(config, quant_config=quant_config, attention_backend=attention_backend)
+        self.pr_settings = PRDraftSettings.from_config(config)
+        d = config.hidden_size
+        inner = self.pr_settings.self_query_hidden_size or d
+        self.pr_self_query = SelfQuery(d, inner, config.rms_norm_eps)
+        self.pr_halt_gate = HaltGate(d)
+        self._init_pr_parameters()
+
+    @torch.no_grad()
+    def _init_pr_parameters(self) -> None:
+        std = float(getattr(self.config, "initializer_range", 0.02))
+        nn.init.normal_(self.pr_self_query.w_in.weight, std=std)
+        nn.init.normal_(self.pr_self_query.w_out.weight, std=std)
+        self.pr_self_query.norm.weight.fill_(1.0)
+        # A zero gate starts at lambda = 1/2 everywhere: q = (1/2, 1/4, 1/4) for R = 2,
+        # so every depth is read and trained from the first step.
+        self.pr_halt_gate.linear.weight.zero_()
+        self.pr_halt_gate.linear.bias.zero_()
+
+    # ----------------------------------------------------------------- loading
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        model = super().from_pretrained(*args, **kwargs)
+        rebuild_rope(model)
+        return model
+
+    @property
+    def max_depth(self) -> int:
+        return self.pr_settings.max_depth
+
+    def pr_parameters(self):
+        return [p for n, p in self.named_parameters() if n.startswith(PR_PARAM_PREFIXES)]
+
+    def eagle3_parameters(self):
+        return [p for n, p in self.named_parameters() if not n.startswith(PR_PARAM_PREFIXES)]
+
+    # ------------------------------------------------------------- row-level M
+    def self_query(self, feature: torch.Tensor) -> torch.Tensor:
+        return self.pr_self_query(feature).to(feature.dtype)
+
+    def halt_probability(self, feature: torch.Tensor, detach_input: bool = False) -> torch.Tensor:
+        """lambda for each row's feature (fp32)."""
+        x = self.norm(feature) if self.pr_settings.gate_reads_normed else feature
+        if detach_input:
+            x = x.detach()
+        return self.pr_halt_gate(x)
+
+    def layer_qkv(
+        self,
+        input_emb: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """First half of `M` for rows `[N, T, d]` at explicit positions `[N, T]`.
+
+        Returns `q [N, H, T, Dh]` and RoPE'd `k, v [N, H, T, Dh]` (KV heads
+        repeated to H, as SpecForge caches them).
+        """
+        attn = self.midlayer.self_attn
+        if isinstance(attn.rotary_emb, LlamaMutiRotaryEmbedding):
+            raise NotImplementedError("PR rows do not support multimodal RoPE (mrope) drafters")
+        layer = self.midlayer
+        x = torch.cat((layer.input_layernorm(input_emb), layer.hidden_norm(hidden)), dim=-1)
+        n, t, _ = x.shape
+        q = attn.q_proj(x).view(n, t, attn.num_heads, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(n, t, attn.num_key_value_heads, attn.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(n, t, attn.num_key_value_heads, attn.head_dim).transpose(1, 2)
+        cos, sin = attn.rotary_emb(q, seq_len=int(position_ids.max()) + 1)
+        q, k = apply_rotary_pos_emb(q, k, cos.to(q.device), sin.to(q.device), position_ids)
+        k = repeat_kv(k, attn.num_key_value_groups)
+        v = repeat_kv(v, attn.num_key_value_groups)
+        return q, k, v
+
+    def layer_finish(self, attn_out: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Second half of `M`: `attn_out [N, H, T, Dh]` -> feature `[N, T, d]` (pre-norm)."""
+        attn = self.midlayer.self_attn
+        n, _, t, _ = attn_out.shape
+        out = attn.o_proj(attn_out.transpose(1, 2).reshape(n, t, attn.num_heads * attn.head_dim))
+        h = hidden + out
+        return h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
+
+
+def build_pr_config(eagle3_config, settings: Optional[PRDraftSettings] = None):
+    """A PR draft config from an EAGLE-3 draft config (a copy; the input is untouched)."""
+    cfg = eagle3_config.__class__.from_dict(eagle3_config.to_dict())
+    cfg.architectures = [PR_ARCHITECTURE]
+    setattr(cfg, PR_CONFIG_KEY, (settings or PRDraftSettings()).to_dict())
+    return cfg
+
+
+def load_drafter(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """Load an EAGLE-3 or PR drafter directory (HF layout) with RoPE rebuilt.
+
+    The class is chosen by `architectures[0]` of its config.json.
+    """
+    import json
+
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{path}: no config.json; expected a drafter directory written by `pr-specforge export --to hf` or SpecForge")
+    with open(cfg_path) as f:
+        arch = (json.load(f).get("architectures") or [EAGLE3_ARCHITECTURE])[0]
+    if arch == PR_ARCHITECTURE:
+        cls = LlamaForCausalLMEagle3PR
+    elif arch == EAGLE3_ARCHITECTURE:
+        cls = LlamaForCausalLMEagle3
+    else:
+        raise ValueError(f"{cfg_path}: architectures[0] = {arch!r} is not an EAGLE-3 drafter ({EAGLE3_ARCHITECTURE} or {PR_ARCHITECTURE})")
+    model = cls.from_pretrained(path, torch_dtype=dtype)
+    rebuild_rope(model)
+    return model.to(device).eval()

@@ -1,0 +1,369 @@
+"""The PR training model: SpecForge's EAGLE-3 TTT loop plus reconsideration (Eq. 6, 7, 12).
+
+`OnlinePRModel` subclasses SpecForge's `OnlineEagle3Model` and keeps its
+interface: same inputs (offline EAGLE-3 features), same teacher (`t2d`-restricted
+target distribution), same per-step loss and accuracy (it calls the parent's
+`_acc_and_loss` for the one-pass chain), same `0.8**j` step weights.
+
+Two on-policy rollouts share step 0 (the branch point, Appendix B.2):
+  A. the one-pass chain: SpecForge's EAGLE-3 TTT, scored by `l^0` (unconditional);
+  B. the mixed-cache chain: at every TTT step `j` the depths `r = 1..R`
+     (`f^r = M(f^{r-1}, Q(f^{r-1}))`, same position, context + chain + own key),
+     the gate's `lambda_0..lambda_{R-1}`, `q` (Eq. 4), a sampled halt depth
+     `d ~ q`, and the next step continues from `f^d` with `kv(f^d)` in the chain
+     (the mixed cache, Eq. 7); scored by the gated head and gate terms of Eq. 6.
+Rows that depend only on what is already computed run in ONE call of `M`: call
+`c` holds A's step `c` and B's next stage (for `c = 1` that is exactly Eq. 5:
+`f_{p+1}^0` and `f_p^1` both read `f_p^0`).
+
+Loss (per TTT step j, weight w_j = decay^j, means over all B*T rows as SpecForge):
+  L = sum_j w_j [ l^0_A + sum_{r>=1} sg[q_r] l^r_B + sum_{r>=0} q_r sg[l^r_B] ]
+      - beta * H(q_bar),   q_bar = loss-position mean of q over every step.
+With R = 0 there is nothing to route: L is SpecForge's EAGLE-3 loss exactly.
+
+Does not own: the drafter's parameters (`pr_specforge.modeling`), SpecForge
+integration (`pr_specforge.integration`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from pr_specforge._specforge import OnlineEagle3Model, _compute_target_p_padded, padding, soft_cross_entropy_rows
+from pr_specforge.config import PRConfig
+from pr_specforge.modeling.attention import KV, chain_attention, strict_causal_mask
+from pr_specforge.modeling.drafter import LlamaForCausalLMEagle3PR, halting_distribution
+
+ENTROPY_EPS = 1e-12
+
+
+def marginal_entropy(q: torch.Tensor, weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`H(q_bar)` with `q_bar = sum(weight * q) / sum(weight)` (Appendix B.3, J).
+
+    The entropy of the minibatch depth marginal, NOT the mean per-position
+    entropy. `q [..., R+1]`, `weight [...]`. Returns `(H, q_bar)`.
+    """
+    w = weight.to(q.dtype)
+    q_bar = (q * w[..., None]).reshape(-1, q.shape[-1]).sum(0) / w.sum().clamp_min(1.0)
+    entropy = -(q_bar * torch.log(q_bar.clamp_min(ENTROPY_EPS))).sum()
+    return entropy, q_bar
+
+
+@dataclass
+class PRForwardOutput:
+    """What one training forward produces.
+
+    loss: the scalar objective to backpropagate.
+    plosses, acces, acceptance_rates, acc_corrects, acc_denoms, metric_losses,
+    metric_loss_denoms: per TTT step of the one-pass chain, as SpecForge's
+        `OnlineEagle3Model` returns them (so its tracker reduces them as usual).
+    terms: detached scalar values of the objective's terms.
+    ratio_metrics: `name -> (numerator, denominator)` PR telemetry.
+    logits: per TTT step one-pass logits (only with `return_logits=True`).
+    depth_logits: per mixed-rollout step, logits per depth (only with `return_logits=True`).
+    """
+
+    loss: torch.Tensor
+    plosses: List[torch.Tensor]
+    acces: List[torch.Tensor]
+    acceptance_rates: List[torch.Tensor]
+    acc_corrects: List[torch.Tensor]
+    acc_denoms: List[torch.Tensor]
+    metric_losses: List[torch.Tensor]
+    metric_loss_denoms: List[torch.Tensor]
+    terms: Dict[str, torch.Tensor] = field(default_factory=dict)
+    ratio_metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    logits: List[torch.Tensor] = field(default_factory=list)
+    depth_logits: List[List[torch.Tensor]] = field(default_factory=list)
+    halt_depths: List[torch.Tensor] = field(default_factory=list)
+    q: List[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class _Group:
+    """One row group of a batched call of M: `[B, T, d]` inputs at position offset `step`."""
+
+    emb: torch.Tensor
+    hidden: torch.Tensor
+    step: int
+    chain: List[KV]
+    ctx: KV
+
+
+class OnlinePRModel(OnlineEagle3Model):
+    """TTT training model for `LlamaForCausalLMEagle3PR` (see module docstring)."""
+
+    def __init__(
+        self,
+        draft_model: LlamaForCausalLMEagle3PR,
+        length: int = 7,
+        attention_backend: str = "sdpa",
+        pr: Optional[PRConfig] = None,
+        ploss_decay: float = 0.8,
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        if attention_backend != "sdpa":
+            raise ValueError(
+                f"training.attention_backend={attention_backend!r}: the pr algorithm composes its own "
+                "attention over [context | chain | own key] rows and supports only 'sdpa'; set "
+                "training.attention_backend=sdpa"
+            )
+        if not isinstance(draft_model, LlamaForCausalLMEagle3PR):
+            raise TypeError(
+                f"the pr algorithm needs a LlamaForCausalLMEagle3PR drafter, got {type(draft_model).__name__}; "
+                "set the draft config's architectures to ['LlamaForCausalLMEagle3PR']"
+            )
+        super().__init__(draft_model, length=length, attention_backend=attention_backend)
+        self.pr = pr or PRConfig(max_depth=draft_model.max_depth)
+        if self.pr.max_depth != draft_model.max_depth:
+            raise ValueError(
+                f"pr.max_depth={self.pr.max_depth} disagrees with the drafter's pr_config.max_depth="
+                f"{draft_model.max_depth}"
+            )
+        self.ploss_decay = ploss_decay
+        self.generator = generator
+
+    # ------------------------------------------------------------------ M calls
+    def _run(self, groups: List[_Group], pos: torch.Tensor, ctx_mask, start_mask) -> List[Tuple[torch.Tensor, KV]]:
+        """One batched call of M over all groups; returns per group `(feature, (k, v))`."""
+        draft: LlamaForCausalLMEagle3PR = self.draft_model
+        g = len(groups)
+        b, t, _ = groups[0].hidden.shape
+        emb = torch.cat([gr.emb for gr in groups], dim=0)
+        hidden = torch.cat([gr.hidden for gr in groups], dim=0)
+        positions = torch.cat([(pos + gr.step).expand(b, t) for gr in groups], dim=0)
+        q, k, v = draft.layer_qkv(emb, hidden, positions)
+        split = lambda x: x.view(g, b, *x.shape[1:])  # noqa: E731
+        q, k, v = split(q), split(k), split(v)
+        same_ctx = all(gr.ctx[0] is groups[0].ctx[0] for gr in groups)
+        if same_ctx:
+            ctx = (groups[0].ctx[0][None], groups[0].ctx[1][None])
+        else:
+            ctx = (torch.stack([gr.ctx[0] for gr in groups]), torch.stack([gr.ctx[1] for gr in groups]))
+        out = chain_attention(q, (k, v), ctx, ctx_mask, [gr.chain for gr in groups], start_mask)
+        feats = draft.layer_finish(out.reshape(g * b, *out.shape[2:]), hidden).view(g, b, t, -1)
+        return [(feats[i], (k[i], v[i])) for i in range(g)]
+
+    def _first_call(self, emb, hidden, pos, ctx_mask, start_mask) -> Tuple[torch.Tensor, KV]:
+        """TTT step 0: causal self-attention of the step-0 rows (its keys become the context)."""
+        draft: LlamaForCausalLMEagle3PR = self.draft_model
+        b, t, _ = hidden.shape
+        q, k, v = draft.layer_qkv(emb, hidden, pos.expand(b, t))
+        out = chain_attention(q[None], (k[None], v[None]), (k[None], v[None]), ctx_mask, [[]], start_mask)
+        return draft.layer_finish(out[0], hidden), (k, v)
+
+    # ----------------------------------------------------------------- forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        target: torch.Tensor,
+        loss_mask: torch.Tensor,
+        hidden_states: torch.Tensor,
+        past_key_values=None,
+        position_ids: Optional[torch.Tensor] = None,
+        target_hidden_for_compact: Optional[torch.Tensor] = None,
+        target_head_weight: Optional[torch.Tensor] = None,
+        compact_teacher_chunk_size: Optional[int] = None,
+        return_logits: bool = False,
+    ) -> PRForwardOutput:
+        if target_hidden_for_compact is not None:
+            raise ValueError("training.compact_teacher is not supported by the pr algorithm; set training.compact_teacher=false")
+        draft: LlamaForCausalLMEagle3PR = self.draft_model
+        length, depth = self.length, self.pr.max_depth
+        target_p_padded, target_p_on_draft_padded, target_ids_padded, position_mask = _compute_target_p_padded(
+            target=target, t2d=draft.t2d, loss_mask=loss_mask, length=length
+        )
+        del target
+        b, t, _ = hidden_states.shape
+        h0 = draft.project_hidden_states(hidden_states.to(draft.fc.weight.dtype))
+        pos = self._prepare_position_ids(position_ids, seq_length=t, past_key_values_length=0, device=h0.device)
+        if attention_mask is None:
+            attention_mask = torch.ones((b, t), dtype=torch.bool, device=h0.device)
+        ctx_mask, start_mask = strict_causal_mask(attention_mask, h0.dtype)
+        adapter = self._make_adapter()
+
+        # Per-step views, shifted exactly as SpecForge shifts them.
+        views, ids, pm, lm = [], input_ids, position_mask, loss_mask
+        for j in range(length):
+            views.append(
+                adapter.step_view(
+                    idx=j, ttt_length=length, global_input_ids=ids, attention_mask=attention_mask,
+                    loss_mask=lm, position_ids=pos, hidden_states=h0, target_p_padded=target_p_padded,
+                    target_p_on_draft_padded=target_p_on_draft_padded, target_token_ids_padded=target_ids_padded,
+                    position_mask=pm, seq_length=t,
+                )
+            )
+            ids, pm, lm = padding(ids, left=False), padding(pm, left=False), padding(lm, left=False)
+        embs = [draft.embed_input_ids(v.input_ids).to(h0.dtype) for v in views]
+
+        out = PRForwardOutput(loss=h0.new_zeros(()), plosses=[], acces=[], acceptance_rates=[], acc_corrects=[],
+                              acc_denoms=[], metric_losses=[], metric_loss_denoms=[])
+        logits_a: List[Optional[torch.Tensor]] = [None] * length
+
+        def score_one_pass(j: int, feature: torch.Tensor) -> None:
+            logits = draft.compute_logits(feature)
+            logits_a[j] = logits
+            v = views[j]
+            acc, acc_rate, loss, correct, denom, metric_loss, loss_denom = self._acc_and_loss(
+                logits=logits, target_p=v.target_p, target_p_on_draft=v.target_p_on_draft,
+                target_token_ids=v.target_token_ids, position_mask=v.position_mask, loss_mask=v.loss_mask,
+                adapter=adapter,
+            )
+            out.plosses.append(loss)
+            out.acces.append(acc)
+            out.acceptance_rates.append(acc_rate)
+            out.acc_corrects.append(correct)
+            out.acc_denoms.append(denom)
+            out.metric_losses.append(metric_loss)
+            out.metric_loss_denoms.append(loss_denom)
+
+        # Call 0: TTT step 0 (shared by both rollouts).
+        f0, kv0 = self._first_call(embs[0], h0, pos, ctx_mask, start_mask)
+        score_one_pass(0, f0)
+        feats_a, chain_a = f0, [kv0]
+        mixed_len = 0 if depth == 0 else min(length, self.pr.mixed_rollout_length or length)
+
+        # Mixed-cache rollout state.
+        stages = [(j, r) for j in range(mixed_len) for r in range(0 if j else 1, depth + 1)]
+        depth_feats: List[torch.Tensor] = [f0]  # g_j^r for the current step j
+        depth_kv: List[KV] = [kv0]
+        chain_b: List[KV] = []
+        ctx_b: KV = kv0
+        cont_feat = f0
+        collected: Dict[str, list] = {k: [] for k in ("q", "pm", "lm", "losses", "correct", "lambdas", "d")}
+
+        a_step, s_idx = 1, 0
+        while a_step < length or s_idx < len(stages):
+            groups, kinds = [], []
+            if a_step < length:
+                groups.append(_Group(embs[a_step], feats_a, a_step, list(chain_a), kv0))
+                kinds.append(("A", a_step))
+            if s_idx < len(stages):
+                j, r = stages[s_idx]
+                if r == 0:
+                    groups.append(_Group(embs[j], cont_feat, j, list(chain_b), ctx_b))
+                else:
+                    prev = depth_feats[r - 1]
+                    groups.append(_Group(draft.self_query(prev), prev, j, list(chain_b), kv0 if j == 0 else ctx_b))
+                kinds.append(("B", (j, r)))
+            results = self._run(groups, pos, ctx_mask, start_mask)
+            for (kind, key), (feat, kv) in zip(kinds, results):
+                if kind == "A":
+                    score_one_pass(key, feat)
+                    feats_a = feat
+                    chain_a.append(kv)
+                    a_step += 1
+                    continue
+                j, r = key
+                if r == 0:
+                    depth_feats, depth_kv = [feat], [kv]
+                else:
+                    depth_feats.append(feat)
+                    depth_kv.append(kv)
+                s_idx += 1
+                if r == depth:
+                    cont_feat, mixed_kv = self._close_step(j, depth_feats, depth_kv, views, logits_a, collected, return_logits, out)
+                    chain_b.append(mixed_kv)
+                    if j == 0 and self.pr.mix_context:
+                        ctx_b = mixed_kv
+
+        weights = [self.ploss_decay**j for j in range(length)]
+        one_pass = sum(w * p for w, p in zip(weights, out.plosses))
+        out.terms["loss_one_pass"] = one_pass.detach()
+        loss = one_pass
+        if mixed_len:
+            loss = loss + self._routing_terms(collected, weights, out)
+        out.loss = loss
+        out.terms["loss_total"] = loss.detach()
+        if return_logits:
+            out.logits = logits_a
+        return out
+
+    def _close_step(self, j, depth_feats, depth_kv, views, logits_a, collected, return_logits, out):
+        """All depths of mixed-rollout step j are computed: gate, q, halt depth, mixed cache, losses."""
+        draft: LlamaForCausalLMEagle3PR = self.draft_model
+        depth = self.pr.max_depth
+        v = views[j]
+        lambdas = torch.stack(
+            [draft.halt_probability(f, detach_input=self.pr.gate_detach_input) for f in depth_feats[:depth]], dim=-1
+        )  # [B,T,R]
+        q = halting_distribution(lambdas)  # [B,T,R+1]
+        d = torch.multinomial(q.detach().reshape(-1, depth + 1), 1, generator=self.generator).view(q.shape[:-1])
+        sel = F.one_hot(d, depth + 1).to(depth_feats[0].dtype)  # [B,T,R+1]
+        feat_d = sum(sel[..., r, None] * depth_feats[r] for r in range(depth + 1))
+        k_d = sum(sel[:, None, :, r, None] * depth_kv[r][0] for r in range(depth + 1))
+        v_d = sum(sel[:, None, :, r, None] * depth_kv[r][1] for r in range(depth + 1))
+
+        logits = [logits_a[0] if (j == 0 and r == 0) else draft.compute_logits(f) for r, f in enumerate(depth_feats)]
+        losses = torch.stack([soft_cross_entropy_rows(lg, v.target_p) for lg in logits], dim=-1)  # [B,T,R+1]
+        with torch.no_grad():
+            pred = torch.stack([lg.argmax(-1) for lg in logits], dim=-1)
+            pred = pred + draft.d2t[pred]
+            correct = pred == v.target_token_ids[..., None]
+        collected["q"].append(q)
+        collected["pm"].append(v.position_mask.squeeze(-1).float())
+        collected["lm"].append(v.loss_mask.squeeze(-1).float())
+        collected["losses"].append(losses)
+        collected["correct"].append(correct)
+        collected["lambdas"].append(lambdas.detach())
+        collected["d"].append(d)
+        if return_logits:
+            out.depth_logits.append([lg.detach() for lg in logits])
+            out.halt_depths.append(d)
+            out.q.append(q.detach())
+        return feat_d, (k_d, v_d)
+
+    def _routing_terms(self, c, weights, out: PRForwardOutput) -> torch.Tensor:
+        """Eq. 6's reconsidered-head, gate and balance terms over the mixed rollout."""
+        depth = self.pr.max_depth
+        head = gate = mixed_one_pass = 0.0
+        for j, (q, pm, losses) in enumerate(zip(c["q"], c["pm"], c["losses"])):
+            rows = pm.numel()
+            head = head + weights[j] * (q[..., 1:].detach() * losses[..., 1:] * pm[..., None]).sum() / rows
+            gate = gate + weights[j] * (q * losses.detach() * pm[..., None]).sum() / rows
+            if self.pr.one_pass_loss_on_mixed and j > 0:
+                mixed_one_pass = mixed_one_pass + weights[j] * (losses[..., 0] * pm).sum() / rows
+        q_all = torch.stack(c["q"])
+        pm_all = torch.stack(c["pm"])
+        entropy, q_bar = marginal_entropy(q_all, pm_all)
+        balance = -self.pr.balance_coef * entropy
+        out.terms.update(
+            loss_reconsider=torch.as_tensor(head).detach(),
+            loss_gate=torch.as_tensor(gate).detach(),
+            loss_balance=balance.detach(),
+            depth_marginal_entropy=entropy.detach(),
+        )
+        if self.pr.one_pass_loss_on_mixed:
+            out.terms["loss_one_pass_mixed"] = torch.as_tensor(mixed_one_pass).detach()
+        self._telemetry(c, out)
+        return head + gate + mixed_one_pass + balance
+
+    @torch.no_grad()
+    def _telemetry(self, c, out: PRForwardOutput) -> None:
+        depth = self.pr.max_depth
+        q = torch.stack(c["q"])
+        pm = torch.stack(c["pm"])
+        lm = torch.stack(c["lm"])
+        losses = torch.stack(c["losses"]).detach()
+        correct = torch.stack(c["correct"]).float()
+        lambdas = torch.stack(c["lambdas"])
+        d = torch.stack(c["d"])
+        pm_sum, lm_sum = pm.sum(), lm.sum()
+        rm = out.ratio_metrics
+        for r in range(depth + 1):
+            rm[f"pr/depth_marginal_{r}"] = ((q[..., r] * pm).sum(), pm_sum)
+            rm[f"pr/loss_depth_{r}"] = ((losses[..., r] * pm).sum(), pm_sum)
+            rm[f"pr/acc_depth_{r}"] = ((correct[..., r] * lm).sum(), lm_sum)
+            rm[f"pr/halt_share_depth_{r}"] = (((d == r).float() * lm).sum(), lm_sum)
+        for r in range(depth):
+            rm[f"pr/gate_mean_depth_{r}"] = ((lambdas[..., r] * lm).sum(), lm_sum)
+        rm["pr/halt_past_0"] = (((d > 0).float() * lm).sum(), lm_sum)
+        wrong0 = (1.0 - correct[..., 0]) * lm
+        recovered = wrong0 * (correct[..., 1:].amax(-1) if depth else torch.zeros_like(wrong0))
+        rm["pr/recovered_share"] = (recovered.sum(), wrong0.sum())
+        rm["pr/recovered_of_all"] = (recovered.sum(), lm_sum)

@@ -1,0 +1,136 @@
+"""Test helpers: tiny drafters and synthetic EAGLE-3 batches."""
+
+import torch
+
+from tests.conftest import tiny_llama_config
+
+
+def make_vocab_map(vocab: int, draft_vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    d2t = ids - torch.arange(draft_vocab)
+    return t2d, d2t
+
+
+def make_drafters(max_depth=2, seed=0, **cfg_overrides):
+    """An EAGLE-3 drafter and a PR drafter with identical EAGLE-3 weights."""
+    from pr_specforge._specforge import LlamaForCausalLMEagle3
+    from pr_specforge.modeling import LlamaForCausalLMEagle3PR, PRDraftSettings, build_pr_config
+
+    cfg = tiny_llama_config(**cfg_overrides)
+    torch.manual_seed(seed)
+    eagle = LlamaForCausalLMEagle3(cfg).float()
+    t2d, d2t = make_vocab_map(cfg.vocab_size, cfg.draft_vocab_size, seed)
+    eagle.t2d.copy_(t2d)
+    eagle.d2t.copy_(d2t)
+    pr = LlamaForCausalLMEagle3PR(build_pr_config(cfg, PRDraftSettings(max_depth=max_depth))).float()
+    missing, unexpected = pr.load_state_dict(eagle.state_dict(), strict=False)
+    assert not unexpected
+    return eagle, pr, missing
+
+
+def make_batch(cfg, batch=2, seq=24, seed=1, pad_last=0):
+    """A batch shaped like SpecForge's offline EAGLE-3 batch after TargetHead."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, cfg.vocab_size, (batch, seq), generator=g)
+    hidden = torch.randn(batch, seq, 3 * cfg.hidden_size, generator=g)
+    target = torch.randn(batch, seq, cfg.vocab_size, generator=g) * 3
+    loss_mask = (torch.rand(batch, seq, generator=g) > 0.2).long()[..., None]
+    attention_mask = torch.ones(batch, seq, dtype=torch.long)
+    if pad_last:
+        attention_mask[-1, -pad_last:] = 0
+        loss_mask[-1, -pad_last:] = 0
+    return dict(input_ids=input_ids, attention_mask=attention_mask, target=target, loss_mask=loss_mask, hidden_states=hidden)
+
+
+def make_tiny_target(path, hidden=64, layers=4, vocab=97, seed=0):
+    """A tiny random Llama target saved as safetensors with an index JSON (TargetHead needs it)."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=layers, vocab_size=vocab, max_position_embeddings=512, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).float().eval()
+    os.makedirs(path, exist_ok=True)
+    cfg.save_pretrained(path)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": {k: "model.safetensors" for k in state}}, f)
+    return model
+
+
+def write_features(model, out_dir, n=8, seq=32, seed=0, draft_vocab=48):
+    """SpecForge offline EAGLE-3 feature files from a real forward of `model` + vocab mapping."""
+    import os
+
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    layers = [1, cfg.num_hidden_layers // 2 - 1, cfg.num_hidden_layers - 4]
+    layers = [max(0, x) for x in layers]
+    counts = torch.zeros(cfg.vocab_size)
+    os.makedirs(os.path.join(out_dir, "rows_0-2000"), exist_ok=True)
+    for i in range(n):
+        ids = torch.randint(1, cfg.vocab_size, (seq,), generator=g)
+        mask = torch.zeros(seq, dtype=torch.long)
+        mask[seq // 4:] = 1
+        with torch.no_grad():
+            out = model(input_ids=ids[None], output_hidden_states=True)
+        hs = out.hidden_states
+        aux = torch.cat([hs[j + 1] for j in layers], dim=-1)
+        torch.save({"input_ids": ids, "loss_mask": mask, "hidden_state": hs[-1].to(torch.bfloat16), "aux_hidden_state": aux.to(torch.bfloat16)},
+                   os.path.join(out_dir, "rows_0-2000", f"data_{i}.ckpt"))
+        counts.index_add_(0, ids[mask.bool()], torch.ones(int(mask.sum())))
+    top = counts.argsort(descending=True)[:draft_vocab].sort().values
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[top] = True
+    d2t = top - torch.arange(draft_vocab)
+    os.makedirs(os.path.join(out_dir, "vocab_mapping"), exist_ok=True)
+    torch.save({"t2d": t2d, "d2t": d2t}, os.path.join(out_dir, "vocab_mapping", "vocab_mapping.pt"))
+    return os.path.join(out_dir, "vocab_mapping", "vocab_mapping.pt")
+
+
+def write_workspace(root, strategy="pr", steps=6, nproc=1, pr_section=None, n=8, seq=32, extra=None):
+    """Target + features + draft config + recipe under `root`; returns the recipe path."""
+    import json
+    import os
+
+    import yaml
+
+    target_dir = os.path.join(root, "target")
+    model = make_tiny_target(target_dir)
+    feats = os.path.join(root, "features")
+    vm = write_features(model, feats, n=n, seq=seq)
+    draft_cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
+        "vocab_size": 97, "draft_vocab_size": 48, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+        "hidden_act": "silu", "tie_word_embeddings": False, "target_hidden_size": 64, "pad_token_id": 0,
+        "torch_dtype": "float32",
+    }
+    with open(os.path.join(root, "draft.json"), "w") as f:
+        json.dump(draft_cfg, f)
+    recipe = {
+        "model": {"target_model_path": target_dir, "draft_model_config": os.path.join(root, "draft.json"),
+                  "vocab_mapping_path": vm, "torch_dtype": "float32"},
+        "data": {"hidden_states_path": feats, "max_length": seq, "dataloader_num_workers": 0},
+        "training": {"strategy": strategy, "max_steps": steps, "batch_size": 1, "learning_rate": 1e-3,
+                     "fsdp_sharding": "NO_SHARD", "attention_backend": "sdpa", "ttt_length": 3,
+                     "log_interval": 1, "save_interval": 3, "seed": 0, "warmup_ratio": 0.0},
+        "deployment": {"trainer": {"nproc_per_node": nproc}},
+        "output_dir": os.path.join(root, "out"),
+    }
+    if pr_section is not None:
+        recipe["pr"] = pr_section
+    for k, v in (extra or {}).items():
+        recipe.setdefault(k, {}).update(v) if isinstance(v, dict) else recipe.__setitem__(k, v)
+    path = os.path.join(root, "recipe.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(recipe, f)
+    return path
