@@ -3,12 +3,15 @@
     pr-specforge train -c recipes/smollm2-135m-cpu.yaml training.max_steps=20 pr.max_depth=2
     torchrun --nproc_per_node 4 -m pr_specforge.cli train -c recipes/llama3.1-8b-pr.yaml
 
-Owns: recipe loading (SpecForge's strict config + the strict `pr:` section, dotted
-overrides for both), building the registry with `pr` added, and the process
+Owns: recipe loading (SpecForge's strict config + the strict `pr:` and `backend:`
+sections, dotted overrides for all, `extends:` to share settings between
+recipes), building the registry with `pr` added, and the process
 launch (in-process for one rank or under torchrun; self-launch through torchrun
 for several ranks, re-entering THIS cli so every rank has the patched registry).
 
-Does not own: the trainer loop, checkpoints and tracker (SpecForge's).
+Does not own: the trainer loop, checkpoints and tracker (SpecForge's; the
+recipe-carrying checkpoint manager and the JSONL metrics sink are hooked in from
+`pr_specforge.backends.checkpoint` and `pr_specforge.telemetry`).
 """
 
 from __future__ import annotations
@@ -24,11 +27,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
+from pr_specforge.backends.config import BACKEND_SECTION, BackendConfig
 from pr_specforge.config import ConfigError, PRConfig
 
 log = logging.getLogger(__name__)
 
 PR_SECTION = "pr"
+#: `extends: other.yaml` (relative to the recipe's directory) deep-merges this recipe over that one.
+EXTENDS_KEY = "extends"
 
 
 @dataclass
@@ -39,6 +45,7 @@ class Recipe:
     pr: PRConfig
     raw: Dict[str, Any]
     path: str
+    backend: BackendConfig = BackendConfig()
 
 
 def _parse_value(text: str) -> Any:
@@ -49,6 +56,8 @@ def split_overrides(overrides: Sequence[str]) -> Tuple[List[str], Dict[str, Any]
     """Split dotted overrides into SpecForge's and `pr.*` ones (parsed as YAML scalars)."""
     spec, pr = [], {}
     for item in overrides:
+        if item.startswith(BACKEND_SECTION + "."):
+            continue  # read by `_backend_overrides`
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form section.field=value")
         key, value = item.split("=", 1)
@@ -62,10 +71,30 @@ def split_overrides(overrides: Sequence[str]) -> Tuple[List[str], Dict[str, Any]
     return spec, pr
 
 
-def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
-    """Read a recipe YAML/JSON; validate SpecForge's part strictly and the `pr:` part strictly."""
+def _backend_overrides(overrides: Sequence[str]) -> Dict[str, Any]:
+    out = {}
+    for item in overrides:
+        if item.startswith(BACKEND_SECTION + ".") and "=" in item:
+            key, value = item.split("=", 1)
+            out[key[len(BACKEND_SECTION) + 1 :]] = _parse_value(value)
+    return out
+
+
+def _deep_merge(base: Dict[str, Any], top: Dict[str, Any]) -> Dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def read_recipe_mapping(path: str, _chain: Tuple[str, ...] = ()) -> Dict[str, Any]:
+    """The recipe's raw mapping with its `extends:` chain resolved (later files win, mappings merge)."""
     if not os.path.isfile(path):
-        raise ConfigError(f"recipe {path!r} does not exist")
+        where = f" (extended by {_chain[-1]})" if _chain else ""
+        raise ConfigError(f"recipe {path!r} does not exist{where}")
     with open(path) as f:
         try:
             raw = yaml.safe_load(f) or {}
@@ -73,12 +102,33 @@ def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
             raise ConfigError(f"recipe {path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"recipe {path}: expected a mapping at the top level")
+    base = raw.pop(EXTENDS_KEY, None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError(f"recipe {path}: {EXTENDS_KEY} must be one recipe path (relative to {os.path.dirname(path) or '.'}), got {base!r}")
+    base_path = os.path.normpath(base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base))
+    chain = _chain + (os.path.abspath(path),)
+    if os.path.abspath(base_path) in chain:
+        raise ConfigError(f"recipe {path}: {EXTENDS_KEY} cycle through {base_path}; a recipe cannot extend itself")
+    return _deep_merge(read_recipe_mapping(base_path, chain), raw)
+
+
+def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
+    """Read a recipe YAML/JSON; validate SpecForge's part, the `pr:` and `backend:` parts strictly."""
+    raw = read_recipe_mapping(path)
     spec_over, pr_over = split_overrides(overrides)
     pr_raw = dict(raw.get(PR_SECTION) or {})
     pr_raw.update(pr_over)
     pr = PRConfig.from_mapping(pr_raw, where=f"{path}: pr")
-    spec_raw = {k: v for k, v in raw.items() if k != PR_SECTION}
+    backend_raw = raw.get(BACKEND_SECTION)
+    backend_over = _backend_overrides(overrides)
+    if backend_over:
+        backend_raw = {**(backend_raw or {}), **backend_over}
+    backend = BackendConfig.from_mapping(backend_raw, where=f"{path}: {BACKEND_SECTION}", recipe_dir=os.path.dirname(path) or ".")
+    spec_raw = {k: v for k, v in raw.items() if k not in (PR_SECTION, BACKEND_SECTION)}
     config = _specforge_config(spec_raw, spec_over, path)
+    backend.validate_against(config, where=f"{path}: {BACKEND_SECTION}")
     if PR_SECTION in raw or config.training.strategy == "pr":
         if config.training.strategy not in ("pr",):
             raise ConfigError(
@@ -87,7 +137,8 @@ def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
             )
     resolved = copy.deepcopy(raw)
     resolved[PR_SECTION] = pr.to_dict()
-    return Recipe(config=config, pr=pr, raw=resolved, path=path)
+    resolved[BACKEND_SECTION] = backend.to_dict()
+    return Recipe(config=config, pr=pr, raw=resolved, path=path, backend=backend)
 
 
 def _specforge_config(spec_raw: Dict[str, Any], overrides: Sequence[str], path: str):
@@ -127,9 +178,65 @@ def run_train(recipe_path: str, overrides: Sequence[str], dry_run: bool = False)
                "-m", "pr_specforge.cli", "train", "-c", recipe_path, *overrides]
         log.info("self-launching %d ranks: %s", world, " ".join(cmd))
         return subprocess.call(cmd)
+    preflight(recipe)
     if dry_run:
         return 0
     return _run_worker(recipe)
+
+
+def _first_feature_file(root: str) -> Optional[str]:
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            if name.endswith((".ckpt", ".ckpt.gz")):
+                return os.path.join(dirpath, name)
+    return None
+
+
+def preflight(recipe: Recipe) -> None:
+    """Cheap checks that turn deep trainer failures into errors naming the file and field."""
+    import json
+
+    from pr_specforge.modeling.drafter import EAGLE3_ARCHITECTURE, PR_ARCHITECTURE
+
+    cfg = recipe.config
+    draft_path = cfg.model.draft_model_config
+    draft = None
+    if draft_path:
+        if not os.path.isfile(draft_path):
+            raise ConfigError(f"model.draft_model_config: {draft_path!r} does not exist")
+        with open(draft_path) as f:
+            try:
+                draft = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"model.draft_model_config: {draft_path} is not valid JSON ({e})") from None
+        arch = (draft.get("architectures") or [None])[0]
+        if cfg.training.strategy in ("pr", "eagle3") and arch not in (EAGLE3_ARCHITECTURE, PR_ARCHITECTURE):
+            raise ConfigError(
+                f"model.draft_model_config: {draft_path} has architectures[0]={arch!r}, which is not an EAGLE-3 "
+                f"drafter; the {cfg.training.strategy} strategy needs {EAGLE3_ARCHITECTURE!r}"
+            )
+    feats = cfg.data.hidden_states_path
+    if feats:
+        if not os.path.isdir(feats):
+            raise ConfigError(f"data.hidden_states_path: {feats!r} is not a directory (prepare features first)")
+        first = _first_feature_file(feats)
+        if first is None:
+            raise ConfigError(f"data.hidden_states_path: no .ckpt feature files under {feats}")
+        if draft is not None:
+            import torch
+
+            sample = torch.load(first, map_location="cpu", weights_only=True)
+            missing = [k for k in ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state") if k not in sample]
+            if missing:
+                raise ConfigError(f"feature file {first}: missing key(s) {missing}; not a SpecForge EAGLE-3 feature file")
+            target_hidden = int(draft.get("target_hidden_size") or draft.get("hidden_size"))
+            width = int(sample["aux_hidden_state"].shape[-1])
+            if width != 3 * target_hidden:
+                raise ConfigError(
+                    f"feature file {first}: aux_hidden_state width {width} != 3 x target_hidden_size "
+                    f"({target_hidden}) of {draft_path}; the features come from a different target"
+                )
 
 
 def _run_worker(recipe: Recipe) -> int:
@@ -146,7 +253,30 @@ def _run_worker(recipe: Recipe) -> int:
     resolved = resolve_run(cfg, registry)
     os.makedirs(cfg.output_dir, exist_ok=True)
     _write_resolved_recipe(recipe)
-    return _train(bind_run(resolved.config, resolved.algorithm)) or 0
+    _install_runtime_hooks(recipe)
+    _train(bind_run(resolved.config, resolved.algorithm))  # returns the final step count, not a status
+    return 0
+
+
+def _install_runtime_hooks(recipe: Recipe) -> None:
+    """Recipe-carrying atomic checkpoints, the metrics JSONL sink, and the chosen backend."""
+    from pr_specforge.backends.checkpoint import install_checkpoint_manager
+    from pr_specforge.telemetry import install_metrics_sink
+
+    install_checkpoint_manager(resolved_payload(recipe))
+    install_metrics_sink(recipe.config)
+    if recipe.backend.name == "deepspeed":
+        from pr_specforge.backends.deepspeed import install_deepspeed_backend
+
+        install_deepspeed_backend(recipe.backend, recipe.config)
+
+
+def resolved_payload(recipe: Recipe) -> Dict[str, Any]:
+    """The resolved recipe: SpecForge's config dump plus the `pr:` and `backend:` sections."""
+    payload = recipe.config.model_dump(mode="json")
+    payload[PR_SECTION] = recipe.pr.to_dict()
+    payload[BACKEND_SECTION] = recipe.backend.to_dict()
+    return payload
 
 
 def _write_resolved_recipe(recipe: Recipe) -> None:
@@ -154,8 +284,7 @@ def _write_resolved_recipe(recipe: Recipe) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:
         return
-    payload = recipe.config.model_dump(mode="json")
-    payload[PR_SECTION] = recipe.pr.to_dict()
+    payload = resolved_payload(recipe)
     out = os.path.join(recipe.config.output_dir, "resolved_recipe.yaml")
     fd, tmp = tempfile.mkstemp(dir=recipe.config.output_dir, prefix=".resolved_recipe.", suffix=".tmp")
     with os.fdopen(fd, "w") as f:

@@ -57,6 +57,8 @@ def make_tiny_target(path, hidden=64, layers=4, vocab=97, seed=0):
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2,
                       num_hidden_layers=layers, vocab_size=vocab, max_position_embeddings=512, tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # a peaked next-token distribution, as a trained model has (random init is ~uniform)
+        model.lm_head.weight.mul_(30.0)
     os.makedirs(path, exist_ok=True)
     cfg.save_pretrained(path)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}

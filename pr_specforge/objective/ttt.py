@@ -64,7 +64,10 @@ class PRForwardOutput:
     terms: detached scalar values of the objective's terms.
     ratio_metrics: `name -> (numerator, denominator)` PR telemetry.
     logits: per TTT step one-pass logits (only with `return_logits=True`).
-    depth_logits: per mixed-rollout step, logits per depth (only with `return_logits=True`).
+    depth_logits: per mixed-rollout step, logits per depth (only with `return_logits=True`);
+        `halt_depths`, `q`, `position_masks` likewise, per mixed-rollout step.
+    grad_terms: the objective's terms with their graphs (`one_pass`, `reconsider`,
+        `gate`, `balance`, `one_pass_mixed`), for tests of the stop-gradients.
     """
 
     loss: torch.Tensor
@@ -81,6 +84,8 @@ class PRForwardOutput:
     depth_logits: List[List[torch.Tensor]] = field(default_factory=list)
     halt_depths: List[torch.Tensor] = field(default_factory=list)
     q: List[torch.Tensor] = field(default_factory=list)
+    position_masks: List[torch.Tensor] = field(default_factory=list)
+    grad_terms: Dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -275,6 +280,7 @@ class OnlinePRModel(OnlineEagle3Model):
         weights = [self.ploss_decay**j for j in range(length)]
         one_pass = sum(w * p for w, p in zip(weights, out.plosses))
         out.terms["loss_one_pass"] = one_pass.detach()
+        out.grad_terms["one_pass"] = one_pass
         loss = one_pass
         if mixed_len:
             loss = loss + self._routing_terms(collected, weights, out)
@@ -316,11 +322,11 @@ class OnlinePRModel(OnlineEagle3Model):
             out.depth_logits.append([lg.detach() for lg in logits])
             out.halt_depths.append(d)
             out.q.append(q.detach())
+            out.position_masks.append(v.position_mask.squeeze(-1).float())
         return feat_d, (k_d, v_d)
 
     def _routing_terms(self, c, weights, out: PRForwardOutput) -> torch.Tensor:
         """Eq. 6's reconsidered-head, gate and balance terms over the mixed rollout."""
-        depth = self.pr.max_depth
         head = gate = mixed_one_pass = 0.0
         for j, (q, pm, losses) in enumerate(zip(c["q"], c["pm"], c["losses"])):
             rows = pm.numel()
@@ -338,8 +344,10 @@ class OnlinePRModel(OnlineEagle3Model):
             loss_balance=balance.detach(),
             depth_marginal_entropy=entropy.detach(),
         )
+        out.grad_terms.update(reconsider=head, gate=gate, balance=balance)
         if self.pr.one_pass_loss_on_mixed:
             out.terms["loss_one_pass_mixed"] = torch.as_tensor(mixed_one_pass).detach()
+            out.grad_terms["one_pass_mixed"] = mixed_one_pass
         self._telemetry(c, out)
         return head + gate + mixed_one_pass + balance
 

@@ -1,0 +1,148 @@
+"""One training step of SpecForge's `eagle3` strategy vs the `pr` strategy, side by side.
+
+    python benchmarks/train_step.py [--seq 512] [--repeats 5] [--dtype bfloat16] [--json out.json]
+
+Drafter shaped like SmolLM2-135M's (hidden 576, 9 heads / 3 KV heads, intermediate
+1536, vocab 49152, draft vocab 8192), seq 512, TTT 7, R = 2, batch 1; identical
+weights and inputs for both; a step = strategy.forward_loss + backward + AdamW
+step. Reports the median of `--repeats` timed steps (after one warm-up step each),
+interleaving the two strategies so machine noise hits both alike.
+
+`work_ratio` = rows processed by the decoder layer in PR's step / in EAGLE-3's,
+counted at run time with a hook on the layer's q projection. METHOD.md estimates
+(7 + 2 + 6*3) / 7 = 3.86 for a faithful PR step at TTT 7, R 2. Target:
+`pr_over_eagle3 <= 1.2 * work_ratio`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+import torch  # noqa: E402
+
+
+def build(args):
+    from transformers import LlamaConfig
+
+    from pr_specforge._specforge import LlamaForCausalLMEagle3, OnlineEagle3Model
+    from pr_specforge.config import PRConfig
+    from pr_specforge.integration import make_strategy
+    from pr_specforge.modeling import LlamaForCausalLMEagle3PR, PRDraftSettings, build_pr_config
+    from pr_specforge.objective.ttt import OnlinePRModel
+    from specforge.training.strategies.base import Eagle3TrainStrategy
+
+    cfg = LlamaConfig(
+        hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+        num_hidden_layers=1, vocab_size=49152, draft_vocab_size=8192, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False, fc_norm=True,
+        architectures=["LlamaForCausalLMEagle3"],
+    )
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    eagle = LlamaForCausalLMEagle3(cfg)
+    ids = torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size].sort().values
+    eagle.t2d.zero_()
+    eagle.t2d[ids] = True
+    eagle.d2t.copy_(ids - torch.arange(cfg.draft_vocab_size))
+    eagle.freeze_embedding()
+    pr = LlamaForCausalLMEagle3PR(build_pr_config(cfg, PRDraftSettings(max_depth=args.depth)))
+    pr.load_state_dict(eagle.state_dict(), strict=False)
+    pr.freeze_embedding()
+    eagle, pr = eagle.to(dtype), pr.to(dtype)
+    strategies = {
+        "eagle3": Eagle3TrainStrategy(OnlineEagle3Model(eagle, length=args.ttt)),
+        "pr": make_strategy(OnlinePRModel(pr, length=args.ttt, pr=PRConfig(max_depth=args.depth))),
+    }
+    opts = {name: torch.optim.AdamW([p for p in s.trainable_module().parameters() if p.requires_grad], lr=1e-5)
+            for name, s in strategies.items()}
+    rows = {}
+    for name, draft in (("eagle3", eagle), ("pr", pr)):
+        rows[name] = [0]
+        draft.midlayer.self_attn.q_proj.register_forward_hook(
+            lambda m, inp, out, counter=rows[name]: counter.__setitem__(0, counter[0] + inp[0].shape[0] * inp[0].shape[1])
+        )
+    return cfg, strategies, opts, rows
+
+
+def make_batch(cfg, seq, dtype):
+    from specforge.runtime.contracts import TrainBatch
+
+    g = torch.Generator().manual_seed(1)
+    tensors = {
+        "input_ids": torch.randint(0, cfg.vocab_size, (1, seq), generator=g),
+        "attention_mask": torch.ones(1, seq, dtype=torch.long),
+        "loss_mask": torch.ones(1, seq, 1, dtype=torch.long),
+        "hidden_state": torch.randn(1, seq, 3 * cfg.hidden_size, generator=g).to(dtype),
+        "target": (torch.randn(1, seq, cfg.vocab_size, generator=g) * 4).to(dtype),
+    }
+    return TrainBatch(sample_ids=["bench"], strategy="eagle3", tensors=tensors, metadata={"target_repr": "logits"})
+
+
+def step(strategy, opt, batch):
+    t0 = time.perf_counter()
+    out = strategy.forward_loss(batch)
+    opt.zero_grad(set_to_none=True)
+    out.loss.backward()
+    opt.step()
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--ttt", type=int, default=7)
+    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import pr_specforge._specforge  # noqa: F401  (CPU-safe loss)
+
+    cfg, strategies, opts, rows = build(args)
+    batch = make_batch(cfg, args.seq, getattr(torch, args.dtype))
+    for name in strategies:  # warm-up (and row count of one step)
+        rows[name][0] = 0
+        step(strategies[name], opts[name], batch)
+    rows_per_step = {name: rows[name][0] for name in rows}
+    times = {name: [] for name in strategies}
+    for _ in range(args.repeats):
+        for name in strategies:
+            times[name].append(step(strategies[name], opts[name], batch))
+    med = {name: statistics.median(v) for name, v in times.items()}
+    result = {
+        "eagle3_step_s": med["eagle3"],
+        "pr_step_s": med["pr"],
+        "pr_over_eagle3": med["pr"] / med["eagle3"],
+        "work_ratio": rows_per_step["pr"] / rows_per_step["eagle3"],
+        "decoder_rows": rows_per_step,
+        "settings": {"seq": args.seq, "ttt": args.ttt, "depth": args.depth, "dtype": args.dtype,
+                     "repeats": args.repeats, "threads": torch.get_num_threads(), "device": "cpu",
+                     "torch": torch.__version__},
+    }
+    result["within_target"] = result["pr_over_eagle3"] <= 1.2 * result["work_ratio"]
+    print(f"{'strategy':<10}{'median step (s)':>18}{'decoder rows/step':>20}")
+    for name in strategies:
+        print(f"{name:<10}{med[name]:>18.3f}{rows_per_step[name]:>20d}")
+    print(f"pr/eagle3 time ratio {result['pr_over_eagle3']:.2f}  work ratio {result['work_ratio']:.2f}  "
+          f"target <= {1.2 * result['work_ratio']:.2f}: {'met' if result['within_target'] else 'NOT met'}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=2)
+        os.replace(tmp, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

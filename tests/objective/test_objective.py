@@ -1,0 +1,270 @@
+"""The PR objective against SpecForge's EAGLE-3 TTT model, and the invariants of Eq. 4-7."""
+
+import math
+
+import pytest
+import torch
+
+from pr_specforge._specforge import OnlineEagle3Model
+from pr_specforge.config import PRConfig
+from pr_specforge.modeling import PR_PARAM_PREFIXES, halting_distribution
+from pr_specforge.objective.ttt import OnlinePRModel, _Group, marginal_entropy
+from tests.helpers import make_batch, make_drafters
+
+TTT = 4
+
+
+class LogitRecorder:
+    """Records every `compute_logits` output of a drafter (SpecForge returns none)."""
+
+    def __init__(self, draft):
+        self.logits = []
+        original = draft.compute_logits
+
+        def wrapped(h):
+            out = original(h)
+            self.logits.append(out)
+            return out
+
+        draft.compute_logits = wrapped
+
+
+def spec_forward(eagle, batch, length=TTT):
+    rec = LogitRecorder(eagle)
+    model = OnlineEagle3Model(eagle, length=length)
+    plosses = model(**batch)[0]
+    loss = sum(0.8**i * p for i, p in enumerate(plosses))
+    return loss, plosses, rec.logits
+
+
+def eagle_grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("pad_last", [0, 5])
+def test_r0_equals_specforge_loss_logits_and_gradients(pad_last):
+    eagle, pr, _ = make_drafters(max_depth=0)
+    batch = make_batch(eagle.config, pad_last=pad_last)
+    ref_loss, ref_plosses, ref_logits = spec_forward(eagle, batch)
+    ref_loss.backward()
+
+    out = OnlinePRModel(pr, length=TTT, pr=PRConfig(max_depth=0))(**batch, return_logits=True)
+    out.loss.backward()
+
+    torch.testing.assert_close(out.loss, ref_loss)
+    for a, b in zip(out.plosses, ref_plosses):
+        torch.testing.assert_close(a, b)
+    valid = batch["attention_mask"].bool()
+    for a, b in zip(out.logits, ref_logits):
+        torch.testing.assert_close(a[valid], b[valid], rtol=1e-5, atol=1e-5)
+    ref = eagle_grads(eagle)
+    got = eagle_grads(pr)
+    assert set(ref) == set(got)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _force_halt_at_zero(pr):
+    with torch.no_grad():
+        pr.pr_halt_gate.linear.weight.zero_()
+        pr.pr_halt_gate.linear.bias.fill_(100.0)  # lambda_0 == 1.0 exactly in fp32
+
+
+def test_gate_forced_to_depth0_keeps_one_pass_term_logits_and_eagle_gradients():
+    eagle, pr, _ = make_drafters(max_depth=2)
+    _force_halt_at_zero(pr)
+    batch = make_batch(eagle.config)
+    ref_loss, ref_plosses, ref_logits = spec_forward(eagle, batch)
+    ref_loss.backward()
+
+    out = OnlinePRModel(pr, length=TTT, pr=PRConfig(max_depth=2))(**batch, return_logits=True)
+    out.loss.backward()
+
+    torch.testing.assert_close(out.grad_terms["one_pass"], ref_loss)
+    for a, b in zip(out.logits, ref_logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert all(bool((d == 0).all()) for d in out.halt_depths)
+    ref = eagle_grads(eagle)
+    for name, p in pr.named_parameters():
+        if name.startswith(PR_PARAM_PREFIXES) or name not in ref:
+            continue
+        torch.testing.assert_close(p.grad, ref[name], rtol=1e-4, atol=1e-6, msg=name)
+    # With every position halting at 0 the mixed rollout IS the one-pass rollout.
+    for j, depth_logits in enumerate(out.depth_logits):
+        torch.testing.assert_close(depth_logits[0], out.logits[j], rtol=1e-5, atol=1e-5)
+
+
+def test_reconsideration_row_equals_specforge_layer_with_cache_before_its_step():
+    """A reconsideration row at TTT step j == SpecForge's own midlayer, fed (Q(f_j), f_j),
+    attending through SpecForge's cache lists of steps 0..j-1 plus its own key."""
+    eagle, pr, _ = make_drafters(max_depth=1)
+    _force_halt_at_zero(pr)  # the mixed chain then holds exactly the one-pass keys
+    batch = make_batch(eagle.config, batch=1)
+    model = OnlinePRModel(pr, length=TTT, pr=PRConfig(max_depth=1))
+    with torch.no_grad():
+        out = model(**batch, return_logits=True)
+        # Re-run SpecForge's TTT loop on the same weights, keeping its cache and features.
+        draft = pr
+        h = draft.project_hidden_states(batch["hidden_states"])
+        mask = draft.prepare_decoder_attention_mask(batch["attention_mask"].bool(), h, 1, h.shape[1], 0)
+        pos = torch.arange(h.shape[1])[None]
+        cache = [[], []]
+        ids = batch["input_ids"]
+        for j in range(TTT):
+            snapshot = [list(cache[0]), list(cache[1])]  # keys of steps 0..j-1
+            h = draft.backbone(draft.embed_input_ids(ids), h, cache, mask, pos)  # f_j
+            ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+            if j >= 1:  # (at j = 0 SpecForge's cache path would make the rows attend to each other)
+                f1 = draft.backbone(draft.self_query(h), h, snapshot, mask, pos)
+                torch.testing.assert_close(out.depth_logits[j][1], draft.compute_logits(f1), rtol=1e-5, atol=1e-5)
+
+
+def test_coforwarded_groups_equal_each_group_forwarded_alone():
+    _, pr, _ = make_drafters(max_depth=2)
+    cfg = pr.config
+    torch.manual_seed(3)
+    b, t, d = 2, 12, cfg.hidden_size
+    model = OnlinePRModel(pr, length=TTT)
+    from pr_specforge.modeling.attention import strict_causal_mask
+
+    ctx_mask, start_mask = strict_causal_mask(torch.ones(b, t, dtype=torch.long), torch.float32)
+    pos = torch.arange(t)[None]
+    kv = lambda: (torch.randn(b, cfg.num_attention_heads, t, d // cfg.num_attention_heads),) * 2  # noqa: E731
+    ctx, c1, c2 = kv(), kv(), kv()
+    groups = [
+        _Group(torch.randn(b, t, d), torch.randn(b, t, d), 3, [c1, c2], ctx),  # a one-pass row at step 3
+        _Group(torch.randn(b, t, d), torch.randn(b, t, d), 2, [c1], ctx),  # a reconsideration row at step 2
+        _Group(torch.randn(b, t, d), torch.randn(b, t, d), 0, [], ctx),  # a reconsideration row at step 0
+    ]
+    with torch.no_grad():
+        together = model._run(groups, pos, ctx_mask, start_mask)
+        for g, (feat, (k, v)) in zip(groups, together):
+            alone_feat, (alone_k, alone_v) = model._run([g], pos, ctx_mask, start_mask)[0]
+            torch.testing.assert_close(feat, alone_feat, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(k, alone_k)
+        # And each row of a group equals that row computed on its own (no leakage across rows).
+        g = groups[1]
+        full = model._run([g], pos, ctx_mask, start_mask)[0][0]
+        for row in range(t):
+            cut = _Group(g.emb[:, : row + 1], g.hidden[:, : row + 1], g.step,
+                         [(k[..., : row + 1, :], v[..., : row + 1, :]) for k, v in g.chain],
+                         (g.ctx[0][..., : row + 1, :], g.ctx[1][..., : row + 1, :]))
+            m, s = strict_causal_mask(torch.ones(b, row + 1, dtype=torch.long), torch.float32)
+            part = model._run([cut], pos[:, : row + 1], m, s)[0][0]
+            torch.testing.assert_close(part[:, row], full[:, row], rtol=1e-5, atol=1e-5)
+
+
+def test_q_sums_to_one_and_cap_is_product_of_continuations():
+    lambdas = torch.rand(5, 7, 3)
+    q = halting_distribution(lambdas)
+    torch.testing.assert_close(q.sum(-1), torch.ones(5, 7))
+    torch.testing.assert_close(q[..., 3], torch.prod(1 - lambdas, dim=-1))
+    torch.testing.assert_close(q[..., 1], lambdas[..., 1] * (1 - lambdas[..., 0]))
+    # and inside the model
+    _, pr, _ = make_drafters(max_depth=2)
+    with torch.no_grad():
+        pr.pr_halt_gate.linear.weight.normal_(0, 1.0)
+    out = OnlinePRModel(pr, length=TTT)(**make_batch(pr.config), return_logits=True)
+    for q in out.q:
+        torch.testing.assert_close(q.sum(-1), torch.ones(q.shape[:-1]))
+
+
+def _grad(term, params):
+    grads = torch.autograd.grad(term, params, retain_graph=True, allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+
+
+@pytest.mark.parametrize("detach", [True, False])
+def test_stop_gradients(detach):
+    _, pr, _ = make_drafters(max_depth=2)
+    with torch.no_grad():
+        pr.pr_halt_gate.linear.weight.normal_(0, 0.5)
+    out = OnlinePRModel(pr, length=TTT, pr=PRConfig(gate_detach_input=detach))(**make_batch(pr.config))
+    gate_params = list(pr.pr_halt_gate.parameters())
+    head = [pr.lm_head.weight]
+    layer = list(pr.midlayer.parameters()) + list(pr.pr_self_query.parameters()) + [pr.fc.weight]
+    # head terms never reach the gate
+    for term in ("one_pass", "reconsider"):
+        assert all(float(g.abs().max()) == 0.0 for g in _grad(out.grad_terms[term], gate_params)), term
+    # gate term never reaches the lm_head, and does reach the gate
+    assert float(_grad(out.grad_terms["gate"], head)[0].abs().max()) == 0.0
+    assert any(float(g.abs().max()) > 0 for g in _grad(out.grad_terms["gate"], gate_params))
+    # the reconsidered heads are trained by the reconsider term
+    assert float(_grad(out.grad_terms["reconsider"], head)[0].abs().max()) > 0
+    layer_grad = max(float(g.abs().max()) for g in _grad(out.grad_terms["gate"], layer))
+    if detach:
+        assert layer_grad == 0.0  # the gate reads a detached feature: routing trains the gate alone
+    else:
+        assert layer_grad > 0.0
+
+
+def test_balance_term_is_entropy_of_minibatch_marginal():
+    _, pr, _ = make_drafters(max_depth=2)
+    with torch.no_grad():
+        pr.pr_halt_gate.linear.weight.normal_(0, 2.0)
+    beta = 0.37
+    out = OnlinePRModel(pr, length=TTT, pr=PRConfig(balance_coef=beta))(**make_batch(pr.config), return_logits=True)
+    q = torch.stack(out.q)
+    w = torch.stack(out.position_masks)
+    q_bar = (q * w[..., None]).sum((0, 1, 2)) / w.sum()
+    expected = -(q_bar * q_bar.log()).sum()
+    torch.testing.assert_close(out.terms["loss_balance"], -beta * expected)
+    torch.testing.assert_close(out.terms["depth_marginal_entropy"], expected)
+    per_position = (-(q * q.clamp_min(1e-12).log()).sum(-1) * w).sum() / w.sum()
+    assert not torch.allclose(per_position, expected)  # it is NOT the mean per-position entropy
+    # marginal_entropy is finite (and zero) at a one-hot marginal, gradients included
+    one_hot = torch.tensor([[1.0, 0.0, 0.0]], requires_grad=True)
+    h, _ = marginal_entropy(one_hot, torch.ones(1))
+    h.backward()
+    assert float(h) == 0.0 and torch.isfinite(one_hot.grad).all()
+
+
+def test_balance_gradient_pushes_marginal_toward_uniform():
+    lambdas = torch.full((64, 2), 0.9, requires_grad=True)  # q concentrated on depth 0
+    h, _ = marginal_entropy(halting_distribution(lambdas), torch.ones(64))
+    (-h).backward()  # the balance term's gradient direction (beta > 0)
+    assert float(lambdas.grad[:, 0].mean()) > 0  # descending lowers lambda_0: less mass on depth 0
+
+
+def test_eagle3_state_dict_loads_with_only_new_keys_missing():
+    eagle, pr, missing = make_drafters(max_depth=2)
+    assert missing and all(k.startswith(PR_PARAM_PREFIXES) for k in missing)
+    assert set(missing) == {k for k in pr.state_dict() if k.startswith(PR_PARAM_PREFIXES)}
+    for k, v in eagle.state_dict().items():
+        torch.testing.assert_close(pr.state_dict()[k], v)
+
+
+def test_halt_depth_sampling_follows_q():
+    _, pr, _ = make_drafters(max_depth=2)
+    with torch.no_grad():
+        pr.pr_halt_gate.linear.bias.fill_(math.log(0.3 / 0.7))  # lambda = 0.3 everywhere
+    gen = torch.Generator().manual_seed(0)
+    model = OnlinePRModel(pr, length=2, generator=gen)
+    counts = torch.zeros(3)
+    with torch.no_grad():
+        for seed in range(4):
+            out = model(**make_batch(pr.config, batch=4, seq=40, seed=seed), return_logits=True)
+            for d in out.halt_depths:
+                counts += torch.bincount(d.flatten(), minlength=3)
+    freq = counts / counts.sum()
+    expected = torch.tensor([0.3, 0.7 * 0.3, 0.7 * 0.7])
+    assert torch.allclose(freq, expected, atol=0.03), (freq, expected)
+
+
+def test_training_reduces_loss_and_opens_reconsideration_on_learnable_data():
+    """A few dozen steps on a fixed batch: the total loss falls and every depth is used."""
+    _, pr, _ = make_drafters(max_depth=2)
+    batch = make_batch(pr.config, batch=2, seq=16)
+    model = OnlinePRModel(pr, length=3)
+    opt = torch.optim.AdamW([p for p in pr.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(30):
+        out = model(**batch)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(float(out.loss))
+    assert losses[-1] < 0.8 * losses[0]
+    marg = [float(out.ratio_metrics[f"pr/depth_marginal_{r}"][0] / out.ratio_metrics[f"pr/depth_marginal_{r}"][1]) for r in range(3)]
+    assert all(m > 0.01 for m in marg)
+
