@@ -154,9 +154,24 @@ def _specforge_config(spec_raw: Dict[str, Any], overrides: Sequence[str], path: 
         lines = []
         for err in e.errors():
             loc = ".".join(str(p) for p in err.get("loc", ()))
-            lines.append(f"  {loc or '<root>'}: {err.get('msg')}")
+            lines.append(f"  {loc or '<root>'}: {err.get('msg')}{_fix_hint(err)}")
         raise ConfigError(f"recipe {path}: invalid SpecForge config:\n" + "\n".join(lines)) from None
     return config
+
+
+def _fix_hint(err: Dict[str, Any]) -> str:
+    """The fix for a SpecForge validation error, in words."""
+    kind, ctx = err.get("type", ""), err.get("ctx") or {}
+    if kind == "extra_forbidden":
+        return "; remove it (SpecForge's config is strict: PR settings go under pr:, the engine under backend:)"
+    for bound, words in (("gt", "greater than"), ("ge", "at least"), ("lt", "less than"), ("le", "at most")):
+        if bound in ctx:
+            return f"; set it to a value {words} {ctx[bound]}"
+    if kind == "literal_error" and "expected" in ctx:
+        return f"; use one of {ctx['expected']}"
+    if kind == "missing":
+        return "; add it to the recipe"
+    return ""
 
 
 def _in_torchrun() -> bool:

@@ -126,6 +126,7 @@ class TransformersBackend:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.device = device
         self.name = name or getattr(model.config, "_name_or_path", "transformers")
+        self.last_new_tokens = 0
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: str = "auto", device: str = "cpu"):
@@ -155,7 +156,9 @@ class TransformersBackend:
         with torch.inference_mode():
             out = self.model.generate(**enc, **kwargs)
         new = out[:, enc["input_ids"].shape[1] :]
-        return [self.tokenizer.decode(row, skip_special_tokens=True).strip() for row in new]
+        self.last_new_tokens = int((new != self.tokenizer.pad_token_id).sum())  # for throughput reports
+        # Kept verbatim (no strip): the drafter should see the target's exact tokens.
+        return [self.tokenizer.decode(row, skip_special_tokens=True) for row in new]
 
 
 # ---------------------------------------------------------------- conversations

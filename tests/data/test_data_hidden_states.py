@@ -45,8 +45,7 @@ def test_features_equal_a_direct_forward_at_the_specforge_layers(tmp_path, tiny_
         # layer OUTPUTS 1, L//2-1, L-4 of an 8-layer model = HF hidden_states[2], [4], [5]
         aux = torch.cat([hs[2], hs[4], hs[5]], dim=-1)
         torch.testing.assert_close(d["aux_hidden_state"], aux, rtol=1e-4, atol=1e-5)
-        final = tiny_model.model.norm(tiny_model.model(d["input_ids"][None]).last_hidden_state) if False else hs[-1]
-        torch.testing.assert_close(d["hidden_state"], final, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(d["hidden_state"], hs[-1], rtol=1e-4, atol=1e-5)  # post-norm
         # the stored final state reproduces the target's logits through its lm_head
         torch.testing.assert_close(tiny_model.lm_head(d["hidden_state"]), ref.logits, rtol=1e-4, atol=1e-4)
 
@@ -104,7 +103,7 @@ def test_vocab_map_round_trips_and_matches_specforge(tmp_path, tiny_target, toke
     ours = build_vocab_mapping(counts, 8, 300)
     assert torch.equal(ours["d2t"], d2t) and torch.equal(ours["t2d"], t2d)
     top = build_vocab_mapping(counts, 3, 300)
-    assert draft_to_target(top).tolist() == [5, 17, 42] or draft_to_target(top).tolist() == [3, 5, 42]
+    assert draft_to_target(top).tolist() == [5, 17, 42]  # ties keep first-seen order, as Counter does
 
 
 def test_resume_after_interruption_gives_the_same_features(tmp_path, tiny_target, tokenizer, tiny_model):

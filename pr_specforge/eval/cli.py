@@ -1,0 +1,102 @@
+"""`pr-specforge eval`: acceptance length, speed and losslessness of drafters on prompt sets.
+
+    pr-specforge eval --target TARGET_DIR --draft eagle3=DIR --draft pr=DIR \
+        --prompts mtbench gsm8k humaneval --budget 24 48 --temperature 0 1 \
+        --max-new-tokens 256 --limit 20 --out-dir runs/eval --json runs/eval/summary.json
+
+Per-prompt rows go to OUT_DIR/results.jsonl (a rerun skips prompts already there);
+the summary, report.md and plots are rewritten from all rows at the end.
+Exit codes: 0 ok, 2 bad arguments or inputs, 3 a temperature-0 output was not lossless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import List, Optional
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pr-specforge eval", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="target model directory (transformers layout, with tokenizer)")
+    p.add_argument("--draft", action="append", required=True, metavar="NAME=DIR", help="a drafter (repeatable)")
+    p.add_argument("--prompts", nargs="+", required=True, help="mtbench | gsm8k | humaneval | PATH.jsonl (several allowed)")
+    p.add_argument("--budget", nargs="+", type=int, default=[24, 48], help="global-cut budgets B")
+    p.add_argument("--temperature", nargs="+", type=float, default=[0.0])
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--limit", type=int, default=None, help="prompts per set")
+    p.add_argument("--json", default=None, help="write the summary JSON here")
+    p.add_argument("--out-dir", default="eval_out", help="per-prompt JSONL, report.md and plots")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--k", type=int, default=6)
+    p.add_argument("--bw", type=int, default=6)
+    p.add_argument("--gamma", type=int, default=8)
+    p.add_argument("--m", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--turns", choices=["first", "all"], default="first")
+    p.add_argument("--also-one-pass", action="store_true", help="also serve each PR drafter as plain EAGLE (NAME/one-pass)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    from pr_specforge.data.prompts import load_prompts
+    from pr_specforge.eval.evaluator import (
+        EvalSettings,
+        Evaluator,
+        LosslessnessError,
+        load_draft_entries,
+        load_target,
+    )
+    from pr_specforge.eval.report import markdown_table, write_report
+
+    dtype = getattr(torch, args.dtype)
+    try:
+        if args.limit is not None and args.limit < 1:
+            raise ValueError(f"--limit must be >= 1, got {args.limit}")
+        settings = EvalSettings(
+            budgets=args.budget,
+            temperatures=args.temperature,
+            max_new_tokens=args.max_new_tokens,
+            k=args.k,
+            bw=args.bw,
+            gamma=args.gamma,
+            m=args.m,
+            seed=args.seed,
+            turns=args.turns,
+        )
+        prompt_sets = {}
+        for source in args.prompts:
+            name = os.path.splitext(os.path.basename(source))[0] if os.path.exists(source) else source.lower()
+            prompts = load_prompts(source, limit=args.limit, turns=args.turns)
+            if not prompts:
+                raise ValueError(f"prompts {source!r}: no usable prompt")
+            prompt_sets[name] = prompts
+        target, tokenizer = load_target(args.target, args.device, dtype)
+        drafts = load_draft_entries(args.draft, args.device, dtype, args.also_one_pass)
+        evaluator = Evaluator(target, tokenizer, drafts, settings, args.out_dir, progress=not args.no_progress)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pr-specforge eval: {e}", file=sys.stderr)
+        return 2
+    try:
+        summary = evaluator.run(prompt_sets)
+    except LosslessnessError as e:
+        print(f"pr-specforge eval: NOT LOSSLESS: {e}", file=sys.stderr)
+        return 3
+    write_report(summary, args.out_dir)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    print(markdown_table(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,340 @@
+"""Offline acceptance-length evaluation of EAGLE-3 / PR drafters against a `transformers` target.
+
+Owns:
+  * `EvalSettings` — the grid (budgets x temperatures) and tree shape, validated.
+  * `Evaluator` — for every drafter x budget x temperature x prompt set x prompt:
+    speculative decode (`pr_specforge.serving`), the target's own autoregressive
+    decode (speed baseline; at T = 0 also the reference output, checked token for
+    token: `lossless`, and a `LosslessnessError` if it differs), results appended
+    per prompt to `results.jsonl` / `baseline.jsonl` in `out_dir` (a rerun skips
+    what is there), and `summarize` to aggregate them.
+  * Diagnostic buckets: acceptance of the one-pass top-1 token by drafter
+    confidence (10 equal-width buckets, Figure 1a) and, for one-pass misses, the
+    share recovered by reconsideration by drafter x target confidence
+    (`<0.5, 0.5-0.9, >=0.9`, Table 7); definitions in `pr_specforge.serving.decode`.
+
+Does not own: prompt files (`pr_specforge.data.prompts`), tables and plots (`report`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from pr_specforge.serving import SpeculativeDecoder, TreeConfig, autoregressive_decode
+
+CONF_BUCKETS = 10
+BANDS = (0.5, 0.9)  # drafter / target confidence bands of Table 7
+
+
+class LosslessnessError(RuntimeError):
+    """The speculative output at T = 0 differs from the target's greedy decode."""
+
+
+@dataclass
+class EvalSettings:
+    budgets: Sequence[int] = (24, 48)
+    temperatures: Sequence[float] = (0.0,)
+    max_new_tokens: int = 128
+    k: int = 6
+    bw: int = 6
+    gamma: int = 8
+    m: int = 3
+    seed: int = 0
+    turns: str = "first"
+
+    def __post_init__(self) -> None:
+        if not self.budgets:
+            raise ValueError("budgets must list at least one budget B")
+        for b in self.budgets:
+            TreeConfig(budget=b, k=self.k, bw=self.bw, gamma=self.gamma, m=self.m)
+        if any(t < 0 for t in self.temperatures) or not self.temperatures:
+            raise ValueError(f"temperatures must be >= 0, got {list(self.temperatures)}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.turns not in ("first", "all"):
+            raise ValueError(f"turns must be 'first' or 'all', got {self.turns!r}")
+
+    def tree(self, budget: int) -> TreeConfig:
+        return TreeConfig(budget=budget, k=self.k, bw=self.bw, gamma=self.gamma, m=self.m)
+
+
+@dataclass
+class DraftEntry:
+    """A drafter under evaluation; `reconsider=False` serves a PR drafter as plain EAGLE."""
+
+    name: str
+    model: torch.nn.Module
+    reconsider: bool = True
+
+
+def band(x: float) -> int:
+    return sum(x >= b for b in BANDS)
+
+
+def _encoder(tokenizer) -> Callable[[List[dict]], List[int]]:
+    """Messages -> prompt ids: the chat template when the tokenizer has one, else the raw turns."""
+
+    def encode(messages: List[dict]) -> List[int]:
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        text = "\n".join(m["content"] for m in messages)
+        return list(tokenizer(text)["input_ids"])
+
+    return encode
+
+
+def _read_jsonl(path: str) -> List[dict]:
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _append(path: str, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+class Evaluator:
+    def __init__(
+        self,
+        target,
+        tokenizer,
+        drafters: Sequence[DraftEntry],
+        settings: EvalSettings,
+        out_dir: str,
+        progress: bool = True,
+    ) -> None:
+        if not drafters:
+            raise ValueError("drafts: give at least one NAME=DIR drafter")
+        names = [d.name for d in drafters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"drafts: duplicate drafter names {names}")
+        self.target = target.eval()
+        self.tokenizer = tokenizer
+        self.encode = _encoder(tokenizer)
+        self.settings = settings
+        self.out_dir = out_dir
+        self.progress = progress
+        self.eos = getattr(tokenizer, "eos_token_id", None)
+        os.makedirs(out_dir, exist_ok=True)
+        self.results_path = os.path.join(out_dir, "results.jsonl")
+        self.baseline_path = os.path.join(out_dir, "baseline.jsonl")
+        # decoders are built once per drafter x budget (this checks drafter/target compatibility early)
+        self.decoders: Dict[Tuple[str, int], SpeculativeDecoder] = {}
+        for d in drafters:
+            for b in settings.budgets:
+                self.decoders[(d.name, b)] = SpeculativeDecoder(target, d.model, settings.tree(b), d.reconsider)
+        self.drafters = list(drafters)
+
+    # ------------------------------------------------------------------ runs
+    def _conversation(self, turns: List[str], generate: Callable[[List[int]], Tuple[List[int], object]]):
+        """Run each user turn in order; the model's own reply joins the history."""
+        messages: List[dict] = []
+        outs = []
+        for turn in turns:
+            messages.append({"role": "user", "content": turn})
+            ids = self.encode(messages)
+            if not ids:
+                raise ValueError(f"prompt turn {turn[:40]!r} encodes to no tokens")
+            tokens, extra = generate(ids)
+            outs.append((tokens, extra))
+            messages.append({"role": "assistant", "content": self.tokenizer.decode(tokens, skip_special_tokens=True)})
+        return outs
+
+    def _baseline(self, set_name: str, prompt, temperature: float, seed: int, done: Dict) -> dict:
+        key = (set_name, prompt.id, float(temperature))
+        if key in done:
+            return done[key]
+        s = self.settings
+
+        def gen(ids):
+            return autoregressive_decode(self.target, ids, s.max_new_tokens, temperature, seed, self.eos)
+
+        outs = self._conversation(prompt.turns, gen)
+        row = {
+            "set": set_name,
+            "prompt": prompt.id,
+            "temperature": float(temperature),
+            "outputs": [o[0] for o in outs],
+            "tokens": sum(len(o[0]) for o in outs),
+            "seconds": sum(o[1] for o in outs),
+        }
+        _append(self.baseline_path, row)
+        done[key] = row
+        return row
+
+    def _speculative(self, entry: DraftEntry, budget: int, set_name: str, prompt, temperature, seed, base) -> dict:
+        s = self.settings
+        dec = self.decoders[(entry.name, budget)]
+
+        def gen(ids):
+            r = dec.generate(ids, s.max_new_tokens, temperature, seed, self.eos)
+            return r.tokens, r
+
+        outs = self._conversation(prompt.turns, gen)
+        results = [o[1] for o in outs]
+        lossless = None
+        if temperature == 0:
+            lossless = all(o[0] == ref for o, ref in zip(outs, base["outputs"]))
+        hist = [[0, 0] for _ in range(CONF_BUCKETS)]  # [verified nodes, top-1 accepted]
+        recover = [[[0, 0] for _ in range(3)] for _ in range(3)]  # [cd][ct] -> [one-pass misses, recovered]
+        for r in results:
+            for c_d, c_t, top1_hit, onepass_hit, recovered in r.diagnostics:
+                b = min(CONF_BUCKETS - 1, int(c_d * CONF_BUCKETS))
+                hist[b][0] += 1
+                hist[b][1] += int(top1_hit)
+                if not onepass_hit:
+                    cell = recover[band(c_d)][band(c_t)]
+                    cell[0] += 1
+                    cell[1] += int(recovered)
+        accepted = sum(sum(r.accept_lengths) for r in results)
+        rounds = sum(r.rounds for r in results)
+        return {
+            "draft": entry.name,
+            "reconsider": entry.reconsider,
+            "budget": budget,
+            "temperature": float(temperature),
+            "set": set_name,
+            "prompt": prompt.id,
+            "seed": seed,
+            "tau": accepted / max(1, rounds),
+            "accepted": accepted,
+            "rounds": rounds,
+            "tokens": sum(len(r.tokens) for r in results),
+            "draft_s": sum(r.draft_s for r in results),
+            "verify_s": sum(r.verify_s for r in results),
+            "total_s": sum(r.total_s for r in results),
+            "recon_rows": sum(r.recon_rows for r in results),
+            "ar_tokens": base["tokens"],
+            "ar_s": base["seconds"],
+            "lossless": lossless,
+            "conf_hist": hist,
+            "recover": recover,
+        }
+
+    def run(self, prompt_sets: Dict[str, list]) -> dict:
+        """Evaluate every combination (resuming from `out_dir`); returns `summarize(...)`."""
+        from tqdm.auto import tqdm
+
+        for name, prompts in prompt_sets.items():
+            if not prompts:
+                raise ValueError(f"prompts {name!r}: no usable prompt")
+        s = self.settings
+        done = {
+            (r["draft"], r["budget"], r["temperature"], r["set"], r["prompt"]) for r in _read_jsonl(self.results_path)
+        }
+        base_done = {(r["set"], r["prompt"], r["temperature"]): r for r in _read_jsonl(self.baseline_path)}
+        jobs = [
+            (set_name, idx, prompt, float(t), entry, b)
+            for set_name, prompts in prompt_sets.items()
+            for idx, prompt in enumerate(prompts)
+            for t in s.temperatures
+            for entry in self.drafters
+            for b in s.budgets
+        ]
+        bar = tqdm(jobs, desc="eval", disable=not self.progress)
+        for set_name, idx, prompt, t, entry, b in bar:
+            if (entry.name, b, t, set_name, prompt.id) in done:
+                continue
+            bar.set_postfix_str(f"{entry.name} B={b} T={t} {set_name}/{prompt.id}")
+            seed = s.seed + idx
+            base = self._baseline(set_name, prompt, t, seed, base_done)
+            row = self._speculative(entry, b, set_name, prompt, t, seed, base)
+            _append(self.results_path, row)
+            if row["lossless"] is False:
+                raise LosslessnessError(
+                    f"{entry.name} B={b} on {set_name}/{prompt.id}: speculative output differs from the "
+                    "target's greedy decode at temperature 0"
+                )
+        return summarize(_read_jsonl(self.results_path), s)
+
+
+def summarize(rows: Iterable[dict], settings: Optional[EvalSettings] = None) -> dict:
+    """Aggregate per-prompt rows into one entry per drafter x budget x temperature x set."""
+    groups: Dict[Tuple, List[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["draft"], r["budget"], r["temperature"], r["set"]), []).append(r)
+    entries = []
+    for (draft, budget, temp, set_name), rs in sorted(groups.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        rounds = sum(r["rounds"] for r in rs)
+        tokens = sum(r["tokens"] for r in rs)
+        total_s = sum(r["total_s"] for r in rs)
+        ar_s = sum(r["ar_s"] for r in rs)
+        ar_tokens = sum(r["ar_tokens"] for r in rs)
+        tps = tokens / total_s if total_s > 0 else 0.0
+        ar_tps = ar_tokens / ar_s if ar_s > 0 else 0.0
+        hist = [[sum(r["conf_hist"][b][i] for r in rs) for i in range(2)] for b in range(CONF_BUCKETS)]
+        recover = [[[sum(r["recover"][i][j][c] for r in rs) for c in range(2)] for j in range(3)] for i in range(3)]
+        flags = [r["lossless"] for r in rs if r["lossless"] is not None]
+        entries.append(
+            {
+                "draft": draft,
+                "budget": budget,
+                "temperature": temp,
+                "set": set_name,
+                "prompts": len(rs),
+                "tau": sum(r["accepted"] for r in rs) / max(1, rounds),
+                "rounds": rounds,
+                "tokens": tokens,
+                "draft_s_per_round": sum(r["draft_s"] for r in rs) / max(1, rounds),
+                "verify_s_per_round": sum(r["verify_s"] for r in rs) / max(1, rounds),
+                "tokens_per_s": tps,
+                "ar_tokens_per_s": ar_tps,
+                "speedup": tps / ar_tps if ar_tps > 0 else 0.0,
+                "recon_rows_per_round": sum(r["recon_rows"] for r in rs) / max(1, rounds),
+                "lossless": all(flags) if flags else None,
+                "per_prompt_tau": {r["prompt"]: r["tau"] for r in rs},
+                "conf_hist": hist,
+                "recover": recover,
+            }
+        )
+    out = {"results": entries}
+    if settings is not None:
+        out["settings"] = {
+            "budgets": list(settings.budgets),
+            "temperatures": list(settings.temperatures),
+            "max_new_tokens": settings.max_new_tokens,
+            "k": settings.k,
+            "bw": settings.bw,
+            "gamma": settings.gamma,
+            "m": settings.m,
+            "seed": settings.seed,
+            "turns": settings.turns,
+        }
+    return out
+
+
+# ---------------------------------------------------------------- loading
+def load_target(path: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """A `transformers` causal LM and its tokenizer from a directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"target {path}: no config.json")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+def load_draft_entries(specs: Sequence[str], device: str, dtype: torch.dtype, also_one_pass: bool = False) -> List[DraftEntry]:
+    """`NAME=DIR` specs -> drafters (a PR drafter also as `NAME/one-pass` with `also_one_pass`)."""
+    from pr_specforge.modeling import LlamaForCausalLMEagle3PR, load_drafter
+
+    out: List[DraftEntry] = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--draft must be NAME=DIR, got {spec!r}")
+        model = load_drafter(path, device, dtype)
+        out.append(DraftEntry(name, model, True))
+        if also_one_pass and isinstance(model, LlamaForCausalLMEagle3PR):
+            out.append(DraftEntry(f"{name}/one-pass", model, False))
+    return out

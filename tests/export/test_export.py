@@ -1,0 +1,142 @@
+"""`pr-specforge export`: SGLang's own loader and the PR drafter reload what we write; broken checkpoints are refused."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pr_specforge.export import ExportError, export_checkpoint, main
+from tests.export.conftest import ENV
+
+HERE = os.path.dirname(__file__)
+
+
+def _ckpt(run):
+    return str(run / "out" / "specforge-run-step6")
+
+
+def _edited_checkpoint(run, tmp_path, edit):
+    """A copy of the step-6 checkpoint whose shared state went through `edit(state)`."""
+    dst = tmp_path / "specforge-run-step6"
+    shutil.copytree(_ckpt(run), dst)
+    state = torch.load(dst / "training_state.pt", weights_only=False)
+    edit(state)
+    torch.save(state, dst / "training_state.pt")
+    return str(dst)
+
+
+def test_sglang_export_loads_into_sglangs_eagle3_class_with_every_parameter_matching(trained_pr_run, tmp_path):
+    out = tmp_path / "sglang"
+    assert main([_ckpt(trained_pr_run), str(out), "--to", "sglang"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 48
+    assert cfg["target_hidden_size"] == 64 and cfg["fc_norm"] is True
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]  # SpecForge's default for 4 layers
+    assert cfg["pr_config"]["max_depth"] == 2
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "sglang_load.py"), str(out)], env=dict(ENV, SGLANG_USE_CPU_ENGINE="1"),
+                          capture_output=True, text=True, timeout=240)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("SGLANG_REPORT ")]
+    assert proc.returncode == 0 and line, (proc.stdout + proc.stderr)[-4000:]
+    report = json.loads(line[0].split(" ", 1)[1])
+    assert report["mismatched"] == [] and report["unfilled"] == [], report
+    assert "model.fc_norm.2.weight" in report["matched"] and len(report["matched"]) == 13, report["matched"]
+    assert report["hot_token_id_ok"] and report["hot_token_ids_are_t2d"]
+    assert report["pr_tensors"] == ["pr_halt_gate.linear.bias", "pr_halt_gate.linear.weight", "pr_self_query.norm.weight",
+                                    "pr_self_query.w_in.weight", "pr_self_query.w_out.weight"]
+
+
+def test_hf_export_reloads_into_the_pr_drafter_with_identical_logits(trained_pr_run, tmp_path):
+    from pr_specforge.export import build_drafter_skeleton, read_checkpoint
+    from pr_specforge.modeling import load_drafter
+
+    out = tmp_path / "hf"
+    export_checkpoint(_ckpt(trained_pr_run), str(out), "hf", target=str(trained_pr_run / "target"))
+    reloaded = load_drafter(str(out))
+    assert type(reloaded).__name__ == "LlamaForCausalLMEagle3PR" and reloaded.max_depth == 2
+
+    state = read_checkpoint(_ckpt(trained_pr_run))
+    draft_cfg = json.loads((trained_pr_run / "draft.json").read_text())
+    reference = build_drafter_skeleton(draft_cfg, "pr", state["pr_settings"])
+    reference.load_state_dict(state["draft_state_dict"], strict=False)
+    reference.load_embedding(str(trained_pr_run / "target"))
+    reference.eval()
+    torch.testing.assert_close(reloaded.embed_tokens.weight, reference.embed_tokens.weight, rtol=0, atol=0)
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 97, (1, 12), generator=g)
+    hidden = torch.randn(1, 12, 3 * 64, generator=g)
+    with torch.no_grad():
+        logits = []
+        for draft in (reference, reloaded):
+            h = draft.project_hidden_states(hidden)
+            mask = draft.prepare_decoder_attention_mask(torch.ones(1, 12, dtype=torch.bool), h, 1, 12, 0)
+            pos = torch.arange(12)[None]
+            f0 = draft.backbone(draft.embed_input_ids(ids), h, [[], []], mask, pos)
+            f1 = draft.backbone(draft.self_query(f0), f0, [[], []], mask, pos)
+            logits.append((draft.compute_logits(f0), draft.compute_logits(f1), draft.halt_probability(f0)))
+    for a, b in zip(*logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_eagle3_checkpoint_exports_without_pr_tensors(trained_pr_run, tmp_path):
+    def to_eagle3(state):
+        state["strategy"] = "eagle3"
+        state["draft_state_dict"] = {k: v for k, v in state["draft_state_dict"].items() if not k.startswith("pr_")}
+
+    ckpt = _edited_checkpoint(trained_pr_run, tmp_path, to_eagle3)
+    out = tmp_path / "e3"
+    export_checkpoint(ckpt, str(out), "sglang")
+    from safetensors.torch import load_file
+
+    assert not [k for k in load_file(out / "model.safetensors") if k.startswith("pr_")]
+    assert "pr_config" not in json.loads((out / "config.json").read_text())
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s["draft_state_dict"].pop("midlayer.self_attn.q_proj.weight"), "missing tensors"),
+    (lambda s: s["draft_state_dict"].__setitem__("fc.weight", torch.zeros(64, 128)), "fc.weight: shape"),
+    (lambda s: [s["draft_state_dict"].pop(k) for k in ("d2t", "t2d")], "no t2d/d2t"),
+    (lambda s: s["draft_state_dict"].__setitem__("lm_head.weight", torch.zeros(40, 64)), "lm_head.weight: shape"),
+    (lambda s: s["draft_state_dict"].__setitem__("d2t", s["draft_state_dict"]["d2t"].flip(0)), "d2t and t2d disagree"),
+    (lambda s: s["draft_state_dict"].pop("pr_self_query.w_in.weight"), "missing tensors"),
+    (lambda s: s.__setitem__("strategy", "dflash"), "strategy 'dflash'"),
+])
+def test_export_refuses_a_checkpoint_that_would_load_silently_broken(trained_pr_run, tmp_path, edit, message):
+    def edit_and_forget_recipe(state):
+        edit(state)
+        state.pop("pr_specforge_recipe", None)
+
+    ckpt = _edited_checkpoint(trained_pr_run, tmp_path, edit_and_forget_recipe)
+    out = tmp_path / "never"
+    with pytest.raises(ExportError, match=message):
+        export_checkpoint(ckpt, str(out), "sglang", draft_config=str(trained_pr_run / "draft.json"))
+    assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".never")]
+
+
+def test_export_refuses_a_vocab_mapping_from_another_draft_vocab(trained_pr_run, tmp_path):
+    other = tmp_path / "vm.pt"
+    t2d = torch.zeros(97, dtype=torch.bool)
+    t2d[:48] = True
+    torch.save({"t2d": t2d, "d2t": torch.zeros(48, dtype=torch.long)}, other)
+    with pytest.raises(ExportError, match="disagrees with the checkpoint"):
+        export_checkpoint(_ckpt(trained_pr_run), str(tmp_path / "x"), "sglang", vocab_mapping=str(other))
+
+
+def test_export_is_atomic_and_does_not_clobber_without_overwrite(trained_pr_run, tmp_path):
+    out = tmp_path / "sglang"
+    export_checkpoint(_ckpt(trained_pr_run), str(out), "sglang")
+    before = (out / "model.safetensors").read_bytes()
+    with pytest.raises(ExportError, match="--overwrite"):
+        export_checkpoint(_ckpt(trained_pr_run), str(out), "sglang")
+    export_checkpoint(_ckpt(trained_pr_run), str(out), "sglang", overwrite=True)
+    assert (out / "model.safetensors").read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["sglang"]  # no temp or swapped-out dirs left behind
+
+
+def test_export_cli_answers_help():
+    proc = subprocess.run([sys.executable, "-m", "pr_specforge.cli", "export", "--help"], env=ENV, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "--to" in proc.stdout

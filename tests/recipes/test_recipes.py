@@ -1,0 +1,153 @@
+"""Every shipped recipe loads and carries the paper's settings; bad recipes fail at load time naming field and fix."""
+
+import glob
+import json
+import os
+import subprocess
+
+import pytest
+import yaml
+
+from pr_specforge.config import ConfigError
+from pr_specforge.train import load_recipe, read_recipe_mapping
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RECIPES = sorted(glob.glob(os.path.join(REPO, "recipes", "*.yaml")))
+PAPER_TARGETS = ("llama3.1-8b", "qwen3-8b", "gemma3-12b")
+PAIRS = [(f"{t}-eagle3.yaml", f"{t}-pr.yaml") for t in PAPER_TARGETS] + [("smollm2-135m-cpu-eagle3.yaml", "smollm2-135m-cpu.yaml")]
+PAIR_MAY_DIFFER = {"training.strategy", "pr", "backend", "output_dir", "run_id", "tracking.wandb_name"}
+
+
+@pytest.fixture(autouse=True)
+def _at_repo_root(monkeypatch):
+    monkeypatch.chdir(REPO)  # recipe paths are relative to the repository root
+
+
+def _recipe(name):
+    return load_recipe(os.path.join("recipes", name))
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and k not in ("pr", "backend"):
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def test_the_expected_recipes_are_shipped():
+    names = {os.path.basename(p) for p in RECIPES}
+    assert {n for pair in PAIRS for n in pair} <= names, names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
+def test_every_shipped_recipe_loads_and_opens_with_its_command(path):
+    recipe = load_recipe(os.path.relpath(path, REPO))
+    first = open(path).readline()
+    assert first.startswith("# "), first
+    assert "pr-specforge train -c recipes/" in open(path).read() or "recipes/launch/torchrun.sh recipes/" in open(path).read()
+    draft = json.load(open(recipe.config.model.draft_model_config))
+    assert draft["architectures"] == ["LlamaForCausalLMEagle3"] and draft["fc_norm"] is True
+    assert draft["num_hidden_layers"] == 1 and draft["tie_word_embeddings"] is False
+    assert len(draft["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) == 3
+    if recipe.config.training.strategy == "pr":
+        assert recipe.pr.max_depth == 2 and recipe.pr.balance_coef == 0.01
+
+
+@pytest.mark.parametrize("target", PAPER_TARGETS)
+@pytest.mark.parametrize("kind", ["eagle3", "pr"])
+def test_paper_recipes_carry_appendix_f_settings(target, kind):
+    c = _recipe(f"{target}-{kind}.yaml").config
+    t = c.training
+    assert (t.learning_rate, t.warmup_ratio, t.lr_scheduler, t.max_grad_norm) == (1e-4, 0.015, "cosine", 0.5)
+    assert (t.batch_size, t.accumulation_steps, c.deployment.trainer.nproc_per_node, t.ttt_length) == (1, 1, 4, 7)
+    assert (c.model.torch_dtype, c.data.max_length) == ("bfloat16", 4096)
+    assert t.strategy == kind
+
+
+@pytest.mark.parametrize("baseline, pr", PAIRS)
+def test_pr_recipe_differs_from_its_baseline_only_in_strategy_pr_and_output(baseline, pr):
+    a, b = _flat(_recipe(baseline).raw), _flat(_recipe(pr).raw)
+    differing = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
+    assert differing <= PAIR_MAY_DIFFER, differing - PAIR_MAY_DIFFER
+
+
+def test_smollm2_cpu_recipe_is_the_cpu_default():
+    r = _recipe("smollm2-135m-cpu.yaml")
+    c = r.config
+    assert c.training.strategy == "pr" and c.training.learning_rate == 3e-4 and c.training.log_interval == 1
+    assert (c.training.fsdp_sharding, c.training.attention_backend, c.data.dataloader_num_workers) == ("NO_SHARD", "sdpa", 0)
+    assert (c.model.target_model_path, c.data.hidden_states_path, c.output_dir) == (
+        "work/smollm2/target", "work/smollm2/features", "work/smollm2/runs/pr")
+    draft = json.load(open(c.model.draft_model_config))
+    assert (draft["hidden_size"], draft["num_attention_heads"], draft["num_key_value_heads"], draft["intermediate_size"]) == (576, 9, 3, 1536)
+    assert (draft["vocab_size"], draft["draft_vocab_size"], draft["target_hidden_size"]) == (49152, 8192, 576)
+    assert c.deployment.trainer.nproc_per_node == 1 and r.backend.name == "fsdp"
+
+
+def _write(tmp_path, name, mapping):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(mapping))
+    return str(path)
+
+
+BASE = {"model": {"target_model_path": "t"}, "data": {"hidden_states_path": "f"}, "training": {"strategy": "pr"}, "pr": {"max_depth": 2}}
+
+
+@pytest.mark.parametrize("edit, overrides, field, fix", [
+    ({"training": {"strategy": "pr", "bogus_knob": 1}}, [], "training.bogus_knob", "remove it"),
+    ({"pr_typo": {}}, [], "pr_typo", "remove it"),
+    ({"pr": {"max_depth": 2, "beta": 0.1}}, [], "unknown key(s) ['beta']", "allowed keys"),
+    ({}, ["pr.max_depth=9"], "pr.max_depth", "set pr.max_depth=2"),
+    ({}, ["training.batch_size=0"], "training.batch_size", "greater than 0"),
+    ({"training": {"strategy": "pr", "attention_backend": "usp", "sp_ulysses_size": 2}, "backend": {"name": "deepspeed", "config": "recipes/deepspeed/zero2.json"}},
+     [], "attention_backend=usp", "use attention_backend=sdpa"),
+    ({"backend": {"name": "deepspeed"}}, [], "backend.config", "recipes/deepspeed/zero2.json"),
+    ({"backend": {"name": "horovod"}}, [], "backend.name", "one of ['fsdp', 'deepspeed']"),
+    ({"training": {"strategy": "eagle3"}}, [], "pr:", "set training.strategy=pr"),
+])
+def test_bad_recipe_fails_at_load_naming_field_and_fix(tmp_path, edit, overrides, field, fix):
+    raw = {**BASE, **edit}
+    with pytest.raises(ConfigError) as info:
+        load_recipe(_write(tmp_path, "bad.yaml", raw), overrides)
+    assert field in str(info.value) and fix in str(info.value), str(info.value)
+
+
+def test_extends_merges_mappings_and_the_extending_file_wins(tmp_path):
+    _write(tmp_path, "base.yaml", {"model": {"target_model_path": "t", "torch_dtype": "float32"}, "data": {"max_length": 64, "hidden_states_path": "f"},
+                                   "training": {"learning_rate": 1e-4, "ttt_length": 7}})
+    child = _write(tmp_path, "child.yaml", {"extends": "base.yaml", "training": {"learning_rate": 3e-4}})
+    r = load_recipe(child)
+    assert (r.config.training.learning_rate, r.config.training.ttt_length, r.config.model.torch_dtype) == (3e-4, 7, "float32")
+    assert "extends" not in r.raw
+
+
+def test_extends_cycle_and_missing_base_fail_naming_the_file(tmp_path):
+    _write(tmp_path, "a.yaml", {"extends": "b.yaml"})
+    _write(tmp_path, "b.yaml", {"extends": "a.yaml"})
+    with pytest.raises(ConfigError, match="cycle"):
+        read_recipe_mapping(str(tmp_path / "a.yaml"))
+    with pytest.raises(ConfigError, match="missing.yaml.*does not exist.*extended by"):
+        read_recipe_mapping(_write(tmp_path, "c.yaml", {"extends": "missing.yaml"}))
+
+
+def test_deepspeed_backend_section_validates_against_the_recipe(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"gradient_clipping": 1.0, "zero_optimization": {"stage": 2}}))
+    with pytest.raises(ConfigError, match="gradient_clipping=1.0 disagrees"):
+        load_recipe(_write(tmp_path, "r.yaml", {**BASE, "backend": {"name": "deepspeed", "config": str(ds)}}))
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    with pytest.raises(ConfigError, match="ZeRO stages"):
+        load_recipe(_write(tmp_path, "r.yaml", {**BASE, "backend": {"name": "deepspeed", "config": str(ds)}}))
+    ok = load_recipe(_write(tmp_path, "r.yaml", BASE), ["backend.name=deepspeed", "backend.config=recipes/deepspeed/zero1.json"])
+    assert ok.backend.name == "deepspeed" and ok.raw["backend"]["config"].endswith("zero1.json")
+
+
+def test_torchrun_launcher_is_valid_bash_and_explains_usage():
+    script = os.path.join(REPO, "recipes", "launch", "torchrun.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    proc = subprocess.run(["bash", script], capture_output=True, text=True)
+    assert proc.returncode == 2 and "usage" in proc.stderr

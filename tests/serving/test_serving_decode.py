@@ -1,0 +1,83 @@
+"""The speculative decode loop: lossless at T = 0 (EAGLE-3 and PR drafters), seeded at T > 0."""
+
+import pytest
+import torch
+
+import pr_specforge.serving.decode as decode_mod
+from pr_specforge.serving import SpeculativeDecoder, TreeConfig, autoregressive_decode, build_tree
+from tests.helpers import make_drafters
+from tests.serving.test_serving_tree import eager_gate, sharpen, strong_self_query, tiny_target
+
+PROMPTS = [[5, 17, 33, 2, 9, 41, 8], [60, 3, 3, 71, 12]]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = tiny_target(seed=1)
+    eagle, pr, _ = make_drafters(max_depth=2)
+    sharpen(eagle, pr)
+    strong_self_query(pr)
+    eager_gate(pr, -2.0)
+    return target, eagle.eval(), pr.eval()
+
+
+def test_greedy_output_equals_target_greedy_decode(setup):
+    target, eagle, pr = setup
+    for drafter in (eagle, pr):
+        dec = SpeculativeDecoder(target, drafter, TreeConfig(budget=24))
+        for prompt in PROMPTS:
+            ref, _ = autoregressive_decode(target, prompt, 30)
+            res = dec.generate(prompt, 30)
+            assert res.tokens == ref
+            assert sum(res.accept_lengths) + 1 >= 30
+    assert res.recon_rows > 0  # the PR drafter really reconsidered
+
+
+def oracle_tree(ref, prompt_len):
+    """Draft as usual, then write the target's greedy continuation along the deepest kept branch."""
+
+    def wrapped(rt, root_token, root_feature, cfg, reconsider, gen):
+        tree = build_tree(rt, root_token, root_feature, cfg, reconsider, gen)
+        i = rt.length - prompt_len  # the root is ref[i]
+        assert ref[i] == root_token
+        u = max(tree.kept, key=lambda n: (tree.nodes[n].depth, -n))
+        chain = []
+        while u != 0:
+            chain.append(u)
+            u = tree.nodes[u].parent
+        for d, u in enumerate(reversed(chain), 1):
+            if i + d < len(ref):
+                tree.nodes[u].token = ref[i + d]
+        return tree
+
+    return wrapped
+
+
+def test_long_accepted_paths_keep_cache_and_drafter_context_consistent(setup, monkeypatch):
+    """Deep acceptance through non-contiguous tree slots: the cache commit must stay exact."""
+    target, eagle, pr = setup
+    prompt = PROMPTS[0]
+    ref, _ = autoregressive_decode(target, prompt, 60)
+    monkeypatch.setattr(decode_mod, "build_tree", oracle_tree(ref + [0] * 20, len(prompt)))
+    for drafter in (eagle, pr):
+        res = SpeculativeDecoder(target, drafter, TreeConfig(budget=24, gamma=6)).generate(prompt, 60)
+        assert res.tokens == ref
+        assert res.tau > 4.0
+
+
+def test_sampling_is_seeded_and_complete(setup):
+    target, _, pr = setup
+    dec = SpeculativeDecoder(target, pr, TreeConfig(budget=12, gamma=4))
+    a = dec.generate(PROMPTS[0], 25, temperature=1.0, seed=3)
+    b = dec.generate(PROMPTS[0], 25, temperature=1.0, seed=3)
+    assert a.tokens == b.tokens and len(a.tokens) == 25
+    assert all(0 <= t < target.config.vocab_size for t in a.tokens)
+
+
+def test_eos_stops_decoding(setup):
+    target, eagle, _ = setup
+    ref, _ = autoregressive_decode(target, PROMPTS[1], 30)
+    eos = ref[5]
+    cut = ref[: ref.index(eos) + 1]
+    res = SpeculativeDecoder(target, eagle, TreeConfig(budget=8)).generate(PROMPTS[1], 30, eos_token_id=eos)
+    assert res.tokens == cut

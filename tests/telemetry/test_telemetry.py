@@ -1,0 +1,85 @@
+"""metrics.jsonl beside the checkpoints, panel-grouped wandb names, and `pr-specforge plot`."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+from pr_specforge.telemetry import METRICS_FILE, MetricsSink, panel_name, plot_run, read_metrics
+from tests.helpers import write_workspace
+
+ENV = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
+
+
+class _FakeTracker:
+    def __init__(self):
+        self.logged, self.defined = [], []
+        self._run = self
+
+    def define_metric(self, pattern, summary=None):
+        self.defined.append((pattern, summary))
+
+    def log(self, values, step=None):
+        self.logged.append((step, values))
+
+    def close(self):
+        pass
+
+
+def test_pr_metrics_reach_the_tracker_grouped_into_gate_usage_and_depth_marginal_panels(tmp_path):
+    import torch
+    from specforge.training.tracking import TrackerLogger
+
+    tracker = _FakeTracker()
+    sink = MetricsSink(TrackerLogger(tracker), str(tmp_path))
+    sink({"pr/gate_mean_depth_0": torch.tensor(0.5), "pr/depth_marginal_1": 0.25, "pr/depth_marginal_entropy": 1.04,
+          "pr/loss_total": 3.0, "acc_0": 0.1, "lr": 1e-4, "grad_norm": 0.4}, 7)
+    step, values = tracker.logged[0]
+    assert step == 7
+    assert values == {"gate_usage/mean_gate_depth_0": 0.5, "depth_marginal/q_bar_1": 0.25, "depth_marginal/entropy": 1.04,
+                      "loss_terms/total": 3.0, "accuracy/ttt_step_0": values["accuracy/ttt_step_0"], "train/lr": 1e-4,
+                      "train/grad_norm": 0.4}
+    assert ("gate_usage/*", "last") in tracker.defined and ("accuracy/*", "max") in tracker.defined
+    sink.close()
+    rows = [json.loads(x) for x in open(tmp_path / METRICS_FILE)]
+    assert rows[0]["step"] == 7 and rows[0]["pr/gate_mean_depth_0"] == 0.5 and rows[0]["lr"] == 1e-4
+
+
+def test_every_pr_ratio_metric_has_a_panel():
+    for key in ("pr/gate_mean_depth_1", "pr/halt_share_depth_2", "pr/halt_past_0", "pr/depth_marginal_2",
+                "pr/recovered_share", "pr/recovered_of_all", "pr/acc_depth_1", "pr/loss_depth_0", "pr/loss_balance"):
+        assert panel_name(key) is not None and not panel_name(key).startswith("train/"), key
+    assert panel_name("grad_norm") is None
+
+
+def test_training_writes_metrics_jsonl_and_wandb_offline_run_and_plot_renders(tmp_path):
+    recipe = write_workspace(str(tmp_path), steps=6, pr_section={"max_depth": 2})
+    out = tmp_path / "out"
+    wandb_dir = tmp_path / "wandb"
+    proc = subprocess.run([sys.executable, "-m", "pr_specforge.cli", "train", "-c", recipe, "tracking.report_to=wandb",
+                           "tracking.wandb_offline=true", f"tracking.wandb_dir={wandb_dir}", "tracking.wandb_project=pr-test"],
+                          env=dict(ENV, WANDB_MODE="offline", WANDB_SILENT="true"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    rows = read_metrics(str(out))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    for key in ("pr/loss_total", "pr/depth_marginal_entropy", "pr/gate_mean_depth_0", "acc_0", "lr", "grad_norm"):
+        assert all(key in r for r in rows), key
+    runs = glob.glob(str(wandb_dir / "**" / "offline-run-*" / "run-*.wandb"), recursive=True)
+    assert len(runs) == 1, os.listdir(wandb_dir)
+    record = open(runs[0], "rb").read()  # the offline run's protobuf log holds every key as UTF-8
+    for key in (b"gate_usage/mean_gate_depth_0", b"gate_usage/halt_share_depth_2", b"depth_marginal/q_bar_2",
+                b"depth_marginal/entropy", b"loss_terms/total", b"train/lr", b"train/grad_norm"):
+        assert key in record, key
+
+    png = plot_run(str(out))
+    assert png.endswith(".png") and os.path.getsize(png) > 20_000
+    cli = subprocess.run([sys.executable, "-m", "pr_specforge.cli", "plot", str(out), "-o", str(tmp_path / "p.png")],
+                         env=ENV, capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0 and (tmp_path / "p.png").is_file(), cli.stderr[-2000:]
+
+
+def test_plot_refuses_a_dir_without_metrics(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pr_specforge.cli", "plot", str(tmp_path)], env=ENV,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no metrics file" in proc.stderr
