@@ -40,8 +40,28 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _configure_compile() -> None:
+    """On CPU, run SpecForge's `torch.compile`d helpers eagerly unless the user chose otherwise.
+
+    Compiling them costs ~10 s per new shape on CPU and buys nothing at these sizes; on CUDA
+    they stay compiled. `TORCHDYNAMO_DISABLE=0/1` in the environment always wins.
+    """
+    import os
+
+    if "TORCHDYNAMO_DISABLE" in os.environ:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] not in ("-h", "--help"):
+        _configure_compile()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if argv and argv[0] in _DELEGATED:
         import importlib

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch

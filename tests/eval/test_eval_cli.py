@@ -4,7 +4,6 @@ import json
 import os
 
 import pytest
-import torch
 
 from pr_specforge.eval.cli import main
 from tests.helpers import make_drafters

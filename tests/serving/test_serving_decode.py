@@ -1,7 +1,6 @@
 """The speculative decode loop: lossless at T = 0 (EAGLE-3 and PR drafters), seeded at T > 0."""
 
 import pytest
-import torch
 
 import pr_specforge.serving.decode as decode_mod
 from pr_specforge.serving import SpeculativeDecoder, TreeConfig, autoregressive_decode, build_tree

@@ -143,10 +143,6 @@ def test_tree_attention_sees_only_ancestors(models):
     target, _, pr = models
     eager_gate(pr, -2.0)
     tree, rt = draft(pr, target, TreeConfig(budget=24), seed=5)
-    builder_rows = {}
-    for n in tree.nodes:
-        if n.row >= 0:
-            builder_rows[n.row] = n
     checked = 0
     for i, n in enumerate(tree.nodes[1:], 1):
         if n.feature is None or n.depth < 2:
@@ -160,7 +156,6 @@ def test_tree_attention_sees_only_ancestors(models):
             slots.append((p, u.via_recon))
             u = p
         for p, via_recon in reversed(slots):
-            feat_in = None
             if p.parent < 0:
                 anc_k.append(rt.k_cache[:, -1]); anc_v.append(rt.v_cache[:, -1])
                 continue
