@@ -37,11 +37,12 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pr-specforge run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default="work/smollm2", help="where every stage writes (default: work/smollm2)")
     p.add_argument("--recipe", default=str(DEFAULT_RECIPE))
-    p.add_argument("--conversations", type=int, default=96, help="ShareGPT conversations to regenerate (small: 96)")
+    p.add_argument("--conversations", type=int, default=256, help="ShareGPT conversations to regenerate")
     p.add_argument("--max-new-tokens", type=int, default=96, help="regeneration length per reply")
+    p.add_argument("--max-prompt-chars", type=int, default=2000, help="skip longer ShareGPT prompts when regenerating")
     p.add_argument("--max-length", type=int, default=512, help="feature sequence length cap")
     p.add_argument("--draft-vocab-size", type=int, default=8192)
-    p.add_argument("--max-steps", type=int, default=20, help="training steps")
+    p.add_argument("--max-steps", type=int, default=300, help="training steps")
     p.add_argument("--eval-prompts", nargs="+", default=["mtbench"], help="prompt sets for the evaluation")
     p.add_argument("--eval-limit", type=int, default=3, help="prompts per set")
     p.add_argument("--eval-max-new-tokens", type=int, default=32)
@@ -110,7 +111,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         Stage("regenerate", work / "regenerated.done",
               lambda: (_call("pr_specforge.data.cli", ["regenerate", "--target", str(target), "--input", str(convs),
                                                        "--output", str(regen), "--max-new-tokens", str(args.max_new_tokens),
-                                                       "--batch-size", "16", "--temperature", "0"]),
+                                                       "--batch-size", "16", "--temperature", "0",
+                                                       "--max-prompt-chars", str(args.max_prompt_chars)]),
                        (work / "regenerated.done").write_text("ok\n"))),
         Stage("features", feats / "manifest.json",
               lambda: (_call("pr_specforge.data.cli", ["hidden-states", "--target", str(target), "--input", str(regen),
@@ -169,34 +171,35 @@ def _last_metrics(run_dir: Path) -> Dict[str, float]:
     return last
 
 
+SUMMARY_KEYS = ("pr/loss_total", "ploss_0", "acc_0", "acc_1", "pr/acc_depth_0", "pr/acc_depth_1", "pr/acc_depth_2",
+                "pr/gate_mean_depth_0", "pr/gate_mean_depth_1", "pr/depth_marginal_0", "pr/depth_marginal_1",
+                "pr/depth_marginal_2", "pr/halt_past_0", "pr/recovered_share", "perf/optimizer_step_time_s")
+
+
 def summary(work: Path, run_dir: Path, export_sglang: Path, export_hf: Path, eval_dir: Path, timings: Dict[str, float]) -> str:
     lines = ["", "=" * 72, "pr-specforge run: summary", "=" * 72]
+    lines.append(f"target          {work / 'target'}")
     manifest = work / "features" / "manifest.json"
     if manifest.exists():
-        m = json.loads(manifest.read_text())
-        lines.append(f"features        {work / 'features'}  ({m.get('num_samples', m.get('count', '?'))} samples)")
-    lines.append(f"training run    {run_dir}")
+        counts = json.loads(manifest.read_text()).get("counts", {})
+        lines.append(f"features        {work / 'features'}  ({counts.get('samples', '?')} samples, "
+                     f"{counts.get('loss_tokens', '?')} loss tokens)")
     metrics = _last_metrics(run_dir)
-    keys = [k for k in metrics if any(s in k for s in ("loss", "acc", "depth_marginal", "recovered"))]
-    for k in sorted(keys)[:24]:
-        v = metrics[k]
-        if isinstance(v, (int, float)):
-            lines.append(f"  {k:<40} {v:.4f}")
+    lines.append(f"training run    {run_dir}  (step {metrics.get('step', '?')})")
+    for k in SUMMARY_KEYS:
+        if isinstance(metrics.get(k), (int, float)):
+            lines.append(f"  {k:<32} {metrics[k]:.4f}")
     plot = run_dir / "metrics.png"
     if plot.exists():
-        lines.append(f"plot            {plot}")
+        lines.append(f"training plot   {plot}")
     lines.append(f"SGLang export   {export_sglang}")
     lines.append(f"HF export       {export_hf}")
     summary_json = eval_dir / "summary.json"
     if summary_json.exists():
-        lines.append(f"evaluation      {summary_json}")
-        data = json.loads(summary_json.read_text())
-        for row in data.get("results", data if isinstance(data, list) else []):
-            if isinstance(row, dict) and "tau" in row:
-                lines.append("  {drafter:<14} {prompts:<10} B={budget:<3} T={temperature:<4} tau={tau:.3f} lossless={lossless}".format(
-                    drafter=str(row.get("drafter")), prompts=str(row.get("prompt_set", row.get("prompts"))),
-                    budget=row.get("budget"), temperature=row.get("temperature"), tau=row["tau"],
-                    lossless=row.get("lossless", "?")))
+        lines.append(f"evaluation      {summary_json}  (report: {eval_dir / 'report.md'})")
+        for row in json.loads(summary_json.read_text()).get("results", []):
+            lines.append("  {draft:<14} {set:<10} B={budget:<3} T={temperature:<4} tau={tau:.3f} speedup={speedup:.2f}x "
+                         "lossless={lossless}".format(**{k: row.get(k) for k in ("draft", "set", "budget", "temperature", "tau", "speedup", "lossless")}))
     lines.append("stage times     " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()))
     lines.append("=" * 72)
     return "\n".join(lines)

@@ -135,6 +135,11 @@ def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
                 f"recipe {path}: has a `pr:` section but training.strategy={config.training.strategy!r}; "
                 "set training.strategy=pr (or drop the pr: section for a plain EAGLE-3 run)"
             )
+    if config.training.strategy == "pr" and config.training.attention_backend != "sdpa":
+        raise ConfigError(
+            f"recipe {path}: training.attention_backend={config.training.attention_backend!r} with the pr strategy; "
+            "PR composes the attention of its co-forwarded rows itself and needs training.attention_backend=sdpa"
+        )
     resolved = copy.deepcopy(raw)
     resolved[PR_SECTION] = pr.to_dict()
     resolved[BACKEND_SECTION] = backend.to_dict()

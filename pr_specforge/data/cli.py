@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto")
     r.add_argument("--device", default="cpu")
     r.add_argument("--limit", type=int, default=None)
+    r.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="skip (and count) conversations whose user turns are longer than this")
 
     h = sub.add_parser("hidden-states", help="write SpecForge offline EAGLE-3 feature files")
     h.add_argument("--input", required=True, help="conversation JSONL")
@@ -131,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                 backend = TransformersBackend.from_pretrained(args.target, dtype=args.dtype, device=args.device)
             sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens)
             stats = regenerate_conversations(args.input, args.output, backend, turns=args.turns, sampling=sampling,
-                                             batch_size=args.batch_size, limit=args.limit)
+                                             batch_size=args.batch_size, limit=args.limit,
+                                             max_prompt_chars=args.max_prompt_chars)
             print(json.dumps(stats.as_dict()))
             return 0 if not stats.skipped.get("failed") else 3
 

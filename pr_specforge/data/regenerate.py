@@ -199,6 +199,10 @@ class RegenerateStats:
         return {"read": self.read, "written": self.written, "resumed": self.resumed, "skipped": dict(self.skipped)}
 
 
+def _prompt_chars(conversation: list) -> int:
+    return sum(len(str(m.get("content", ""))) for m in conversation if isinstance(m, dict) and m.get("role") in ("user", "system"))
+
+
 def regenerate_conversations(
     input_path: str | os.PathLike,
     output_path: str | os.PathLike,
@@ -208,6 +212,7 @@ def regenerate_conversations(
     batch_size: int = 8,
     limit: int | None = None,
     progress: bool = True,
+    max_prompt_chars: int | None = None,
 ) -> RegenerateStats:
     """Regenerate every conversation of `input_path` into `output_path` (resumable).
 
@@ -215,6 +220,9 @@ def regenerate_conversations(
     with at most `2 * concurrency` in flight; in-process backends run
     `batch_size` conversations per `generate` call. Rows whose reply failed
     are counted (`skipped["failed"]`), not written, and retried by a rerun.
+    In-process batches are formed from rows sorted by prompt length (stable), so one
+    long prompt does not pad a whole batch; `max_prompt_chars` skips (and counts)
+    conversations whose user turns exceed it.
     """
     from tqdm import tqdm
 
@@ -240,6 +248,9 @@ def regenerate_conversations(
                 continue
             if rid in seen:
                 stats.skipped["duplicate_id"] += 1
+                continue
+            if max_prompt_chars is not None and _prompt_chars(conv) > max_prompt_chars:
+                stats.skipped["prompt_too_long"] += 1
                 continue
             seen.add(rid)
             yield {"id": rid, "conversations": conv}
@@ -273,7 +284,8 @@ def regenerate_conversations(
                 drain(0)
         else:
             batch: list = []
-            for row in list(pending()) + [None]:
+            rows = sorted(pending(), key=lambda r: _prompt_chars(r["conversations"]))
+            for row in rows + [None]:
                 if row is not None:
                     batch.append(row)
                 if batch and (row is None or len(batch) >= batch_size):
