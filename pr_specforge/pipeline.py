@@ -53,16 +53,54 @@ def _parser() -> argparse.ArgumentParser:
 
 
 class Stage:
+    """A pipeline stage: skipped when `output` exists (a stage writes it last)."""
+
     def __init__(self, name: str, output: Path, run: Callable[[], None]):
         self.name, self.output, self.run = name, output, run
 
 
-def _call(module: str, argv: List[str]) -> None:
+def call_stage(module: str, argv: List[str]) -> None:
+    """Run a sub-command's `main(argv)` in-process; a non-zero exit stops the pipeline."""
     import importlib
 
     rc = importlib.import_module(module).main(argv)
     if rc:
         raise SystemExit(f"stage command failed ({module} {' '.join(argv)}): exit {rc}")
+
+
+
+
+def latest_checkpoint(run_dir: Path, required: bool = True) -> Optional[str]:
+    """The newest `<run_id>-stepN` checkpoint directory of a SpecForge run."""
+    ckpts = sorted((p for p in Path(run_dir).glob("*-step*") if p.name.rsplit("step", 1)[-1].isdigit()),
+                   key=lambda p: int(p.name.rsplit("step", 1)[-1]))
+    if not ckpts:
+        if required:
+            raise SystemExit(f"no checkpoint under {run_dir}; did training save one (training.save_interval)?")
+        return None
+    return str(ckpts[-1])
+
+
+def run_stages(stages: List[Stage], times_path: Optional[Path] = None) -> Dict[str, float]:
+    """Run the stages in order, skipping finished ones; wall times are kept across reruns."""
+    timings: Dict[str, float] = {}
+    if times_path is not None and times_path.exists():
+        timings.update(json.loads(times_path.read_text()))
+    for stage in stages:
+        if stage.output.exists():
+            log.info("stage %-13s skipped (%s exists)", stage.name, stage.output)
+            timings.setdefault(stage.name, 0.0)
+            continue
+        log.info("stage %-13s running", stage.name)
+        t0 = time.perf_counter()
+        stage.run()
+        timings[stage.name] = timings.get(stage.name, 0.0) + time.perf_counter() - t0
+        log.info("stage %-13s done in %.1f s", stage.name, time.perf_counter() - t0)
+        if times_path is not None:
+            from pr_specforge.data.io import atomic_write_json
+
+            atomic_write_json(times_path, timings)
+    return timings
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -94,61 +132,45 @@ def main(argv: Optional[List[str]] = None) -> int:
         if rc:
             raise SystemExit(f"training failed with exit {rc}")
 
-    def latest_checkpoint() -> str:
-        ckpts = sorted(run_dir.glob("*-step*"), key=lambda p: int(p.name.rsplit("step", 1)[-1]))
-        if not ckpts:
-            raise SystemExit(f"no checkpoint under {run_dir}; did training save one (training.save_interval)?")
-        return str(ckpts[-1])
-
     stages = [
         Stage("target", target / "config.json",
-              lambda: _call("pr_specforge.data.cli", ["smollm2-target", "--output", str(target)])),
+              lambda: call_stage("pr_specforge.data.cli", ["smollm2-target", "--output", str(target)])),
         Stage("conversations", convs,
-              lambda: _call("pr_specforge.data.cli", ["conversations", "--source", "sharegpt-package", "--output", str(convs),
+              lambda: call_stage("pr_specforge.data.cli", ["conversations", "--source", "sharegpt-package", "--output", str(convs),
                                                       "--limit", str(args.conversations), "--max-turns", "1",
                                                       "--holdout-prompts", "mtbench", "--holdout-prompts", "gsm8k",
                                                       "--holdout-prompts", "humaneval"])),
         Stage("regenerate", work / "regenerated.done",
-              lambda: (_call("pr_specforge.data.cli", ["regenerate", "--target", str(target), "--input", str(convs),
+              lambda: (call_stage("pr_specforge.data.cli", ["regenerate", "--target", str(target), "--input", str(convs),
                                                        "--output", str(regen), "--max-new-tokens", str(args.max_new_tokens),
                                                        "--batch-size", "16", "--temperature", "0",
                                                        "--max-prompt-chars", str(args.max_prompt_chars)]),
                        (work / "regenerated.done").write_text("ok\n"))),
         Stage("features", feats / "manifest.json",
-              lambda: (_call("pr_specforge.data.cli", ["hidden-states", "--target", str(target), "--input", str(regen),
+              lambda: (call_stage("pr_specforge.data.cli", ["hidden-states", "--target", str(target), "--input", str(regen),
                                                        "--output", str(feats), "--max-length", str(args.max_length),
                                                        "--draft-vocab-size", str(args.draft_vocab_size)]),
-                       _call("pr_specforge.data.cli", ["validate", str(feats), "--target", str(target)]))),
+                       call_stage("pr_specforge.data.cli", ["validate", str(feats), "--target", str(target)]))),
         Stage("train", run_dir / "train.done", lambda: (train(), (run_dir / "train.done").write_text("ok\n"))),
         Stage("export", export_hf / "config.json",
-              lambda: (_call("pr_specforge.export", [latest_checkpoint(), str(export_sglang), "--to", "sglang",
+              lambda: (call_stage("pr_specforge.export", [latest_checkpoint(run_dir), str(export_sglang), "--to", "sglang",
                                                      "--target", str(target), "--overwrite"]),
-                       _call("pr_specforge.export", [latest_checkpoint(), str(export_hf), "--to", "hf",
+                       call_stage("pr_specforge.export", [latest_checkpoint(run_dir), str(export_hf), "--to", "hf",
                                                      "--target", str(target), "--overwrite"]))),
     ]
     if not args.skip_eval:
         stages.append(Stage("evaluate", eval_dir / "summary.json",
-                            lambda: _call("pr_specforge.eval.cli", [
+                            lambda: call_stage("pr_specforge.eval.cli", [
                                 "--target", str(target), "--draft", f"pr={export_hf}", "--also-one-pass",
                                 "--prompts", *args.eval_prompts, "--limit", str(args.eval_limit),
                                 "--budget", *map(str, args.budget), "--temperature", "0",
                                 "--max-new-tokens", str(args.eval_max_new_tokens),
                                 "--out-dir", str(eval_dir), "--json", str(eval_dir / "summary.json")])))
 
-    timings: Dict[str, float] = {}
-    for stage in stages:
-        if stage.output.exists():
-            log.info("stage %-13s skipped (%s exists)", stage.name, stage.output)
-            timings[stage.name] = 0.0
-            continue
-        log.info("stage %-13s running", stage.name)
-        t0 = time.perf_counter()
-        stage.run()
-        timings[stage.name] = time.perf_counter() - t0
-        log.info("stage %-13s done in %.1f s", stage.name, timings[stage.name])
+    timings = run_stages(stages, work / "stage_times.json")
     if (run_dir / "metrics.jsonl").exists():
         try:
-            _call("pr_specforge.telemetry", [str(run_dir)])
+            call_stage("pr_specforge.telemetry", [str(run_dir)])
         except Exception as e:  # a plot must never hide a finished run
             log.warning("plot failed: %s", e)
     print(summary(work, run_dir, export_sglang, export_hf, eval_dir, timings))

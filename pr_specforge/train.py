@@ -128,6 +128,11 @@ def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
     backend = BackendConfig.from_mapping(backend_raw, where=f"{path}: {BACKEND_SECTION}", recipe_dir=os.path.dirname(path) or ".")
     spec_raw = {k: v for k, v in raw.items() if k not in (PR_SECTION, BACKEND_SECTION)}
     config = _specforge_config(spec_raw, spec_over, path)
+    backend_given = "attention_backend" in (spec_raw.get("training") or {}) or any(
+        o.split("=", 1)[0] == "training.attention_backend" for o in spec_over)
+    if config.training.strategy == "pr" and not backend_given:
+        # SpecForge's default (flex_attention) cannot run PR's composed rows; sdpa is PR's layout.
+        config = _specforge_config(spec_raw, [*spec_over, "training.attention_backend=sdpa"], path)
     backend.validate_against(config, where=f"{path}: {BACKEND_SECTION}")
     if PR_SECTION in raw or config.training.strategy == "pr":
         if config.training.strategy not in ("pr",):
@@ -138,7 +143,7 @@ def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
     if config.training.strategy == "pr" and config.training.attention_backend != "sdpa":
         raise ConfigError(
             f"recipe {path}: training.attention_backend={config.training.attention_backend!r} with the pr strategy; "
-            "PR composes the attention of its co-forwarded rows itself and needs training.attention_backend=sdpa"
+            "PR composes the attention of its co-forwarded rows itself: set training.attention_backend=sdpa (or leave it unset)"
         )
     resolved = copy.deepcopy(raw)
     resolved[PR_SECTION] = pr.to_dict()

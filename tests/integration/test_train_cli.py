@@ -104,3 +104,15 @@ def test_pr_section_with_eagle3_strategy_is_refused(tmp_path):
     recipe = write_workspace(str(tmp_path), strategy="eagle3", steps=1, pr_section={"max_depth": 2})
     rc, out = _run([sys.executable, "-m", "pr_specforge.cli", "train", "-c", recipe, "--dry-run"], tmp_path)
     assert rc == 2 and "training.strategy=pr" in out, out[-2000:]
+
+
+def test_pr_strategy_defaults_to_sdpa_and_refuses_an_explicit_other_backend(tmp_path):
+    from pr_specforge.config import ConfigError
+    from pr_specforge.train import load_recipe
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"model": {"target_model_path": "t"}, "data": {"hidden_states_path": "f"},
+                                    "training": {"strategy": "pr"}}))
+    assert load_recipe(str(path)).config.training.attention_backend == "sdpa"
+    with pytest.raises(ConfigError, match="training.attention_backend=sdpa"):
+        load_recipe(str(path), ["training.attention_backend=flex_attention"])

