@@ -36,7 +36,7 @@ def build(args):
     from pr_specforge.integration import make_strategy
     from pr_specforge.modeling import LlamaForCausalLMEagle3PR, PRDraftSettings, build_pr_config
     from pr_specforge.objective.ttt import OnlinePRModel
-    from specforge.training.strategies.base import Eagle3TrainStrategy
+    from pr_specforge._specforge import Eagle3TrainStrategy
 
     cfg = LlamaConfig(
         hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
@@ -72,7 +72,7 @@ def build(args):
 
 
 def make_batch(cfg, seq, dtype):
-    from specforge.runtime.contracts import TrainBatch
+    from pr_specforge._specforge import TrainBatch
 
     g = torch.Generator().manual_seed(1)
     tensors = {

@@ -15,11 +15,26 @@ import torch
 import torch.nn.functional as F
 
 import specforge.algorithms.eagle3.model as _eagle3_model_mod
+import specforge.training.assembly as assembly_module  # noqa: F401  (metrics-sink hook)
+import specforge.training.trainer as trainer_module  # noqa: F401  (backend / checkpoint hooks)
+from specforge.algorithms.builtin import builtin_algorithm_registry  # noqa: F401
+from specforge.algorithms.common.providers import make_registration  # noqa: F401
+from specforge.algorithms.eagle3 import providers as eagle3_providers  # noqa: F401
 from specforge.algorithms.eagle3.model import (  # noqa: F401
     OnlineEagle3Model,
     _compute_target_p_padded,
 )
+from specforge.algorithms.model_providers import build_eagle3_draft, build_eagle3_model  # noqa: F401
+from specforge.application import bind_run, resolve_run  # noqa: F401
+from specforge.cli import _train as train_resolved_run  # noqa: F401
+from specforge.config import Config  # noqa: F401
+from specforge.config.schema import apply_overrides, migrate_legacy_config  # noqa: F401
 from specforge.core.loss import LogSoftmaxLoss as _TritonLogSoftmaxLoss
+from specforge.data.preprocessing import preprocess_conversations  # noqa: F401
+from specforge.data.template import TEMPLATE_REGISTRY, ChatTemplate  # noqa: F401
+from specforge.distributed import init_distributed  # noqa: F401
+from specforge.export.checkpoint_io import resolve_training_state  # noqa: F401
+from specforge.lr_scheduler import ConstantWarmupLR, CosineAnnealingWarmupLR  # noqa: F401
 from specforge.modeling.draft.llama3_eagle import (  # noqa: F401
     LlamaForCausalLMEagle3,
     LlamaMutiRotaryEmbedding,
@@ -27,9 +42,22 @@ from specforge.modeling.draft.llama3_eagle import (  # noqa: F401
     repeat_kv,
 )
 from specforge.modeling.draft.registry import DRAFT_REGISTRY, register_draft  # noqa: F401
+from specforge.runtime.contracts import TrainBatch  # noqa: F401
+from specforge.runtime.data_plane.offline_reader import OfflineManifestReader  # noqa: F401
+from specforge.training.backend import FSDPTrainingBackend, ParallelConfig, TrainingBackend  # noqa: F401
+from specforge.training.checkpoint import STATE_FILE, CheckpointManager  # noqa: F401
+from specforge.training.strategies.base import Eagle3TrainStrategy, StepOutput  # noqa: F401
+from specforge.training.tracking import TrackerLogger, scalar_metrics, training_metric_names  # noqa: F401
 from specforge.utils import padding  # noqa: F401
 
 SPECFORGE_VERSION = "0.2.0"
+
+
+def load_offline_capture(*args, **kwargs):
+    """SpecForge's SGLang capture entry point (imports SGLang's GPU stack: only called on GPU)."""
+    from specforge.offline_capture import load_offline_capture as _load
+
+    return _load(*args, **kwargs)
 
 
 def soft_cross_entropy_rows(logits: torch.Tensor, target_p: torch.Tensor) -> torch.Tensor:

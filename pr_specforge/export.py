@@ -66,7 +66,7 @@ class ExportError(ValueError):
 # ----------------------------------------------------------------------------- inputs
 def read_checkpoint(path: str) -> Dict[str, Any]:
     """The shared training state of a checkpoint dir, its `training_state.pt`, or a run dir (latest)."""
-    from specforge.export.checkpoint_io import resolve_training_state
+    from pr_specforge._specforge import resolve_training_state
 
     try:
         return resolve_training_state(path)

@@ -23,7 +23,7 @@ ALGORITHM_NAME = "pr"
 
 
 def _strategy_base():
-    from specforge.training.strategies.base import Eagle3TrainStrategy
+    from pr_specforge._specforge import Eagle3TrainStrategy
 
     return Eagle3TrainStrategy
 
@@ -40,7 +40,7 @@ def _strategy_class():
     global _STRATEGY_CLS
     if _STRATEGY_CLS is not None:
         return _STRATEGY_CLS
-    from specforge.training.strategies.base import StepOutput
+    from pr_specforge._specforge import StepOutput
 
     base = _strategy_base()
 
@@ -126,8 +126,8 @@ def pr_draft_config(draft_config, pr: PRConfig):
 def build_registration(pr: PRConfig):
     """An `AlgorithmRegistration` for `pr`, bound to these PR settings."""
     import pr_specforge.modeling  # noqa: F401  (registers the draft architecture)
-    from specforge.algorithms.common.providers import make_registration
-    from specforge.algorithms.eagle3 import providers as eagle3
+    from pr_specforge._specforge import make_registration
+    from pr_specforge._specforge import eagle3_providers as eagle3
 
     def build_step(wrapped_model, *, target_head=None, **options):
         return make_strategy(wrapped_model, target_head=target_head, **options)
@@ -147,7 +147,7 @@ def build_registration(pr: PRConfig):
         }
 
     def build_draft(config, draft_config):
-        from specforge.algorithms.model_providers import build_eagle3_draft
+        from pr_specforge._specforge import build_eagle3_draft
 
         draft = build_eagle3_draft(config, pr_draft_config(draft_config, pr))
         from pr_specforge.modeling.drafter import rebuild_rope
@@ -161,7 +161,7 @@ def build_registration(pr: PRConfig):
         return draft
 
     def build_training_model(config, draft_model, draft_config, target_config, tokenizer):
-        from specforge.algorithms.model_providers import build_eagle3_model
+        from pr_specforge._specforge import build_eagle3_model
 
         from pr_specforge.objective.ttt import OnlinePRModel
 
@@ -177,7 +177,7 @@ def build_registration(pr: PRConfig):
         return dataclasses.replace(parts, model=model)
 
     def build_offline_reader(hidden_states_path, *, run_id, ttt_length, max_len):
-        from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
+        from pr_specforge._specforge import OfflineManifestReader
 
         return OfflineManifestReader(
             hidden_states_path, run_id=run_id, strategy=ALGORITHM_NAME, ttt_length=ttt_length,
@@ -220,6 +220,6 @@ def build_registration(pr: PRConfig):
 
 def build_registry(pr: Optional[PRConfig] = None):
     """SpecForge's built-in algorithm registry with `pr` added."""
-    from specforge.algorithms.builtin import builtin_algorithm_registry
+    from pr_specforge._specforge import builtin_algorithm_registry
 
     return builtin_algorithm_registry().with_registration(build_registration(pr or PRConfig()))

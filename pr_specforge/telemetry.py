@@ -61,7 +61,7 @@ def panel_name(key: str) -> Optional[str]:
 
 def tracker_values(scalars: Mapping[str, float]) -> Dict[str, float]:
     """Strategy scalars -> tracker keys: panel names where defined, else SpecForge's `train/` namespace."""
-    from specforge.training.tracking import training_metric_names
+    from pr_specforge._specforge import training_metric_names
 
     aliased = {}
     rest = {}
@@ -88,7 +88,7 @@ class MetricsSink:
         self._file = None
 
     def __call__(self, metrics: Mapping[str, Any], step: int) -> None:
-        from specforge.training.tracking import TrackerLogger, scalar_metrics, training_metric_names
+        from pr_specforge._specforge import TrackerLogger, scalar_metrics, training_metric_names
 
         scalars = scalar_metrics(metrics)
         if _rank() == 0:
@@ -135,7 +135,7 @@ _ORIGINAL_CONFIGURED_LOGGER = None
 def install_metrics_sink(config: Any = None) -> None:
     """Route every logger SpecForge's assembly builds through `MetricsSink` (idempotent)."""
     global _ORIGINAL_CONFIGURED_LOGGER
-    import specforge.training.assembly as assembly
+    from pr_specforge._specforge import assembly_module as assembly
 
     if _ORIGINAL_CONFIGURED_LOGGER is None:
         _ORIGINAL_CONFIGURED_LOGGER = assembly._configured_logger

@@ -153,8 +153,8 @@ def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
 
 def _specforge_config(spec_raw: Dict[str, Any], overrides: Sequence[str], path: str):
     from pydantic import ValidationError
-    from specforge.config import Config
-    from specforge.config.schema import apply_overrides, migrate_legacy_config
+    from pr_specforge._specforge import Config
+    from pr_specforge._specforge import apply_overrides, migrate_legacy_config
 
     try:
         config = Config.model_validate(migrate_legacy_config(copy.deepcopy(spec_raw)))
@@ -267,8 +267,8 @@ def preflight(recipe: Recipe) -> None:
 def _run_worker(recipe: Recipe) -> int:
     from pr_specforge import _specforge  # noqa: F401  (CPU-safe loss)
     from pr_specforge.integration import ALGORITHM_NAME, build_registry
-    from specforge.application import bind_run, resolve_run
-    from specforge.cli import _train
+    from pr_specforge._specforge import bind_run, resolve_run
+    from pr_specforge._specforge import train_resolved_run as _train
 
     cfg = recipe.config
     if cfg.training.strategy != ALGORITHM_NAME:

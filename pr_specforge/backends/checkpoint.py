@@ -50,7 +50,7 @@ def _fsync_dir(path: str) -> None:
 
 
 def _manager_class():
-    from specforge.training.checkpoint import STATE_FILE, CheckpointManager
+    from pr_specforge._specforge import STATE_FILE, CheckpointManager
 
     class RecipeCheckpointManager(CheckpointManager):
         """SpecForge's manager plus the recipe in every checkpoint, fsync and rank ordering."""
@@ -117,7 +117,7 @@ def recipe_checkpoint_manager():
 
 def install_checkpoint_manager(resolved_recipe: Dict[str, Any]) -> None:
     """Make SpecForge's trainer build `RecipeCheckpointManager`s carrying `resolved_recipe`."""
-    import specforge.training.trainer as trainer_module
+    from pr_specforge._specforge import trainer_module
 
     cls = recipe_checkpoint_manager()
     cls.recipe = resolved_recipe

@@ -41,7 +41,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.nn as nn
 
-from specforge.training.backend import FSDPTrainingBackend, ParallelConfig, TrainingBackend
+from pr_specforge._specforge import FSDPTrainingBackend, ParallelConfig, TrainingBackend
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class DeepSpeedTrainingBackend(TrainingBackend):
         import deepspeed
         import torch.distributed as dist
 
-        from specforge.lr_scheduler import ConstantWarmupLR, CosineAnnealingWarmupLR
+        from pr_specforge._specforge import ConstantWarmupLR, CosineAnnealingWarmupLR
 
         t = self._training()
         target = optimizer_target if optimizer_target is not None else model
@@ -267,7 +267,7 @@ def install_deepspeed_backend(backend: Any, config: Any) -> None:
         import deepspeed  # noqa: F401
     except ImportError as exc:  # pragma: no cover - deepspeed is a declared dependency here
         raise _config_error(f"backend.name=deepspeed needs the deepspeed package ({exc}); pip install deepspeed") from exc
-    import specforge.training.trainer as trainer_mod
+    from pr_specforge._specforge import trainer_module as trainer_mod
 
     backend.validate_against(config)
     if _ORIGINAL_BACKEND_CLASS is None:
@@ -281,7 +281,7 @@ def uninstall_deepspeed_backend() -> None:
     """Restore SpecForge's own backend factory (tests; in-process reuse)."""
     global _ORIGINAL_BACKEND_CLASS
     if _ORIGINAL_BACKEND_CLASS is not None:
-        import specforge.training.trainer as trainer_mod
+        from pr_specforge._specforge import trainer_module as trainer_mod
 
         trainer_mod.FSDPTrainingBackend = _ORIGINAL_BACKEND_CLASS
         _ORIGINAL_BACKEND_CLASS = None

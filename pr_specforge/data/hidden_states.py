@@ -177,8 +177,8 @@ class SGLangCapture:
             )
         import torch.distributed as dist
 
-        from specforge.distributed import init_distributed
-        from specforge.offline_capture import load_offline_capture
+        from pr_specforge._specforge import init_distributed
+        from pr_specforge._specforge import load_offline_capture
 
         if not dist.is_initialized():
             for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}.items():

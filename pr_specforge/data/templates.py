@@ -31,7 +31,7 @@ class ChatTemplateError(ValueError):
 
 def register_templates() -> None:
     """Register our templates with SpecForge's registry (idempotent)."""
-    from specforge.data.template import TEMPLATE_REGISTRY, ChatTemplate
+    from pr_specforge._specforge import TEMPLATE_REGISTRY, ChatTemplate
 
     if SMOLLM2_TEMPLATE_NAME not in TEMPLATE_REGISTRY.get_all_template_names():
         TEMPLATE_REGISTRY.register(
@@ -46,7 +46,7 @@ def register_templates() -> None:
 
 
 def get_template(name: str):
-    from specforge.data.template import TEMPLATE_REGISTRY
+    from pr_specforge._specforge import TEMPLATE_REGISTRY
 
     register_templates()
     names = TEMPLATE_REGISTRY.get_all_template_names()
@@ -87,7 +87,7 @@ class TokenizedSample:
 
 def tokenize_conversation(tokenizer, conversation: list[dict], template_name: str, max_length: int) -> TokenizedSample:
     """Render with the tokenizer's chat template; mask with SpecForge's parser."""
-    from specforge.data.preprocessing import preprocess_conversations
+    from pr_specforge._specforge import preprocess_conversations
 
     template = get_template(template_name)
     with warnings.catch_warnings():
