@@ -33,7 +33,6 @@ import logging
 import os
 import platform
 import subprocess
-import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 

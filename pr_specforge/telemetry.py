@@ -25,7 +25,7 @@ import os
 import re
 import sys
 import time
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"

@@ -24,12 +24,10 @@ import json
 import logging
 import os
 import re
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from pr_specforge.data.io import DataFormatError, JsonlAppender, read_done_ids, repair_jsonl_tail
+from pr_specforge.data.io import DataFormatError, JsonlAppender, StageStats, read_done_ids, repair_jsonl_tail
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +48,7 @@ ROLE_MAP = {
 }
 
 
-@dataclass
-class ConversationStats:
-    read: int = 0
-    written: int = 0
-    resumed: int = 0
-    skipped: Counter = field(default_factory=Counter)
-
-    def as_dict(self) -> dict:
-        return {"read": self.read, "written": self.written, "resumed": self.resumed, "skipped": dict(self.skipped)}
+ConversationStats = StageStats
 
 
 class SkipRow(Exception):

