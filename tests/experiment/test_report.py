@@ -1,0 +1,34 @@
+"""The experiment report's statistics: PR's relative tau gain with a paired bootstrap CI."""
+
+import pytest
+
+from pr_specforge.experiment import paired_bootstrap_gain
+
+
+def _rows(pairs):
+    return {f"p{i}": {"accepted": a, "rounds": r} for i, (a, r) in enumerate(pairs)}
+
+
+def test_identical_drafters_have_zero_gain_and_a_degenerate_interval():
+    rows = _rows([(30, 20), (25, 20), (40, 22), (18, 15)])
+    out = paired_bootstrap_gain(rows, rows, n=500)
+    assert out["gain_rel"] == 0.0 and out["gain_rel_ci95"] == [0.0, 0.0]
+    assert out["prompts"] == 4
+
+
+def test_tau_is_pooled_over_prompts_and_a_uniform_gain_is_significant():
+    a = _rows([(30, 20), (25, 20), (40, 22), (18, 15), (22, 20), (35, 25)])
+    b = _rows([(33, 20), (28, 20), (44, 22), (20, 15), (24, 20), (38, 25)])  # better on every prompt
+    out = paired_bootstrap_gain(a, b, n=1000, seed=1)
+    assert out["tau_eagle3"] == pytest.approx(170 / 122)
+    assert out["tau_pr"] == pytest.approx(187 / 122)
+    lo, hi = out["gain_rel_ci95"]
+    assert 0 < lo <= out["gain_rel"] <= hi
+
+
+def test_pairing_uses_only_prompts_evaluated_for_both():
+    a = _rows([(30, 20), (25, 20)])
+    b = {"p0": {"accepted": 30, "rounds": 20}, "other": {"accepted": 99, "rounds": 1}}
+    assert paired_bootstrap_gain(a, b, n=100)["prompts"] == 1
+    with pytest.raises(ValueError, match="both drafters"):
+        paired_bootstrap_gain(a, {"zzz": {"accepted": 1, "rounds": 1}}, n=10)
