@@ -15,7 +15,6 @@ draft vocab 8192 (SmolLM2-135M's shape); a random committed context of `--contex
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -100,8 +99,9 @@ def main(argv=None) -> int:
         print(f"| {name} | {1e3 * med[name]:.2f} | {med[name] / med['eagle']:.3f} |")
     print(f"reconsideration rows per round: {recon_rows['pr_coforward']} over {steps} batched forwards")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        from pr_specforge.data.io import atomic_write_json
+
+        atomic_write_json(args.json, result)
     return 0
 
 

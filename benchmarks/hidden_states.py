@@ -19,7 +19,6 @@ transformers backend) at batch 1 and batch 8.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -155,8 +154,9 @@ def main(argv=None) -> int:
     print(f"{'ratio (ours / bare decoder)':34s} {res['ratio_vs_decoder_only']:10.3f}")
     print(f"{len(items)} samples, {n_tokens} tokens, batch {args.batch_size}, {args.dtype}, {res['threads']} threads")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+        from pr_specforge.data.io import atomic_write_json
+
+        atomic_write_json(args.json, res)
     return 0
 
 

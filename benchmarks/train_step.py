@@ -17,7 +17,6 @@ counted at run time with a hook on the layer's q projection. METHOD.md estimates
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -136,11 +135,9 @@ def main(argv=None) -> int:
     print(f"pr/eagle3 time ratio {result['pr_over_eagle3']:.2f}  work ratio {result['work_ratio']:.2f}  "
           f"target <= {1.2 * result['work_ratio']:.2f}: {'met' if result['within_target'] else 'NOT met'}")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=2)
-        os.replace(tmp, args.json)
+        from pr_specforge.data.io import atomic_write_json
+
+        atomic_write_json(args.json, result)
     return 0
 
 
