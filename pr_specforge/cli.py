@@ -60,7 +60,7 @@ def _configure_compile() -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] not in ("-h", "--help"):
+    if not {"-h", "--help"} & set(argv):
         _configure_compile()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if argv and argv[0] in _DELEGATED:
