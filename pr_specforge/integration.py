@@ -16,78 +16,58 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from pr_specforge._specforge import Eagle3TrainStrategy, StepOutput
 from pr_specforge.config import PRConfig
-from pr_specforge.modeling.drafter import EAGLE3_ARCHITECTURE, PR_ARCHITECTURE, PR_CONFIG_KEY, PR_PARAM_PREFIXES
+from pr_specforge.modeling.drafter import EAGLE3_ARCHITECTURE, PR_ARCHITECTURE, PR_PARAM_PREFIXES, build_pr_config
 
 ALGORITHM_NAME = "pr"
 
 
-def _strategy_base():
-    from pr_specforge._specforge import Eagle3TrainStrategy
+class PRTrainStrategy(Eagle3TrainStrategy):
+    """SpecForge's EAGLE-3 step with the PR objective.
 
-    return Eagle3TrainStrategy
+    Target preparation (TargetHead over stored final hidden states) is the
+    parent's; the forward is `OnlinePRModel`, whose one-pass metrics keep
+    SpecForge's structured names (`plosses`, `acces`, ...) and whose PR
+    telemetry goes out as ratio metrics (`pr/...`), reduced across ranks
+    as numerator/denominator sums before division.
+    """
+
+    name = ALGORITHM_NAME
+
+    def forward_loss(self, batch, ctx=None):
+        self.validate_batch(batch)
+        t = batch.tensors
+        device = self._device()
+        input_ids, target, loss_mask = self._prepare_target(
+            batch.metadata.get("target_repr"), t["input_ids"], t["target"], t["loss_mask"], device
+        )
+        hidden = t["hidden_state"].to(device)
+        _check_feature_width(self.eagle3_model, hidden)
+        position_ids = t.get("position_ids")
+        out = self.eagle3_model(
+            input_ids=input_ids,
+            attention_mask=t["attention_mask"].to(device),
+            loss_mask=loss_mask,
+            target=target,
+            hidden_states=hidden,
+            position_ids=position_ids.to(device) if position_ids is not None else None,
+        )
+        metrics: Dict[str, Any] = {
+            "plosses": [p.detach() for p in out.plosses],
+            "acces": [a.detach() for a in out.acces],
+            "acceptance_rates": [a.detach() for a in out.acceptance_rates],
+            "acc_corrects": [c.detach() for c in out.acc_corrects],
+            "acc_denoms": [d.detach() for d in out.acc_denoms],
+            "metric_losses": [m.detach() for m in out.metric_losses],
+            "metric_loss_denoms": [d.detach() for d in out.metric_loss_denoms],
+        }
+        metrics.update({f"pr/{k}": v for k, v in out.terms.items()})
+        return StepOutput(loss=out.loss, metrics=metrics, ratio_metrics=dict(out.ratio_metrics))
 
 
-def make_strategy(wrapped_model, *, target_head=None, ploss_decay: float = 0.8, **options):
-    """Build `PRTrainStrategy` (a subclass of SpecForge's EAGLE-3 strategy, defined lazily)."""
-    return _strategy_class()(wrapped_model, target_head=target_head, ploss_decay=ploss_decay, **options)
-
-
-_STRATEGY_CLS = None
-
-
-def _strategy_class():
-    global _STRATEGY_CLS
-    if _STRATEGY_CLS is not None:
-        return _STRATEGY_CLS
-    from pr_specforge._specforge import StepOutput
-
-    base = _strategy_base()
-
-    class PRTrainStrategy(base):
-        """SpecForge's EAGLE-3 step with the PR objective.
-
-        Target preparation (TargetHead over stored final hidden states) is the
-        parent's; the forward is `OnlinePRModel`, whose one-pass metrics keep
-        SpecForge's structured names (`plosses`, `acces`, ...) and whose PR
-        telemetry goes out as ratio metrics (`pr/...`), reduced across ranks
-        as numerator/denominator sums before division.
-        """
-
-        name = ALGORITHM_NAME
-
-        def forward_loss(self, batch, ctx=None):
-            self.validate_batch(batch)
-            t = batch.tensors
-            device = self._device()
-            input_ids, target, loss_mask = self._prepare_target(
-                batch.metadata.get("target_repr"), t["input_ids"], t["target"], t["loss_mask"], device
-            )
-            hidden = t["hidden_state"].to(device)
-            _check_feature_width(self.eagle3_model, hidden)
-            position_ids = t.get("position_ids")
-            out = self.eagle3_model(
-                input_ids=input_ids,
-                attention_mask=t["attention_mask"].to(device),
-                loss_mask=loss_mask,
-                target=target,
-                hidden_states=hidden,
-                position_ids=position_ids.to(device) if position_ids is not None else None,
-            )
-            metrics: Dict[str, Any] = {
-                "plosses": [p.detach() for p in out.plosses],
-                "acces": [a.detach() for a in out.acces],
-                "acceptance_rates": [a.detach() for a in out.acceptance_rates],
-                "acc_corrects": [c.detach() for c in out.acc_corrects],
-                "acc_denoms": [d.detach() for d in out.acc_denoms],
-                "metric_losses": [m.detach() for m in out.metric_losses],
-                "metric_loss_denoms": [d.detach() for d in out.metric_loss_denoms],
-            }
-            metrics.update({f"pr/{k}": v for k, v in out.terms.items()})
-            return StepOutput(loss=out.loss, metrics=metrics, ratio_metrics=dict(out.ratio_metrics))
-
-    _STRATEGY_CLS = PRTrainStrategy
-    return PRTrainStrategy
+def make_strategy(wrapped_model, *, target_head=None, ploss_decay: float = 0.8, **options) -> PRTrainStrategy:
+    return PRTrainStrategy(wrapped_model, target_head=target_head, ploss_decay=ploss_decay, **options)
 
 
 def _unwrap(model):
@@ -117,10 +97,7 @@ def pr_draft_config(draft_config, pr: PRConfig):
         )
     if int(getattr(draft_config, "num_hidden_layers", 1)) != 1:
         raise ValueError("the pr algorithm needs a single-layer EAGLE-3 drafter (num_hidden_layers: 1)")
-    cfg = draft_config.__class__.from_dict(draft_config.to_dict())
-    cfg.architectures = [PR_ARCHITECTURE]
-    setattr(cfg, PR_CONFIG_KEY, pr.draft_settings().to_dict())
-    return cfg
+    return build_pr_config(draft_config, pr.draft_settings())
 
 
 def build_registration(pr: PRConfig):
