@@ -116,7 +116,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "--max-turns", "1", *sum((["--holdout-prompts", b] for b in BENCHMARKS), [])])),
         Stage("regenerate", work / "regenerated.done", lambda: (call_stage("pr_specforge.data.cli", [
             "regenerate", "--target", str(target), "--input", str(convs), "--output", str(regen),
-            "--max-new-tokens", str(args.max_new_tokens), "--batch-size", "16", "--temperature", "0",
+            "--max-new-tokens", str(args.max_new_tokens), "--batch-size", "32", "--temperature", "0",
             "--max-prompt-chars", str(args.max_prompt_chars)]), (work / "regenerated.done").write_text("ok\n"))),
         Stage("features", feats / "manifest.json", lambda: (call_stage("pr_specforge.data.cli", [
             "hidden-states", "--target", str(target), "--input", str(regen), "--output", str(feats),
