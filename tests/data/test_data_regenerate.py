@@ -163,3 +163,33 @@ def test_transformers_backend_end_to_end_all_turns(tmp_path, tiny_model, tokeniz
         users = [m["content"] for m in src_row["conversations"] if m["role"] == "user"]
         assert [m["content"] for m in r["conversations"] if m["role"] == "user"] == users
         assert sum(m["role"] == "assistant" for m in r["conversations"]) == len(users)
+
+
+class RecordingBackend:
+    """An in-process backend that records the batches it is given (no `concurrency`)."""
+
+    name = "recording"
+
+    def __init__(self):
+        self.batches = []
+
+    def generate(self, batch, sampling):
+        self.batches.append([m[-1]["content"] for m in batch])
+        return [f"reply to {m[-1]['content'][:8]}" for m in batch]
+
+
+def test_in_process_batches_group_prompts_by_length_and_skip_overlong_ones(tmp_path):
+    lengths = [50, 3, 400, 7, 60, 5, 9000, 45]
+    rows = [{"id": f"r{i}", "conversations": [{"role": "user", "content": "x" * n}]} for i, n in enumerate(lengths)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    be = RecordingBackend()
+    stats = regenerate_conversations(src, tmp_path / "out.jsonl", be, batch_size=3, max_prompt_chars=1000, progress=False)
+    assert stats.skipped["prompt_too_long"] == 1 and stats.written == 7
+    sizes = [[len(p) for p in b] for b in be.batches]
+    assert sizes == [[3, 5, 7], [45, 50, 60], [400]]
+    written = {row["id"] for _, row in iter_jsonl(tmp_path / "out.jsonl")}
+    assert written == {f"r{i}" for i, n in enumerate(lengths) if n <= 1000}
+    # a rerun resumes: nothing is regenerated twice, the over-long row stays skipped
+    be2 = RecordingBackend()
+    again = regenerate_conversations(src, tmp_path / "out.jsonl", be2, batch_size=3, max_prompt_chars=1000, progress=False)
+    assert again.resumed == 7 and again.written == 0 and be2.batches == []
