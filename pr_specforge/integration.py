@@ -63,6 +63,8 @@ class PRTrainStrategy(Eagle3TrainStrategy):
             "metric_loss_denoms": [d.detach() for d in out.metric_loss_denoms],
         }
         metrics.update({f"pr/{k}": v for k, v in out.terms.items()})
+        # non-padding tokens per sample: the tracker turns samples/s into tokens/s
+        metrics["tokens_per_sample"] = t["attention_mask"].sum().float() / max(1, t["attention_mask"].shape[0])
         return StepOutput(loss=out.loss, metrics=metrics, ratio_metrics=dict(out.ratio_metrics))
 
 

@@ -91,6 +91,9 @@ class MetricsSink:
         from pr_specforge._specforge import TrackerLogger, scalar_metrics, training_metric_names
 
         scalars = scalar_metrics(metrics)
+        if "tokens_per_sample" in scalars and "perf/global_samples_per_second" in scalars:
+            scalars["perf/global_tokens_per_second"] = (
+                scalars["tokens_per_sample"] * scalars["perf/global_samples_per_second"])
         if _rank() == 0:
             self._append({"step": int(step), "time": time.time(), **scalars})
         if isinstance(self.inner, TrackerLogger):
@@ -193,7 +196,7 @@ PANELS = (
     ("recovered share", [r"pr/recovered_share", r"pr/recovered_of_all"], "share"),
     ("learning rate", [r"lr"], "lr"),
     ("grad norm (pre-clip)", [r"grad_norm"], "norm"),
-    ("throughput", [r"perf/global_samples_per_second"], "samples/s"),
+    ("throughput", [r"perf/global_tokens_per_second", r"perf/global_samples_per_second"], "per second"),
 )
 
 

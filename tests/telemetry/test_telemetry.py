@@ -63,8 +63,12 @@ def test_training_writes_metrics_jsonl_and_wandb_offline_run_and_plot_renders(tm
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     rows = read_metrics(str(out))
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    for key in ("pr/loss_total", "pr/depth_marginal_entropy", "pr/gate_mean_depth_0", "acc_0", "lr", "grad_norm"):
+    for key in ("pr/loss_total", "pr/depth_marginal_entropy", "pr/gate_mean_depth_0", "acc_0", "lr", "grad_norm",
+                "perf/global_tokens_per_second"):
         assert all(key in r for r in rows), key
+    for r in rows:  # 32-token samples, batch 1: tokens/s is 32 x samples/s
+        assert r["tokens_per_sample"] == 32.0
+        assert abs(r["perf/global_tokens_per_second"] - 32.0 * r["perf/global_samples_per_second"]) < 1e-6 * r["perf/global_tokens_per_second"]
     runs = glob.glob(str(wandb_dir / "**" / "offline-run-*" / "run-*.wandb"), recursive=True)
     assert len(runs) == 1, os.listdir(wandb_dir)
     record = open(runs[0], "rb").read()  # the offline run's protobuf log holds every key as UTF-8
