@@ -47,8 +47,9 @@ BENCHMARKS = ("mtbench", "gsm8k", "humaneval")
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pr-specforge experiment", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default="work/experiment")
-    p.add_argument("--report", default=str(REPO_ROOT / "benchmarks" / "results" / "smollm2-cpu"),
-                   help="report path prefix (.md, .json and -*.png are written)")
+    p.add_argument("--report", default=None,
+                   help="report path prefix (.md, .json and -*.png are written); default "
+                        "benchmarks/results/smollm2-cpu, with -seedN appended for seeds other than 0")
     p.add_argument("--conversations", type=int, default=4000)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-prompt-chars", type=int, default=4000)
@@ -130,7 +131,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ]
     timings = run_stages(stages, work / "stage_times.json")
     report = build_report(args, work, runs, evals, timings)
-    write_report(report, Path(args.report))
+    prefix = args.report or str(REPO_ROOT / "benchmarks" / "results" / ("smollm2-cpu" + (f"-seed{args.seed}" if args.seed else "")))
+    write_report(report, Path(prefix))
     print(render_markdown(report))
     return 0
 
