@@ -48,6 +48,11 @@ class PRConfig:
         positions). Smaller values trade fidelity for speed.
     self_query_hidden_size: width of the self-query MLP (default: hidden size).
     gate_reads_normed: the gate reads `norm(f)` (see `PRDraftSettings`).
+    gradient_checkpointing: recompute each batched call of M in the backward pass
+        instead of keeping its attention scores (the paper trains with gradient
+        checkpointing). A PR step keeps ~4x the activations of an EAGLE-3 step,
+        and the [rows x context] scores dominate at 4096 tokens. Same gradients;
+        costs one extra forward of M per call.
     """
 
     max_depth: int = 2
@@ -58,6 +63,7 @@ class PRConfig:
     mixed_rollout_length: Optional[int] = None
     self_query_hidden_size: Optional[int] = None
     gate_reads_normed: bool = True
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         types = {
@@ -67,6 +73,7 @@ class PRConfig:
             "mix_context": bool,
             "one_pass_loss_on_mixed": bool,
             "gate_reads_normed": bool,
+            "gradient_checkpointing": bool,
         }
         for name, typ in types.items():
             value = getattr(self, name)

@@ -161,6 +161,14 @@ class OnlinePRModel(OnlineEagle3Model):
         out = chain_attention(q[None], (k[None], v[None]), (k[None], v[None]), ctx_mask, [[]], start_mask)
         return draft.layer_finish(out[0], hidden), (k, v)
 
+    def _checkpointed(self, fn, *args):
+        """`fn(*args)`, recomputed in backward when `pr.gradient_checkpointing` (no RNG inside M)."""
+        if self.pr.gradient_checkpointing and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
+
     # ----------------------------------------------------------------- forward
     def forward(
         self,
@@ -228,7 +236,7 @@ class OnlinePRModel(OnlineEagle3Model):
             out.metric_loss_denoms.append(loss_denom)
 
         # Call 0: TTT step 0 (shared by both rollouts).
-        f0, kv0 = self._first_call(embs[0], h0, pos, ctx_mask, start_mask)
+        f0, kv0 = self._checkpointed(self._first_call, embs[0], h0, pos, ctx_mask, start_mask)
         score_one_pass(0, f0)
         feats_a, chain_a = f0, [kv0]
         mixed_len = 0 if depth == 0 else min(length, self.pr.mixed_rollout_length or length)
@@ -256,7 +264,7 @@ class OnlinePRModel(OnlineEagle3Model):
                     prev = depth_feats[r - 1]
                     groups.append(_Group(draft.self_query(prev), prev, j, list(chain_b), kv0 if j == 0 else ctx_b))
                 kinds.append(("B", (j, r)))
-            results = self._run(groups, pos, ctx_mask, start_mask)
+            results = self._checkpointed(self._run, groups, pos, ctx_mask, start_mask)
             for (kind, key), (feat, kv) in zip(kinds, results):
                 if kind == "A":
                     score_one_pass(key, feat)

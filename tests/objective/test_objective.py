@@ -268,3 +268,36 @@ def test_training_reduces_loss_and_opens_reconsideration_on_learnable_data():
     marg = [float(out.ratio_metrics[f"pr/depth_marginal_{r}"][0] / out.ratio_metrics[f"pr/depth_marginal_{r}"][1]) for r in range(3)]
     assert all(m > 0.01 for m in marg)
 
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
+    grads = []
+    for ckpt in (False, True):
+        _, pr, _ = make_drafters(max_depth=2, seed=5)
+        with torch.no_grad():
+            pr.pr_halt_gate.linear.weight.normal_(0, 0.5)
+        model = OnlinePRModel(pr, length=TTT, pr=PRConfig(gradient_checkpointing=ckpt), generator=torch.Generator().manual_seed(0))
+        out = model(**make_batch(pr.config))
+        out.loss.backward()
+        grads.append((out.loss.detach(), {n: p.grad.clone() for n, p in pr.named_parameters() if p.grad is not None}))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    assert set(grads[0][1]) == set(grads[1][1])
+    for name in grads[0][1]:
+        torch.testing.assert_close(grads[1][1][name], grads[0][1][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_gradient_checkpointing_keeps_far_fewer_activations():
+    def saved_bytes(ckpt):
+        _, pr, _ = make_drafters(max_depth=2, seed=5)
+        model = OnlinePRModel(pr, length=TTT, pr=PRConfig(gradient_checkpointing=ckpt))
+        total = [0]
+
+        def pack(t):
+            total[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(**make_batch(pr.config, seq=48))
+        return total[0]
+
+    assert saved_bytes(True) < 0.5 * saved_bytes(False)
