@@ -36,7 +36,7 @@ import subprocess
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from pr_specforge.pipeline import REPO_ROOT, Stage, call_stage, latest_checkpoint, run_stages
+from pr_specforge.pipeline import REPO_ROOT, Stage, call_stage, check_settings, latest_checkpoint, run_stages
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
+    # data settings are shared by every seed; seeds and reports may differ between invocations
+    check_settings(work / "data_settings.json", {k: getattr(args, k) for k in (
+        "conversations", "max_new_tokens", "max_prompt_chars", "max_length", "draft_vocab_size")})
     target, convs, regen, feats = work / "target", work / "conversations.jsonl", work / "regenerated.jsonl", work / "features"
     runs = {name: work / "runs" / f"{name}-seed{args.seed}" for name in RECIPES}
     exports = {name: work / "export" / f"{name}-seed{args.seed}" for name in RECIPES}

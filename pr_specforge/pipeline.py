@@ -80,6 +80,24 @@ def latest_checkpoint(run_dir: Path, required: bool = True) -> Optional[str]:
     return str(ckpts[-1])
 
 
+def check_settings(path: Path, settings: Dict) -> None:
+    """Stages skip when their output exists, so a workdir must not be reused with other settings."""
+    from pr_specforge.data.io import atomic_write_json
+
+    settings = json.loads(json.dumps(settings))
+    if path.exists():
+        before = json.loads(path.read_text())
+        changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
+        if changed:
+            detail = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items()))
+            raise SystemExit(
+                f"{path.parent} was made with other settings ({detail}); its finished stages would be reused "
+                "as they are. Use a new --workdir, or delete this one to start over."
+            )
+        return
+    atomic_write_json(path, settings)
+
+
 def run_stages(stages: List[Stage], times_path: Optional[Path] = None) -> Dict[str, float]:
     """Run the stages in order, skipping finished ones; wall times are kept across reruns."""
     timings: Dict[str, float] = {}
@@ -106,6 +124,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
+    check_settings(work / "run_settings.json", {k: v for k, v in vars(args).items() if k != "workdir"})
     target = work / "target"
     convs = work / "conversations.jsonl"
     regen = work / "regenerated.jsonl"

@@ -32,3 +32,13 @@ def test_pairing_uses_only_prompts_evaluated_for_both():
     assert paired_bootstrap_gain(a, b, n=100)["prompts"] == 1
     with pytest.raises(ValueError, match="both drafters"):
         paired_bootstrap_gain(a, {"zzz": {"accepted": 1, "rounds": 1}}, n=10)
+
+
+def test_a_workdir_is_not_reused_with_other_settings(tmp_path):
+    from pr_specforge.pipeline import check_settings
+
+    path = tmp_path / "run_settings.json"
+    check_settings(path, {"conversations": 256, "max_steps": 300})
+    check_settings(path, {"conversations": 256, "max_steps": 300})  # same settings: resume
+    with pytest.raises(SystemExit, match=r"conversations: 256 -> 4000.*new --workdir"):
+        check_settings(path, {"conversations": 4000, "max_steps": 300})
