@@ -117,7 +117,7 @@ def run_stages(stages: List[Stage], times_path: Optional[Path] = None) -> Dict[s
             from pr_specforge.data.io import atomic_write_json
 
             atomic_write_json(times_path, timings)
-    return timings
+    return {stage.name: timings[stage.name] for stage in stages}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
