@@ -36,6 +36,7 @@ import subprocess
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from pr_specforge.data.io import read_jsonl_rows
 from pr_specforge.pipeline import REPO_ROOT, Stage, call_stage, check_settings, latest_checkpoint, run_stages
 
 log = logging.getLogger(__name__)
@@ -171,23 +172,13 @@ def paired_bootstrap_gain(rows_a: Dict[str, dict], rows_b: Dict[str, dict], n: i
     }
 
 
-def _read_jsonl(path: Path) -> List[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-    return rows
-
-
 def _train_summary(run_dir: Path) -> dict:
-    rows = _read_jsonl(run_dir / "metrics.jsonl")
+    from pr_specforge.telemetry import read_metrics
+
+    try:
+        rows = read_metrics(str(run_dir))
+    except FileNotFoundError:
+        return {}
     if not rows:
         return {}
     last = rows[-1]
@@ -210,7 +201,7 @@ def build_report(args, work: Path, runs: Dict[str, Path], evals: Dict[str, Path]
                                                   "draft_s_per_round", "verify_s_per_round", "lossless", "recover")}
                            | {"speedup_vs_ar": r.get("speedup")})
         per_prompt: Dict[tuple, Dict[str, dict]] = {}
-        for row in _read_jsonl(eval_dir / "results.jsonl"):
+        for row in read_jsonl_rows(eval_dir / "results.jsonl"):
             per_prompt.setdefault((row["draft"], row["set"], row["budget"], row["temperature"]), {})[row["prompt"]] = row
         for (draft, set_name, budget, temp), rows in per_prompt.items():
             if draft != "pr" or ("eagle3", set_name, budget, temp) not in per_prompt:

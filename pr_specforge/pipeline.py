@@ -196,19 +196,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _last_metrics(run_dir: Path) -> Dict[str, float]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
+    from pr_specforge.telemetry import read_metrics
+
+    try:
+        rows = read_metrics(str(run_dir))
+    except FileNotFoundError:
         return {}
-    last = {}
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                try:
-                    last = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-    return last
+    return rows[-1] if rows else {}
 
 
 SUMMARY_KEYS = ("pr/loss_total", "ploss_0", "acc_0", "acc_1", "pr/acc_depth_0", "pr/acc_depth_1", "pr/acc_depth_2",

@@ -120,6 +120,20 @@ def repair_jsonl_tail(path: str | os.PathLike) -> int:
     return removed
 
 
+def read_jsonl_rows(path: str | os.PathLike) -> list[dict]:
+    """Every row of an append-mode JSONL file (after cutting a torn last line); [] if it is absent."""
+    if not os.path.exists(path):
+        return []
+    repair_jsonl_tail(path)
+    return [row for _, row in iter_jsonl(path)]
+
+
+def append_jsonl(path: str | os.PathLike, row: dict) -> None:
+    """Append one row, flushed and fsynced (see `JsonlAppender` for many rows)."""
+    with JsonlAppender(path) as out:
+        out.write(row)
+
+
 def read_done_ids(path: str | os.PathLike) -> set[str]:
     """Ids already present in an output JSONL (after repairing a torn tail)."""
     if not os.path.exists(path):

@@ -18,13 +18,13 @@ Does not own: prompt files (`pr_specforge.data.prompts`), tables and plots (`rep
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from pr_specforge.data.io import append_jsonl, read_jsonl_rows
 from pr_specforge.serving import SpeculativeDecoder, TreeConfig, autoregressive_decode
 
 CONF_BUCKETS = 10
@@ -87,18 +87,6 @@ def _encoder(tokenizer) -> Callable[[List[dict]], List[int]]:
         return list(tokenizer(text)["input_ids"])
 
     return encode
-
-
-def _read_jsonl(path: str) -> List[dict]:
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _append(path: str, row: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
 
 
 class Evaluator:
@@ -166,7 +154,7 @@ class Evaluator:
             "tokens": sum(len(o[0]) for o in outs),
             "seconds": sum(o[1] for o in outs),
         }
-        _append(self.baseline_path, row)
+        append_jsonl(self.baseline_path, row)
         done[key] = row
         return row
 
@@ -228,9 +216,9 @@ class Evaluator:
                 raise ValueError(f"prompts {name!r}: no usable prompt")
         s = self.settings
         done = {
-            (r["draft"], r["budget"], r["temperature"], r["set"], r["prompt"]) for r in _read_jsonl(self.results_path)
+            (r["draft"], r["budget"], r["temperature"], r["set"], r["prompt"]) for r in read_jsonl_rows(self.results_path)
         }
-        base_done = {(r["set"], r["prompt"], r["temperature"]): r for r in _read_jsonl(self.baseline_path)}
+        base_done = {(r["set"], r["prompt"], r["temperature"]): r for r in read_jsonl_rows(self.baseline_path)}
         jobs = [
             (set_name, idx, prompt, float(t), entry, b)
             for set_name, prompts in prompt_sets.items()
@@ -247,13 +235,13 @@ class Evaluator:
             seed = s.seed + idx
             base = self._baseline(set_name, prompt, t, seed, base_done)
             row = self._speculative(entry, b, set_name, prompt, t, seed, base)
-            _append(self.results_path, row)
+            append_jsonl(self.results_path, row)
             if row["lossless"] is False:
                 raise LosslessnessError(
                     f"{entry.name} B={b} on {set_name}/{prompt.id}: speculative output differs from the "
                     "target's greedy decode at temperature 0"
                 )
-        return summarize(_read_jsonl(self.results_path), s)
+        return summarize(read_jsonl_rows(self.results_path), s)
 
 
 def summarize(rows: Iterable[dict], settings: Optional[EvalSettings] = None) -> dict:
