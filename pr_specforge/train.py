@@ -21,7 +21,6 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -310,10 +309,7 @@ def _write_resolved_recipe(recipe: Recipe) -> None:
     if rank != 0:
         return
     payload = resolved_payload(recipe)
-    out = os.path.join(recipe.config.output_dir, "resolved_recipe.yaml")
-    fd, tmp = tempfile.mkstemp(dir=recipe.config.output_dir, prefix=".resolved_recipe.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        yaml.safe_dump(payload, f, sort_keys=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    from pr_specforge.data.io import atomic_write_text
+
+    atomic_write_text(os.path.join(recipe.config.output_dir, "resolved_recipe.yaml"),
+                      yaml.safe_dump(payload, sort_keys=False))
