@@ -246,7 +246,7 @@ class OnlinePRModel(OnlineEagle3Model):
         depth_feats: List[torch.Tensor] = [f0]  # g_j^r for the current step j
         depth_kv: List[KV] = [kv0]
         chain_b: List[KV] = []
-        ctx_b: KV = kv0
+        ctx_b: KV = kv0  # becomes step 0's mixed keys once step 0 closes, if pr.mix_context
         cont_feat = f0
         collected: Dict[str, list] = {k: [] for k in ("q", "pm", "lm", "losses", "correct", "lambdas", "d")}
 
@@ -262,7 +262,7 @@ class OnlinePRModel(OnlineEagle3Model):
                     groups.append(_Group(embs[j], cont_feat, j, list(chain_b), ctx_b))
                 else:
                     prev = depth_feats[r - 1]
-                    groups.append(_Group(draft.self_query(prev), prev, j, list(chain_b), kv0 if j == 0 else ctx_b))
+                    groups.append(_Group(draft.self_query(prev), prev, j, list(chain_b), ctx_b))
                 kinds.append(("B", (j, r)))
             results = self._checkpointed(self._run, groups, pos, ctx_mask, start_mask)
             for (kind, key), (feat, kv) in zip(kinds, results):

@@ -301,3 +301,18 @@ def test_gradient_checkpointing_keeps_far_fewer_activations():
         return total[0]
 
     assert saved_bytes(True) < 0.5 * saved_bytes(False)
+
+
+def test_mix_context_changes_only_the_mixed_rollout():
+    outs = []
+    for mix in (False, True):
+        _, pr, _ = make_drafters(max_depth=2, seed=7)
+        with torch.no_grad():
+            pr.pr_halt_gate.linear.bias.fill_(-2.0)  # mostly reconsider: the mixed keys differ from the one-pass keys
+        model = OnlinePRModel(pr, length=TTT, pr=PRConfig(mix_context=mix), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            outs.append(model(**make_batch(pr.config), return_logits=True))
+    for a, b in zip(outs[0].logits, outs[1].logits):
+        torch.testing.assert_close(a, b)  # rollout A never reads the mixed cache
+    torch.testing.assert_close(outs[0].depth_logits[0][1], outs[1].depth_logits[0][1])  # step 0 precedes any mixing
+    assert not torch.allclose(outs[0].depth_logits[2][0], outs[1].depth_logits[2][0])
