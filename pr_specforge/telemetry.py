@@ -32,6 +32,10 @@ PLOT_FILE = "metrics.png"
 
 #: strategy metric name (regex) -> tracker name; wandb groups panels by the text before the first `/`.
 PANEL_ALIASES: Tuple[Tuple[str, str], ...] = (
+    (r"pr/acc_depth_(\d+)_(conf_\w+)", r"by_confidence/acc_depth_\1_\2"),
+    (r"pr/halt_past_0_(conf_\w+)", r"by_confidence/halt_past_0_\1"),
+    (r"pr/recovered_share_(conf_\w+)", r"by_confidence/recovered_share_\1"),
+    (r"pr/conf_share_(conf_\w+)", r"by_confidence/share_\1"),
     (r"pr/gate_mean_depth_(\d+)", r"gate_usage/mean_gate_depth_\1"),
     (r"pr/halt_share_depth_(\d+)", r"gate_usage/halt_share_depth_\1"),
     (r"pr/halt_past_0", r"gate_usage/halt_past_0"),
@@ -47,7 +51,7 @@ PANEL_ALIASES: Tuple[Tuple[str, str], ...] = (
 )
 #: wandb summaries (the run table shows these).
 WANDB_SUMMARIES = (("loss_terms/*", "min"), ("accuracy/*", "max"), ("gate_usage/*", "last"),
-                   ("depth_marginal/*", "last"), ("reconsideration/*", "last"))
+                   ("depth_marginal/*", "last"), ("reconsideration/*", "last"), ("by_confidence/*", "last"))
 _COMPILED = [(re.compile(f"^{pattern}$"), repl) for pattern, repl in PANEL_ALIASES]
 
 
@@ -194,6 +198,7 @@ PANELS = (
     ("gate usage", [r"pr/gate_mean_depth_\d+", r"pr/halt_share_depth_\d+", r"pr/halt_past_0"], "share"),
     ("depth marginal q_bar and its entropy", [r"pr/depth_marginal_\d+", r"pr/depth_marginal_entropy"], "q_bar / nats"),
     ("recovered share", [r"pr/recovered_share", r"pr/recovered_of_all"], "share"),
+    ("by depth-0 confidence: gate opens, recovered", [r"pr/halt_past_0_conf_\w+", r"pr/recovered_share_conf_\w+"], "share"),
     ("learning rate", [r"lr"], "lr"),
     ("grad norm (pre-clip)", [r"grad_norm"], "norm"),
     ("throughput", [r"perf/global_tokens_per_second", r"perf/global_samples_per_second"], "per second"),

@@ -53,6 +53,11 @@ def marginal_entropy(q: torch.Tensor, weight: torch.Tensor) -> Tuple[torch.Tenso
     return entropy, q_bar
 
 
+#: depth-0 top-1 probability bands of the confidence-banded telemetry (the evaluator's Table 7 bands)
+CONFIDENCE_BANDS = (0.5, 0.9)
+CONFIDENCE_BAND_NAMES = ("conf_lt50", "conf_50to90", "conf_ge90")
+
+
 @dataclass
 class PRForwardOutput:
     """What one training forward produces.
@@ -248,7 +253,7 @@ class OnlinePRModel(OnlineEagle3Model):
         chain_b: List[KV] = []
         ctx_b: KV = kv0  # becomes step 0's mixed keys once step 0 closes, if pr.mix_context
         cont_feat = f0
-        collected: Dict[str, list] = {k: [] for k in ("q", "pm", "lm", "losses", "correct", "lambdas", "d")}
+        collected: Dict[str, list] = {k: [] for k in ("q", "pm", "lm", "losses", "correct", "lambdas", "d", "conf")}
 
         a_step, s_idx = 1, 0
         while a_step < length or s_idx < len(stages):
@@ -319,6 +324,8 @@ class OnlinePRModel(OnlineEagle3Model):
             pred = torch.stack([lg.argmax(-1) for lg in logits], dim=-1)
             pred = pred + draft.d2t[pred]
             correct = pred == v.target_token_ids[..., None]
+            conf = torch.softmax(logits[0].float(), dim=-1).amax(-1)  # depth-0 top-1 probability
+        collected["conf"].append(conf)
         collected["q"].append(q)
         collected["pm"].append(v.position_mask.squeeze(-1).float())
         collected["lm"].append(v.loss_mask.squeeze(-1).float())
@@ -383,3 +390,15 @@ class OnlinePRModel(OnlineEagle3Model):
         recovered = wrong0 * (correct[..., 1:].amax(-1) if depth else torch.zeros_like(wrong0))
         rm["pr/recovered_share"] = (recovered.sum(), wrong0.sum())
         rm["pr/recovered_of_all"] = (recovered.sum(), lm_sum)
+        # The same by depth-0 confidence band (the evaluator's bands): does the gate open, and do the
+        # reconsidered depths out-predict depth 0, where the one-pass guess is unsure?
+        conf = torch.stack(c["conf"])
+        edges = [0.0, *CONFIDENCE_BANDS, float("inf")]
+        for name, lo, hi in zip(CONFIDENCE_BAND_NAMES, edges[:-1], edges[1:]):
+            in_band = ((conf >= lo) & (conf < hi)).float() * lm
+            band_sum = in_band.sum()
+            rm[f"pr/conf_share_{name}"] = (band_sum, lm_sum)
+            rm[f"pr/halt_past_0_{name}"] = (((d > 0).float() * in_band).sum(), band_sum)
+            for r in range(depth + 1):
+                rm[f"pr/acc_depth_{r}_{name}"] = ((correct[..., r] * in_band).sum(), band_sum)
+            rm[f"pr/recovered_share_{name}"] = ((recovered * in_band).sum(), (wrong0 * in_band).sum())

@@ -316,3 +316,35 @@ def test_mix_context_changes_only_the_mixed_rollout():
         torch.testing.assert_close(a, b)  # rollout A never reads the mixed cache
     torch.testing.assert_close(outs[0].depth_logits[0][1], outs[1].depth_logits[0][1])  # step 0 precedes any mixing
     assert not torch.allclose(outs[0].depth_logits[2][0], outs[1].depth_logits[2][0])
+
+
+def test_confidence_banded_telemetry_partitions_the_positions_and_matches_the_logits():
+    from pr_specforge.eval.evaluator import BANDS
+    from pr_specforge.objective.ttt import CONFIDENCE_BAND_NAMES, CONFIDENCE_BANDS
+    from pr_specforge.telemetry import panel_name
+
+    assert CONFIDENCE_BANDS == BANDS  # training telemetry and the evaluator's Table 7 use the same bands
+    _, pr, _ = make_drafters(max_depth=2, seed=3)
+    with torch.no_grad():  # a peaked head, so the positions spread over all three bands
+        pr.lm_head.weight.mul_(40.0)
+        pr.pr_halt_gate.linear.weight.normal_(0, 0.5)
+    batch = make_batch(pr.config, batch=2, seq=24)
+    out = OnlinePRModel(pr, length=TTT, generator=torch.Generator().manual_seed(0))(**batch, return_logits=True)
+    rm = {k: (float(n), float(d)) for k, (n, d) in out.ratio_metrics.items()}
+    for key in rm:
+        assert panel_name(key) is not None, key  # every PR metric reaches a wandb panel
+    shares = [rm[f"pr/conf_share_{b}"] for b in CONFIDENCE_BAND_NAMES]
+    assert sum(n for n, _ in shares) == pytest.approx(rm["pr/acc_depth_0"][1])  # the bands partition the positions
+    assert sum(1 for n, _ in shares if n > 0) >= 2
+    for key in ("pr/acc_depth_0", "pr/acc_depth_2", "pr/halt_past_0", "pr/recovered_share"):
+        assert sum(rm[f"{key}_{b}"][0] for b in CONFIDENCE_BAND_NAMES) == pytest.approx(rm[key][0]), key
+    # band counts recomputed from the returned depth-0 logits and SpecForge's per-step loss-mask shift
+    from pr_specforge._specforge import padding
+
+    lm, masks = batch["loss_mask"], []
+    for _ in out.depth_logits:
+        masks.append(lm.reshape(lm.shape[0], -1).float())
+        lm = padding(lm, left=False)
+    conf = torch.stack([torch.softmax(lg[0], -1).amax(-1) for lg in out.depth_logits])
+    high = float(((conf >= CONFIDENCE_BANDS[1]).float() * torch.stack(masks)).sum())
+    assert rm["pr/conf_share_conf_ge90"][0] == pytest.approx(high)
