@@ -200,6 +200,8 @@ class Evaluator:
             "verify_s": sum(r.verify_s for r in results),
             "total_s": sum(r.total_s for r in results),
             "recon_rows": sum(r.recon_rows for r in results),
+            "recon_kept": sum(r.recon_kept for r in results),
+            "repriced_kept": sum(r.repriced_kept for r in results),
             "ar_tokens": base["tokens"],
             "ar_s": base["seconds"],
             "lossless": lossless,
@@ -277,6 +279,9 @@ def summarize(rows: Iterable[dict], settings: Optional[EvalSettings] = None) -> 
                 "ar_tokens_per_s": ar_tps,
                 "speedup": tps / ar_tps if ar_tps > 0 else 0.0,
                 "recon_rows_per_round": sum(r["recon_rows"] for r in rs) / max(1, rounds),
+                # room under the cut: reconsidered candidates (and repriced ones) among the B kept per round
+                "recon_kept_per_round": sum(r.get("recon_kept", 0) for r in rs) / max(1, rounds),
+                "repriced_kept_per_round": sum(r.get("repriced_kept", 0) for r in rs) / max(1, rounds),
                 "lossless": all(flags) if flags else None,
                 "per_prompt_tau": {r["prompt"]: r["tau"] for r in rs},
                 "conf_hist": hist,

@@ -56,6 +56,8 @@ class DecodeResult:
     verify_s: float = 0.0
     total_s: float = 0.0
     recon_rows: int = 0
+    recon_kept: int = 0  # kept (verified) nodes proposed by reconsideration, summed over rounds
+    repriced_kept: int = 0  # kept nodes proposed or repriced by reconsideration, summed over rounds
     tree_sizes: List[int] = field(default_factory=list)
     # per verified node: (c_d, c_t, top1_hit, onepass_hit, recovered)
     diagnostics: List[Tuple[float, float, bool, bool, bool]] = field(default_factory=list)
@@ -152,6 +154,8 @@ class SpeculativeDecoder:
             res.verify_s += t2 - t1
             res.accept_lengths.append(len(path))
             res.recon_rows += tree.recon_rows
+            res.recon_kept += tree.recon_kept
+            res.repriced_kept += tree.repriced_kept
             res.tree_sizes.append(len(tokens) - 1)
             self._diagnose(tree, path, bonus, logits, res)
             if keep_trees:

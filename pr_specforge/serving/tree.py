@@ -85,6 +85,8 @@ class Node:
     step: int  # the step that created it
     anc_rows: Tuple[int, ...]  # tree rows of its ancestors as its branch sees them
     via_recon: bool = False  # proposed by the parent's reconsidered feature
+    repriced: bool = False  # its score differs from the one-pass tree's: an edge on its path was repriced
+    #                         by Eq. 9, or the node / an ancestor was proposed by a reconsidered feature
     children: List[int] = field(default_factory=list)
     # set once forwarded (one pass)
     row: int = -1
@@ -113,6 +115,8 @@ class DraftTree:
     kept: List[int]  # node ids in verification order: root first, parents before children
     root_position: int  # target position of the root token
     recon_rows: int = 0  # reconsideration rows carried this round
+    recon_kept: int = 0  # kept nodes (after the cut) proposed by a reconsidered feature
+    repriced_kept: int = 0  # kept nodes whose score reconsideration changed (repriced, or proposed by it)
     steps: int = 0  # batched forwards after the root's
     halt_depths: Dict[int, int] = field(default_factory=dict)  # d_v -> count
 
@@ -184,6 +188,7 @@ class _Builder:
             step=step,
             anc_rows=p.anc_rows + (slot,),
             via_recon=via_recon,
+            repriced=via_recon or p.repriced,  # its score carries reconsideration's pricing
         )
         self.nodes.append(node)
         p.children.append(len(self.nodes) - 1)
@@ -193,6 +198,7 @@ class _Builder:
         while stack:
             c = stack.pop()
             self.nodes[c].score += delta
+            self.nodes[c].repriced = True
             stack.extend(self.nodes[c].children)
 
     def coin(self) -> float:
@@ -243,6 +249,7 @@ class _Builder:
             delta = new_score - child.score
             child.score = new_score
             if delta != 0.0:
+                child.repriced = True
                 self.shift_subtree(c, delta)
         top = torch.topk(log_mix, self.cfg.k)
         tokens = self.rt.to_target_ids(top.indices).tolist()
@@ -333,6 +340,8 @@ class _Builder:
             steps += 1
         kept = global_cut(self.nodes, cfg.budget)
         return DraftTree(
+            recon_kept=sum(self.nodes[i].via_recon for i in kept),
+            repriced_kept=sum(self.nodes[i].via_recon or self.nodes[i].repriced for i in kept),
             nodes=self.nodes,
             kept=kept,
             root_position=rt.length,

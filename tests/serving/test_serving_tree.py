@@ -88,7 +88,7 @@ def test_pr_tree_with_gate_halting_at_depth0_is_the_eagle_tree(models):
         cfg = TreeConfig(budget=budget, m=3)
         ref, _ = draft(eagle, target, cfg)
         got, _ = draft(pr, target, cfg)
-        assert got.recon_rows == 0
+        assert got.recon_rows == 0 and got.recon_kept == 0 and got.repriced_kept == 0
         assert signature(got) == signature(ref)
 
 
@@ -101,6 +101,12 @@ def test_reconsidered_tree_invariants(models):
         nodes = tree.nodes
         assert tree.recon_rows > 0 and any(n.via_recon for n in nodes)
         assert len(tree.kept) - 1 == min(budget, len(nodes) - 1)
+        # the room-under-the-cut counters count exactly the kept nodes reconsideration proposed / moved
+        assert tree.recon_kept == sum(nodes[i].via_recon for i in tree.kept)
+        assert tree.recon_kept <= tree.repriced_kept <= budget
+        for i, n in enumerate(nodes[1:], 1):  # a repriced node's whole subtree was shifted with it
+            if n.repriced:
+                assert all(nodes[c].repriced for c in n.children)
         kept = set(tree.kept)
         assert tree.kept[0] == 0
         for i in tree.kept[1:]:
