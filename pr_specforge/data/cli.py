@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 
@@ -43,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-turns", type=int, default=None, help="max user turns kept per conversation")
     c.add_argument("--holdout-prompts", action="append", default=[],
                    help="mtbench | gsm8k | humaneval | prompts .jsonl: drop conversations whose first user prompt is in it")
+    c.add_argument("--exclude-ids", action="append", default=[], metavar="JSONL",
+                   help="conversation JSONL whose ids are dropped (a held-out set disjoint from a training set; repeatable)")
     c.add_argument("--strict", action="store_true", help="fail on a malformed JSONL line instead of skipping it")
 
     r = sub.add_parser("regenerate", help="replace assistant turns with the target's own replies")
@@ -117,8 +120,15 @@ def main(argv: list[str] | None = None) -> int:
             from pr_specforge.data.prompts import load_prompts
 
             holdout = [t for src in args.holdout_prompts for p in load_prompts(src, turns="first") for t in p.turns]
+            from pr_specforge.data.io import read_done_ids
+
+            for f in args.exclude_ids:
+                if not os.path.exists(f):
+                    raise DataFormatError(f"--exclude-ids {f}: no such file")
+            excluded = set().union(*(read_done_ids(f) for f in args.exclude_ids)) if args.exclude_ids else set()
             stats = prepare_conversations(args.source, args.output, limit=args.limit, max_turns=args.max_turns,
-                                          holdout_prompts=holdout, strict=args.strict, split=args.split)
+                                          holdout_prompts=holdout, strict=args.strict, split=args.split,
+                                          exclude_ids=excluded)
             print(json.dumps(stats.as_dict()))
             return 0
 

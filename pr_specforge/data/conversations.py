@@ -226,13 +226,16 @@ def prepare_conversations(
     strict: bool = False,
     split: str | None = None,
     progress: bool = True,
+    exclude_ids: Iterable[str] = (),
 ) -> ConversationStats:
     """Normalise `sources` into `output` JSONL, resuming after rows already there.
 
     `limit` counts rows in the output (resumed ones included); `max_turns`
     keeps at most that many user turns per conversation; conversations whose
     first user prompt matches one of `holdout_prompts` are dropped
-    (`skipped["held_out"]`), which keeps evaluation prompts out of training.
+    (`skipped["held_out"]`), which keeps evaluation prompts out of training;
+    conversations whose id is in `exclude_ids` are dropped (`skipped["excluded_id"]`),
+    which builds a held-out set disjoint from a training set drawn from the same source.
     """
     from tqdm import tqdm
 
@@ -241,6 +244,7 @@ def prepare_conversations(
     stats.resumed = len(done)
     seen = set(done)
     holdout = {normalize_prompt_text(p) for p in holdout_prompts}
+    excluded = set(map(str, exclude_ids))
     total = stats.resumed
     repair_jsonl_tail(output)
     with JsonlAppender(output) as out, tqdm(desc="conversations", unit="row", disable=not progress, initial=total) as bar:
@@ -255,6 +259,9 @@ def prepare_conversations(
                     row = normalize_conversation(raw, max_turns=max_turns)
                 except SkipRow as e:
                     stats.skipped[e.args[0]] += 1
+                    continue
+                if row["id"] in excluded:
+                    stats.skipped["excluded_id"] += 1
                     continue
                 if row["id"] in seen:
                     if row["id"] not in done:

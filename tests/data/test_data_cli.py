@@ -63,6 +63,9 @@ def test_cli_reports_bad_input_without_a_traceback(tmp_path, tiny_target, capsys
                  "--draft-vocab-size", "16"]) == 2
     assert "bad.jsonl:1: malformed JSON" in capsys.readouterr().err
     assert main(["validate", str(tmp_path / "nothing")]) == 1
+    assert main(["conversations", "--source", str(bad), "--output", str(tmp_path / "o.jsonl"),
+                 "--exclude-ids", str(tmp_path / "train.jsonl")]) == 2
+    assert "train.jsonl: no such file" in capsys.readouterr().err
 
 
 def test_bf16_features_are_written_in_bf16(tmp_path, tiny_target):

@@ -100,6 +100,16 @@ def test_limit_counts_output_rows(tmp_path):
     assert [r["id"] for r in read(tmp_path / "out.jsonl")] == ["0", "1", "2", "3"]
 
 
+def test_held_out_set_takes_the_next_rows_disjoint_from_the_training_set(tmp_path):
+    rows = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}]} for i in range(10)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    prepare_conversations([str(src)], tmp_path / "train.jsonl", limit=4, progress=False)
+    train_ids = {r["id"] for r in read(tmp_path / "train.jsonl")}
+    stats = prepare_conversations([str(src)], tmp_path / "heldout.jsonl", limit=3, exclude_ids=train_ids, progress=False)
+    assert [r["id"] for r in read(tmp_path / "heldout.jsonl")] == ["4", "5", "6"]
+    assert stats.skipped["excluded_id"] == 4
+
+
 def test_rerun_after_interruption_matches_an_uninterrupted_run(tmp_path):
     rows = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
             for i in range(20)]
