@@ -32,7 +32,7 @@ from specforge.config.schema import apply_overrides, migrate_legacy_config  # no
 from specforge.core.loss import LogSoftmaxLoss as _TritonLogSoftmaxLoss
 from specforge.data.preprocessing import preprocess_conversations  # noqa: F401
 from specforge.data.template import TEMPLATE_REGISTRY, ChatTemplate  # noqa: F401
-from specforge.distributed import init_distributed  # noqa: F401
+from specforge.distributed import destroy_distributed, init_distributed  # noqa: F401
 from specforge.export.checkpoint_io import resolve_training_state  # noqa: F401
 from specforge.lr_scheduler import ConstantWarmupLR, CosineAnnealingWarmupLR  # noqa: F401
 from specforge.modeling.draft.llama3_eagle import (  # noqa: F401
@@ -51,6 +51,30 @@ from specforge.training.tracking import TrackerLogger, scalar_metrics, training_
 from specforge.utils import padding  # noqa: F401
 
 SPECFORGE_VERSION = "0.2.0"
+
+
+def bootstrap_single_process_env() -> None:
+    """SpecForge's one-process rendezvous variables (RANK/WORLD_SIZE/MASTER_*), as its CLI sets them."""
+    from specforge.cli import _bootstrap_single_process_env
+
+    _bootstrap_single_process_env()
+
+
+def build_training_run(cfg, *, algorithm):
+    """SpecForge's run assembly (model bundle, offline loader, trainer), without fitting."""
+    from specforge.training.assembly import build_training_run as _build
+
+    return _build(cfg, algorithm=algorithm)
+
+
+def trainer_strategy(trainer):
+    """The step strategy an assembled SpecForge `Trainer` runs (its controller's core)."""
+    return trainer._controller.core.strategy
+
+
+def trainer_loader(trainer):
+    """The feature loader of an assembled SpecForge `Trainer`."""
+    return trainer._loader
 
 
 def load_offline_capture(*args, **kwargs):

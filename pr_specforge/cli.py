@@ -24,6 +24,7 @@ _DELEGATED = {
     "export": ("pr_specforge.export", "export a training checkpoint for SGLang or as an HF directory"),
     "plot": ("pr_specforge.telemetry", "render a run's metrics JSONL to PNG"),
     "run": ("pr_specforge.pipeline", "the embedded default: SmolLM2-135M on CPU, prepare -> train -> export -> evaluate"),
+    "diagnose": ("pr_specforge.diagnose", "a checkpoint's per-depth accuracy, gate use and recovered share on held-out features"),
     "experiment": ("pr_specforge.experiment", "the SmolLM2 EAGLE-3 vs PR experiment (resumable stages)"),
 }
 

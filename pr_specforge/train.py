@@ -298,7 +298,8 @@ def _install_runtime_hooks(recipe: Recipe) -> None:
 def resolved_payload(recipe: Recipe) -> Dict[str, Any]:
     """The resolved recipe: SpecForge's config dump plus the `pr:` and `backend:` sections."""
     payload = recipe.config.model_dump(mode="json")
-    payload[PR_SECTION] = recipe.pr.to_dict()
+    if recipe.config.training.strategy == "pr":  # a `pr:` section on another strategy is refused on reload
+        payload[PR_SECTION] = recipe.pr.to_dict()
     payload[BACKEND_SECTION] = recipe.backend.to_dict()
     return payload
 

@@ -1,0 +1,185 @@
+"""`pr-specforge diagnose`: a trained checkpoint's objective telemetry on held-out features.
+
+    pr-specforge diagnose RUN_DIR --features HELDOUT_FEATURES [--checkpoint CKPT] [--json OUT]
+
+Answers, on features the drafter never trained on: does the gate open (halt past depth 0,
+per depth-0 confidence band)? Do reconsidered depths out-predict depth 0 (top-1 accuracy per
+depth, and the share of depth-0 misses some depth recovers)? And the one-pass chain's
+per-TTT-step accuracy with SpecForge's simulated acceptance length, for EAGLE-3 runs too, so
+two drafters trained on the same data compare on the same held-out positions.
+
+How: the run's resolved recipe is rebuilt by SpecForge's own assembly with the held-out
+features as its training data (so batches are prepared exactly as in training), the
+checkpoint's draft weights are loaded, and the strategy's `forward_loss` runs over every
+batch under `no_grad` in eval mode. PR's telemetry comes out as (numerator, denominator)
+sums; they are summed over the whole set before dividing.
+
+Owns: the aggregation and the table. Does not own the metrics' definitions
+(`pr_specforge.objective.ttt`) or the data pipeline (SpecForge's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, List, Optional
+
+log = logging.getLogger(__name__)
+
+
+def simulated_acc_len(per_step_acc: List[float]) -> float:
+    """SpecForge's chain estimate: a0 + a0*a1 + ... (the eval loop's `simulated_acc_len`)."""
+    total, cumulative = 0.0, 1.0
+    for a in per_step_acc:
+        cumulative *= a
+        total += cumulative
+    return total
+
+
+def _resolve_checkpoint(run_dir: Path, checkpoint: Optional[str]) -> str:
+    from pr_specforge.pipeline import latest_checkpoint
+
+    if checkpoint:
+        if not Path(checkpoint).exists():
+            raise SystemExit(f"--checkpoint {checkpoint}: no such checkpoint")
+        return checkpoint
+    return latest_checkpoint(run_dir)
+
+
+def diagnose(run_dir: str, features: str, checkpoint: Optional[str] = None, limit: Optional[int] = None,
+             seed: int = 0, progress: bool = True) -> Dict:
+    """Run the checkpoint's training objective over `features` without updating it; return the metrics."""
+    import torch
+    import yaml
+    from tqdm import tqdm
+
+    from pr_specforge import _specforge as sf
+    from pr_specforge.integration import _unwrap, build_registry
+    from pr_specforge.train import load_recipe
+
+    run = Path(run_dir)
+    recipe_path = run / "resolved_recipe.yaml"
+    if not recipe_path.exists():
+        raise SystemExit(f"{run}: no resolved_recipe.yaml; is this a `pr-specforge train` output directory?")
+    if not (Path(features) / "manifest.json").exists() and not any(Path(features).rglob("*.ckpt")):
+        raise SystemExit(f"--features {features}: no feature files (expected `pr-specforge data hidden-states` output)")
+    ckpt = _resolve_checkpoint(run, checkpoint)
+    scratch = tempfile.mkdtemp(prefix="pr-diagnose-")
+    raw = yaml.safe_load(recipe_path.read_text())
+    if (raw.get("training") or {}).get("strategy") != "pr":
+        raw.pop("pr", None)  # written by versions before 0.1 for every strategy
+    recipe_path = Path(scratch) / "resolved_recipe.yaml"
+    recipe_path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    recipe = load_recipe(str(recipe_path), [
+        f"data.hidden_states_path={os.path.abspath(features)}", "data.eval_hidden_states_path=",
+        "training.eval_interval=0",
+        "training.num_epochs=1", f"output_dir={scratch}", "tracking.report_to=none",
+    ])
+    cfg = recipe.config
+    if cfg.training.resume_from or cfg.training.max_steps:  # the run's own schedule and resume point do not apply
+        cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"resume_from": None, "max_steps": None})})
+    resolved = sf.resolve_run(cfg, build_registry(recipe.pr))
+    os.environ["FSDP_SHARDING"] = cfg.training.fsdp_sharding  # as SpecForge's CLI does: the backend reads it
+    sf.bootstrap_single_process_env()
+    sf.init_distributed(timeout=cfg.training.dist_timeout)
+    try:
+        trainer = sf.build_training_run(resolved.config, algorithm=resolved.algorithm).trainer
+        strategy, loader = sf.trainer_strategy(trainer), sf.trainer_loader(trainer)
+        module = strategy.trainable_module()
+        draft = _unwrap(module).draft_model
+        state = sf.CheckpointManager.read_resume_state(ckpt, require_full_state=False)["draft_state_dict"]
+        result = draft.load_state_dict(state, strict=False)
+        missing = [k for k in result.missing_keys if not k.startswith("embed_tokens.")]
+        if result.unexpected_keys or missing:
+            raise SystemExit(f"{ckpt}: draft weights do not fit the run's drafter (unexpected "
+                             f"{sorted(result.unexpected_keys)[:5]}, missing {missing[:5]})")
+        module.eval()
+        torch.manual_seed(seed)
+        correct: List[float] = []
+        denom: List[float] = []
+        ratios: Dict[str, List[float]] = defaultdict(lambda: [0.0, 0.0])
+        batches = 0
+        with torch.no_grad():
+            for batch in tqdm(loader, desc="diagnose", unit="batch", disable=not progress):
+                out = strategy.forward_loss(batch)
+                m = out.metrics
+                for j, (c, d) in enumerate(zip(m["acc_corrects"], m["acc_denoms"])):
+                    if j == len(correct):
+                        correct.append(0.0)
+                        denom.append(0.0)
+                    correct[j] += float(torch.as_tensor(c).sum())
+                    denom[j] += float(torch.as_tensor(d).sum())
+                for key, (num, den) in (out.ratio_metrics or {}).items():
+                    ratios[key][0] += float(torch.as_tensor(num).sum())
+                    ratios[key][1] += float(torch.as_tensor(den).sum())
+                batches += 1
+                if limit is not None and batches >= limit:
+                    break
+    finally:
+        sf.destroy_distributed()
+    if not batches:
+        raise SystemExit(f"--features {features}: no batch was read (fewer samples than training.batch_size?)")
+    acc = [c / d if d else 0.0 for c, d in zip(correct, denom)]
+    return {
+        "run": str(run), "checkpoint": ckpt, "features": str(features), "strategy": cfg.training.strategy,
+        "batches": batches, "positions": denom[0] if denom else 0,
+        "one_pass_acc": acc, "simulated_acc_len": simulated_acc_len(acc),
+        "pr": {k: (n / d if d else None) for k, (n, d) in sorted(ratios.items())},
+        "pr_counts": {k: [n, d] for k, (n, d) in sorted(ratios.items())},
+    }
+
+
+def render(report: Dict) -> str:
+    """A short text table of one diagnosis."""
+    from pr_specforge.objective.ttt import CONFIDENCE_BAND_NAMES
+
+    lines = [f"{report['run']} @ {os.path.basename(report['checkpoint'])} on {report['features']} "
+             f"({report['batches']} batches, {report['positions']:.0f} positions)",
+             "one-pass acc per TTT step: " + " ".join(f"{a:.3f}" for a in report["one_pass_acc"])
+             + f"  (simulated acc len {report['simulated_acc_len']:.3f})"]
+    pr = report["pr"]
+    depths = sorted(int(k.rsplit("_", 1)[1]) for k in pr if k.startswith("pr/acc_depth_") and k.rsplit("_", 1)[1].isdigit())
+    if depths:
+        lines.append("mixed rollout      | " + " | ".join(f"depth {r}" for r in depths))
+        lines.append("top-1 acc          | " + " | ".join(f"{pr[f'pr/acc_depth_{r}']:.3f}" for r in depths))
+        lines.append("q_bar              | " + " | ".join(f"{pr[f'pr/depth_marginal_{r}']:.3f}" for r in depths))
+        lines.append("halt share         | " + " | ".join(f"{pr[f'pr/halt_share_depth_{r}']:.3f}" for r in depths))
+        lines.append(f"recovered share of depth-0 misses: {pr['pr/recovered_share']:.3f}")
+        lines.append("by depth-0 confidence | share | halt past 0 | " + " | ".join(f"acc d{r}" for r in depths) + " | recovered")
+        for b in CONFIDENCE_BAND_NAMES:
+            if pr.get(f"pr/conf_share_{b}") is None:
+                continue
+            cells = [pr.get(f"pr/conf_share_{b}"), pr.get(f"pr/halt_past_0_{b}"),
+                     *(pr.get(f"pr/acc_depth_{r}_{b}") for r in depths), pr.get(f"pr/recovered_share_{b}")]
+            lines.append(f"{b:21s} | " + " | ".join("-" if v is None else f"{v:.3f}" for v in cells))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="pr-specforge diagnose", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", help="a `pr-specforge train` output directory (holds resolved_recipe.yaml)")
+    p.add_argument("--features", required=True, help="held-out feature directory (`pr-specforge data hidden-states`)")
+    p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the run's newest step)")
+    p.add_argument("--limit", type=int, default=None, help="at most this many batches")
+    p.add_argument("--seed", type=int, default=0, help="seed of the halt-depth sampling")
+    p.add_argument("--json", default=None, help="write the metrics here (atomically)")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    report = diagnose(args.run_dir, args.features, args.checkpoint, args.limit, args.seed, not args.no_progress)
+    if args.json:
+        from pr_specforge.data.io import atomic_write_json
+
+        atomic_write_json(args.json, report)
+    print(render(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""`pr-specforge diagnose` reproduces SpecForge's own held-out eval loop and adds PR's per-depth metrics."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from tests.helpers import write_features, write_workspace
+
+ENV = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+
+
+def _run(args, cwd):
+    proc = subprocess.run(args, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("strategy", ["pr", "eagle3"])
+def test_diagnose_matches_specforges_eval_loop_on_the_same_checkpoint(tmp_path, strategy):
+    from transformers import AutoModelForCausalLM
+
+    recipe = write_workspace(str(tmp_path), strategy=strategy, steps=4,
+                             pr_section={"max_depth": 2} if strategy == "pr" else None)
+    held = tmp_path / "heldout"
+    write_features(AutoModelForCausalLM.from_pretrained(str(tmp_path / "target")), str(held), n=5, seed=11)
+    # bf16 weights, as the SmolLM2 recipes train: SpecForge's eagle3 eval loop feeds bf16 features uncast
+    rc, out = _run([sys.executable, "-m", "pr_specforge.cli", "train", "-c", recipe, "training.save_interval=4",
+                    "model.torch_dtype=bfloat16",
+                    f"data.eval_hidden_states_path={held}", "training.eval_interval=4"], tmp_path)
+    assert rc == 0, out[-3000:]
+    resolved = yaml.safe_load((tmp_path / "out" / "resolved_recipe.yaml").read_text())
+    assert ("pr" in resolved) == (strategy == "pr")  # an eagle3 run's resolved recipe reloads as eagle3
+    evals = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl") if '"eval/' in line]
+    assert [e["step"] for e in evals] == [4]
+    rc, out = _run([sys.executable, "-m", "pr_specforge.cli", "diagnose", str(tmp_path / "out"), "--features", str(held),
+                    "--json", str(tmp_path / "diag.json"), "--no-progress"], tmp_path)
+    assert rc == 0, out[-3000:]
+    diag = json.loads((tmp_path / "diag.json").read_text())
+    assert diag["checkpoint"].endswith("step4") and diag["batches"] == 5
+    spec = [evals[0][f"eval/per_position_acc/{j}"] for j in range(3)]
+    assert diag["one_pass_acc"] == pytest.approx(spec, abs=1e-9)
+    assert diag["simulated_acc_len"] == pytest.approx(evals[0]["eval/simulated_acc_len"], abs=1e-9)
+    if strategy == "pr":
+        pr = diag["pr"]
+        assert sum(pr[f"pr/depth_marginal_{r}"] for r in range(3)) == pytest.approx(1.0)
+        assert sum(pr[f"pr/conf_share_{b}"] for b in ("conf_lt50", "conf_50to90", "conf_ge90")) == pytest.approx(1.0)
+        assert 0.0 <= pr["pr/recovered_share"] <= 1.0
+        assert "depth 2" in out and "recovered share" in out
+    else:
+        assert diag["pr"] == {}
+
+
+def test_diagnose_names_a_missing_run_or_feature_directory(tmp_path):
+    rc, out = _run([sys.executable, "-m", "pr_specforge.cli", "diagnose", str(tmp_path / "nope"),
+                    "--features", str(tmp_path)], tmp_path)
+    assert rc != 0 and "no resolved_recipe.yaml" in out and "Traceback" not in out
