@@ -60,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-interval", type=int, default=500)
+    p.add_argument("--heldout", type=int, default=200,
+                   help="held-out ShareGPT conversations (disjoint from training and evaluation prompts) whose "
+                        "features both trainings evaluate on (SpecForge's eval loop) and `pr-specforge diagnose` reads")
+    p.add_argument("--eval-interval", type=int, default=2000, help="training steps between held-out evaluations (0: none)")
     p.add_argument("--eval-limit", type=int, default=40)
     p.add_argument("--eval-max-new-tokens", type=int, default=128)
     p.add_argument("--benchmarks", nargs="+", default=list(BENCHMARKS))
@@ -74,10 +78,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     # data settings are shared by every seed; seeds and reports may differ between invocations
     check_settings(work / "data_settings.json", {k: getattr(args, k) for k in (
         "conversations", "max_new_tokens", "max_prompt_chars", "max_length", "draft_vocab_size")})
+    check_settings(work / "heldout_settings.json", {"heldout": args.heldout})
     target, convs, regen, feats = work / "target", work / "conversations.jsonl", work / "regenerated.jsonl", work / "features"
+    held = work / "heldout"
     runs = {name: work / "runs" / f"{name}-seed{args.seed}" for name in RECIPES}
     exports = {name: work / "export" / f"{name}-seed{args.seed}" for name in RECIPES}
     evals = {"b48": work / f"eval-b48-seed{args.seed}", "b24": work / f"eval-b24-seed{args.seed}"}
+    diags = {name: work / "diagnose" / f"{name}-seed{args.seed}.json" for name in RECIPES}
 
     def train(name: str):
         def run() -> None:
@@ -91,6 +98,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 f"training.learning_rate={args.lr}", f"training.seed={args.seed}",
                 f"training.save_interval={args.save_interval}",
             ]
+            if args.heldout and args.eval_interval:
+                overrides += [f"data.eval_hidden_states_path={held / 'features'}", f"training.eval_interval={args.eval_interval}"]
             ckpt = latest_checkpoint(runs[name], required=False)
             if ckpt:
                 log.info("resuming %s from %s", name, ckpt)
@@ -100,6 +109,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise SystemExit(f"training {name} failed: exit {rc}")
             (runs[name] / "train.done").write_text("ok\n")
         return run
+
+    def diagnose() -> None:
+        for name in RECIPES:  # the PR file last: it is the stage's output
+            call_stage("pr_specforge.diagnose", [str(runs[name]), "--features", str(held / "features"),
+                                                  "--json", str(diags[name]), "--seed", str(args.seed), "--no-progress"])
 
     def export() -> None:
         for name in RECIPES:
@@ -127,14 +141,30 @@ def main(argv: Optional[List[str]] = None) -> int:
             "hidden-states", "--target", str(target), "--input", str(regen), "--output", str(feats),
             "--max-length", str(args.max_length), "--draft-vocab-size", str(args.draft_vocab_size)]),
             call_stage("pr_specforge.data.cli", ["validate", str(feats), "--target", str(target)]))),
+        *([
+            Stage("heldout-conversations", held / "conversations.jsonl", lambda: call_stage("pr_specforge.data.cli", [
+                "conversations", "--source", "sharegpt-package", "--output", str(held / "conversations.jsonl"),
+                "--limit", str(args.heldout), "--max-turns", "1", "--exclude-ids", str(convs),
+                *sum((["--holdout-prompts", b] for b in BENCHMARKS), [])])),
+            Stage("heldout-regenerate", held / "regenerated.done", lambda: (call_stage("pr_specforge.data.cli", [
+                "regenerate", "--target", str(target), "--input", str(held / "conversations.jsonl"),
+                "--output", str(held / "regenerated.jsonl"), "--max-new-tokens", str(args.max_new_tokens),
+                "--batch-size", "32", "--temperature", "0", "--max-prompt-chars", str(args.max_prompt_chars)]),
+                (held / "regenerated.done").write_text("ok\n"))),
+            Stage("heldout-features", held / "features" / "manifest.json", lambda: call_stage("pr_specforge.data.cli", [
+                "hidden-states", "--target", str(target), "--input", str(held / "regenerated.jsonl"),
+                "--output", str(held / "features"), "--max-length", str(args.max_length),
+                "--draft-vocab-size", str(args.draft_vocab_size)])),
+        ] if args.heldout else []),
         Stage("train-eagle3", runs["eagle3"] / "train.done", train("eagle3")),
         Stage("train-pr", runs["pr"] / "train.done", train("pr")),
+        *([Stage("diagnose", diags["pr"], diagnose)] if args.heldout else []),
         Stage("export", exports["pr"] / "config.json", export),
         Stage("eval-b48", evals["b48"] / "summary.json", evaluate("b48", [48], [0.0, 1.0])),
         Stage("eval-b24", evals["b24"] / "summary.json", evaluate("b24", [24], [0.0])),
     ]
     timings = run_stages(stages, work / "stage_times.json")
-    report = build_report(args, work, runs, evals, timings)
+    report = build_report(args, work, runs, evals, timings, diags)
     prefix = args.report or str(REPO_ROOT / "benchmarks" / "results" / ("smollm2-cpu" + (f"-seed{args.seed}" if args.seed else "")))
     write_report(report, Path(prefix))
     print(render_markdown(report))
@@ -172,23 +202,38 @@ def paired_bootstrap_gain(rows_a: Dict[str, dict], rows_b: Dict[str, dict], n: i
     }
 
 
-def _train_summary(run_dir: Path) -> dict:
+def _train_summary(run_dir: Path, window: int = 100) -> dict:
+    """End-of-training telemetry: one-pass and PR metrics averaged over the last `window` logged
+    training steps (single steps are noisy at batch 1), the median optimizer step time, and the
+    last held-out evaluation (`eval/*`, SpecForge's eval loop) with its step."""
     from pr_specforge.telemetry import read_metrics
 
     try:
         rows = read_metrics(str(run_dir))
     except FileNotFoundError:
         return {}
-    if not rows:
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    if not train:
         return {}
-    last = rows[-1]
+    tail = train[-window:]
+    keys = sorted({k for r in tail for k in r if k.startswith(("pr/", "acc_", "ploss_")) or k == "loss"})
+    out: Dict[str, object] = {"step": train[-1]["step"], "window_steps": len(tail)}
+    for k in keys:
+        vals = [r[k] for r in tail if isinstance(r.get(k), (int, float))]
+        if vals:
+            out[k] = sum(vals) / len(vals)
     times = sorted(r["perf/optimizer_step_time_s"] for r in rows if "perf/optimizer_step_time_s" in r)
-    keep = {k: v for k, v in last.items() if k.startswith(("pr/", "acc_", "ploss_")) or k in ("step", "loss")}
-    keep["median_step_time_s"] = times[len(times) // 2] if times else None
-    return keep
+    out["median_step_time_s"] = times[len(times) // 2] if times else None
+    if evals:
+        out["heldout_eval"] = {"step": evals[-1]["step"], **{k: v for k, v in evals[-1].items() if k.startswith("eval/")}}
+        out["heldout_curve"] = [{"step": r["step"], "simulated_acc_len": r.get("eval/simulated_acc_len"),
+                                 "acc_0": r.get("eval/avg_acc")} for r in evals]
+    return out
 
 
-def build_report(args, work: Path, runs: Dict[str, Path], evals: Dict[str, Path], timings: Dict[str, float]) -> dict:
+def build_report(args, work: Path, runs: Dict[str, Path], evals: Dict[str, Path], timings: Dict[str, float],
+                 diags: Optional[Dict[str, Path]] = None) -> dict:
     results, comparisons = [], []
     for key, eval_dir in evals.items():
         summary_path = eval_dir / "summary.json"
@@ -198,7 +243,8 @@ def build_report(args, work: Path, runs: Dict[str, Path], evals: Dict[str, Path]
         for r in summary.get("results", []):
             results.append({k: r.get(k) for k in ("draft", "set", "budget", "temperature", "prompts", "tau", "rounds",
                                                   "tokens", "speedup", "tokens_per_s", "ar_tokens_per_s",
-                                                  "draft_s_per_round", "verify_s_per_round", "lossless", "recover")}
+                                                  "draft_s_per_round", "verify_s_per_round", "lossless", "recover",
+                                                  "recon_rows_per_round", "recon_kept_per_round", "repriced_kept_per_round")}
                            | {"speedup_vs_ar": r.get("speedup")})
         per_prompt: Dict[tuple, Dict[str, dict]] = {}
         for row in read_jsonl_rows(eval_dir / "results.jsonl"):
@@ -221,10 +267,25 @@ def build_report(args, work: Path, runs: Dict[str, Path], evals: Dict[str, Path]
         "comparisons": comparisons,
         "training": {name: _train_summary(run) for name, run in runs.items()},
         "stage_wall_s": timings,
+        "heldout": {name: json.loads(p.read_text()) for name, p in (diags or {}).items() if p.exists()},
     }
 
 
+def _recovered(recover) -> Optional[float]:
+    """Share of one-pass misses recovered by reconsideration, pooled over the evaluator's confidence cells."""
+    if not recover:
+        return None
+    misses = sum(cell[0] for row in recover for cell in row)
+    return sum(cell[1] for row in recover for cell in row) / misses if misses else None
+
+
+def _f(x, fmt=".3f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
 def render_markdown(report: dict) -> str:
+    from pr_specforge.objective.ttt import CONFIDENCE_BAND_NAMES
+
     lines = ["# EAGLE-3 vs Parallel Reconsideration on SmolLM2-135M-Instruct (CPU)", "",
              f"commit `{report['commit']}`, machine: {report['machine']['platform']}, {report['machine']['cpus']} CPUs", "",
              "## Acceptance length (tau, bonus token included) and PR's relative gain (95% paired bootstrap CI)", "",
@@ -238,12 +299,45 @@ def render_markdown(report: dict) -> str:
     for r in report["results"]:
         lines.append(f"| {r['draft']} | {r['set']} | {r['budget']} | {r['temperature']:g} | {r['tokens_per_s']:.1f} | "
                      f"{r['ar_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['lossless']} |")
-    lines += ["", "## Training (last logged step)", ""]
+    pr_rows = [r for r in report["results"] if r["draft"] == "pr"]
+    if pr_rows:
+        lines += ["", "## Reconsideration in the served tree (PR drafter)", "",
+                  "Per verification round: reconsideration rows co-forwarded, kept nodes (of B) that reconsideration "
+                  "proposed, kept nodes whose score it changed; and the share of one-pass misses it recovered.", "",
+                  "| set | B | T | recon rows | kept: proposed | kept: repriced | recovered share |", "|---|---|---|---|---|---|---|"]
+        for r in pr_rows:
+            lines.append(f"| {r['set']} | {r['budget']} | {r['temperature']:g} | {_f(r.get('recon_rows_per_round'), '.2f')} | "
+                         f"{_f(r.get('recon_kept_per_round'), '.2f')} | {_f(r.get('repriced_kept_per_round'), '.2f')} | "
+                         f"{_f(_recovered(r.get('recover')))} |")
+    lines += ["", "## Training (mean over the last logged steps)", "",
+              "| drafter | steps | median step s | acc_0 | acc_3 | q_bar (0/1/2) | halt past 0 | recovered share | held-out sim. acc len |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for name, t in report["training"].items():
-        if t:
-            pr_keys = ", ".join(f"{k}={t[k]:.3f}" for k in sorted(t) if k.startswith("pr/") and isinstance(t[k], float))
-            lines.append(f"- **{name}**: step {t.get('step')}, median step time {t.get('median_step_time_s')} s, "
-                         f"acc_0={t.get('acc_0')}; {pr_keys}")
+        if not t:
+            continue
+        q = "/".join(_f(t.get(f"pr/depth_marginal_{r}"), ".2f") for r in range(3)) if "pr/depth_marginal_0" in t else "-"
+        held = (t.get("heldout_eval") or {}).get("eval/simulated_acc_len")
+        lines.append(f"| {name} | {t.get('step')} (last {t.get('window_steps')}) | {_f(t.get('median_step_time_s'))} | "
+                     f"{_f(t.get('acc_0'))} | {_f(t.get('acc_3'))} | {q} | {_f(t.get('pr/halt_past_0'))} | "
+                     f"{_f(t.get('pr/recovered_share'))} | {_f(held)} |")
+    held = report.get("heldout") or {}
+    if held:
+        lines += ["", "## Held-out features (`pr-specforge diagnose`, final checkpoints)", "",
+                  "| drafter | positions | one-pass acc per TTT step | simulated acc len |", "|---|---|---|---|"]
+        for name, d in held.items():
+            lines.append(f"| {name} | {d['positions']:.0f} | {' '.join(f'{a:.3f}' for a in d['one_pass_acc'])} | "
+                         f"{d['simulated_acc_len']:.3f} |")
+        pr = (held.get("pr") or {}).get("pr") or {}
+        if pr:
+            lines += ["", "PR's mixed rollout on held-out positions, by depth-0 confidence:", "",
+                      "| positions | share | halt past 0 | acc depth 0 | acc depth 1 | acc depth 2 | recovered share |",
+                      "|---|---|---|---|---|---|---|"]
+            lines.append(f"| all | 1.000 | {_f(pr.get('pr/halt_past_0'))} | {_f(pr.get('pr/acc_depth_0'))} | "
+                         f"{_f(pr.get('pr/acc_depth_1'))} | {_f(pr.get('pr/acc_depth_2'))} | {_f(pr.get('pr/recovered_share'))} |")
+            for b in CONFIDENCE_BAND_NAMES:
+                lines.append(f"| {b} | {_f(pr.get(f'pr/conf_share_{b}'))} | {_f(pr.get(f'pr/halt_past_0_{b}'))} | "
+                             + " | ".join(_f(pr.get(f"pr/acc_depth_{r}_{b}")) for r in range(3))
+                             + f" | {_f(pr.get(f'pr/recovered_share_{b}'))} |")
     lines += ["", "## Stage wall times (s)", "", ", ".join(f"{k}: {v:.0f}" for k, v in report["stage_wall_s"].items()), ""]
     return "\n".join(lines)
 

@@ -1,0 +1,58 @@
+"""`pr-specforge experiment` end to end at toy scale on the real SmolLM2 target (about 80 s here)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = dict(os.environ, TORCHDYNAMO_DISABLE="1", WANDB_MODE="disabled")
+TOY = ["--conversations", "10", "--max-new-tokens", "10", "--epochs", "1", "--eval-limit", "2",
+       "--eval-max-new-tokens", "10", "--heldout", "3", "--eval-interval", "5", "--save-interval", "5",
+       "--benchmarks", "gsm8k", "--bootstrap", "200"]
+
+
+def _experiment(work, report):
+    proc = subprocess.run([sys.executable, "-m", "pr_specforge.cli", "experiment", "--workdir", str(work),
+                           "--report", str(report), *TOY], env=ENV, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_experiment_runs_every_stage_reports_both_drafters_and_resumes(tmp_path):
+    work, report = tmp_path / "work", tmp_path / "results" / "smollm2-toy"
+    _experiment(work, report)
+    data = json.loads(report.with_suffix(".json").read_text())
+    # held-out conversations are disjoint from the training conversations
+    ids = lambda p: {json.loads(line)["id"] for line in open(p)}  # noqa: E731
+    train_ids, held_ids = ids(work / "conversations.jsonl"), ids(work / "heldout" / "conversations.jsonl")
+    assert len(held_ids) == 3 and not train_ids & held_ids
+    # every drafter x budget x temperature has the required numbers, and T = 0 decoding is lossless
+    cells = {(r["draft"], r["budget"], r["temperature"]) for r in data["results"]}
+    assert cells == {(d, b, t) for d in ("eagle3", "pr") for b, t in ((48, 0.0), (48, 1.0), (24, 0.0))}
+    for r in data["results"]:
+        assert r["tau"] >= 1.0 and r["rounds"] > 0 and r["tokens"] > 0 and r["speedup_vs_ar"] > 0
+        if r["temperature"] == 0.0:
+            assert r["lossless"] is True
+    for c in data["comparisons"]:
+        lo, hi = c["gain_rel_ci95"]
+        assert lo <= c["gain_rel"] <= hi
+    # both trainings logged SpecForge's held-out eval; diagnose ran on both final checkpoints
+    for name in ("eagle3", "pr"):
+        assert data["training"][name]["heldout_eval"]["step"] == 10
+        assert data["heldout"][name]["simulated_acc_len"] == pytest.approx(
+            data["training"][name]["heldout_eval"]["eval/simulated_acc_len"], abs=1e-9)
+    assert sum(data["heldout"]["pr"]["pr"][f"pr/depth_marginal_{r}"] for r in range(3)) == pytest.approx(1.0)
+    assert "pr/depth_marginal_0" in data["training"]["pr"] and data["training"]["eagle3"]["median_step_time_s"] > 0
+    stages = ["target", "conversations", "regenerate", "features", "heldout-conversations", "heldout-regenerate",
+              "heldout-features", "train-eagle3", "train-pr", "diagnose", "export", "eval-b48", "eval-b24"]
+    assert set(data["stage_wall_s"]) == set(stages)
+    md = report.with_suffix(".md").read_text()
+    assert "95% CI" in md and "Held-out features" in md and "recovered share" in md
+    assert report.parent.joinpath("smollm2-toy-tau.png").exists()
+    # a rerun skips every finished stage and rebuilds the same report
+    out = _experiment(work, report)
+    assert all(f"stage {s:<13s} skipped" in out for s in stages), out[-3000:]
+    assert json.loads(report.with_suffix(".json").read_text())["results"] == data["results"]
