@@ -240,27 +240,43 @@ def preflight(recipe: Recipe) -> None:
                 f"model.draft_model_config: {draft_path} has architectures[0]={arch!r}, which is not an EAGLE-3 "
                 f"drafter; the {cfg.training.strategy} strategy needs {EAGLE3_ARCHITECTURE!r}"
             )
-    feats = cfg.data.hidden_states_path
-    if feats:
-        if not os.path.isdir(feats):
-            raise ConfigError(f"data.hidden_states_path: {feats!r} is not a directory (prepare features first)")
-        first = _first_feature_file(feats)
-        if first is None:
-            raise ConfigError(f"data.hidden_states_path: no .ckpt feature files under {feats}")
-        if draft is not None:
-            import torch
+    for field in ("hidden_states_path", "eval_hidden_states_path"):
+        sample = _check_feature_dir(f"data.{field}", getattr(cfg.data, field), draft, draft_path)
+        if (field == "eval_hidden_states_path" and sample is not None and cfg.training.strategy == "eagle3"
+                and str(cfg.model.torch_dtype) == "float32" and str(sample["hidden_state"].dtype) != "torch.float32"):
+            # SpecForge 0.2.0's eval loop feeds stored features to the drafter uncast; the failure would
+            # come as a dtype error deep in torch at the first eval step, hours into training.
+            raise ConfigError(
+                f"data.eval_hidden_states_path: features are {sample['hidden_state'].dtype} but model.torch_dtype is "
+                "float32, and SpecForge's eagle3 eval loop does not cast them; set model.torch_dtype=bfloat16 "
+                "(as the SmolLM2 recipes do) or train without held-out eval"
+            )
 
-            sample = torch.load(first, map_location="cpu", weights_only=True)
-            missing = [k for k in ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state") if k not in sample]
-            if missing:
-                raise ConfigError(f"feature file {first}: missing key(s) {missing}; not a SpecForge EAGLE-3 feature file")
-            target_hidden = int(draft.get("target_hidden_size") or draft.get("hidden_size"))
-            width = int(sample["aux_hidden_state"].shape[-1])
-            if width != 3 * target_hidden:
-                raise ConfigError(
-                    f"feature file {first}: aux_hidden_state width {width} != 3 x target_hidden_size "
-                    f"({target_hidden}) of {draft_path}; the features come from a different target"
-                )
+
+def _check_feature_dir(field: str, feats: Optional[str], draft: Optional[dict], draft_path: Optional[str]):
+    """The first feature file under `feats`, checked against the draft config; None when unset."""
+    if not feats:
+        return None
+    if not os.path.isdir(feats):
+        raise ConfigError(f"{field}: {feats!r} is not a directory (prepare features first)")
+    first = _first_feature_file(feats)
+    if first is None:
+        raise ConfigError(f"{field}: no .ckpt feature files under {feats}")
+    import torch
+
+    sample = torch.load(first, map_location="cpu", weights_only=True)
+    missing = [k for k in ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state") if k not in sample]
+    if missing:
+        raise ConfigError(f"feature file {first}: missing key(s) {missing}; not a SpecForge EAGLE-3 feature file")
+    if draft is not None:
+        target_hidden = int(draft.get("target_hidden_size") or draft.get("hidden_size"))
+        width = int(sample["aux_hidden_state"].shape[-1])
+        if width != 3 * target_hidden:
+            raise ConfigError(
+                f"feature file {first}: aux_hidden_state width {width} != 3 x target_hidden_size "
+                f"({target_hidden}) of {draft_path}; the features come from a different target"
+            )
+    return sample
 
 
 def _run_worker(recipe: Recipe) -> int:

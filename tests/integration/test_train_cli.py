@@ -100,6 +100,19 @@ def test_feature_width_mismatch_and_non_eagle_draft_are_refused(tmp_path):
     assert rc == 2 and "not an EAGLE-3 drafter" in out and "Traceback" not in out, out[-2000:]
 
 
+def test_held_out_eval_features_are_checked_before_training(tmp_path):
+    recipe = write_workspace(str(tmp_path), strategy="eagle3", steps=1)
+    feats = str(tmp_path / "features")
+    base = [sys.executable, "-m", "pr_specforge.cli", "train", "-c", recipe, "--dry-run", "training.eval_interval=1"]
+    rc, out = _run([*base, f"data.eval_hidden_states_path={tmp_path / 'nowhere'}"], tmp_path)
+    assert rc == 2 and "data.eval_hidden_states_path" in out and "not a directory" in out and "Traceback" not in out
+    # bf16 features + fp32 weights would fail inside SpecForge's eagle3 eval loop at the first eval step
+    rc, out = _run([*base, f"data.eval_hidden_states_path={feats}"], tmp_path)
+    assert rc == 2 and "model.torch_dtype=bfloat16" in out and "Traceback" not in out, out[-2000:]
+    rc, out = _run([*base, f"data.eval_hidden_states_path={feats}", "model.torch_dtype=bfloat16"], tmp_path)
+    assert rc == 0, out[-2000:]
+
+
 def test_pr_section_with_eagle3_strategy_is_refused(tmp_path):
     recipe = write_workspace(str(tmp_path), strategy="eagle3", steps=1, pr_section={"max_depth": 2})
     rc, out = _run([sys.executable, "-m", "pr_specforge.cli", "train", "-c", recipe, "--dry-run"], tmp_path)
