@@ -16,6 +16,9 @@ from typing import Any, Dict, Mapping, Optional
 from pr_specforge.modeling.drafter import MAX_SUPPORTED_DEPTH, PRDraftSettings
 
 
+RECONSIDER_WEIGHTS = ("use", "uniform")
+
+
 class ConfigError(ValueError):
     """A recipe value is wrong; the message names the field and the fix."""
 
@@ -48,6 +51,12 @@ class PRConfig:
         positions). Smaller values trade fidelity for speed.
     self_query_hidden_size: width of the self-query MLP (default: hidden size).
     gate_reads_normed: the gate reads `norm(f)` (see `PRDraftSettings`).
+    reconsider_weight: [choice] the weight of the reconsidered heads' losses
+        `l^r` (r >= 1) in Eq. 6. "use" (default, the paper): `sg[q(r)]`, each
+        depth's head is trained where the gate routes to it. "uniform": weight 1,
+        every depth's head is trained on every position (deep supervision); an
+        ablation for the case where the gate settles on depth 0 before the deeper
+        heads have learnt anything (they are then trained at a weight ~q(r) ~ 0).
     gradient_checkpointing: recompute each batched call of M in the backward pass
         instead of keeping its attention scores (the paper trains with gradient
         checkpointing). A PR step keeps ~4x the activations of an EAGLE-3 step,
@@ -64,6 +73,7 @@ class PRConfig:
     self_query_hidden_size: Optional[int] = None
     gate_reads_normed: bool = True
     gradient_checkpointing: bool = False
+    reconsider_weight: str = "use"
 
     def __post_init__(self) -> None:
         types = {
@@ -91,6 +101,9 @@ class PRConfig:
                 f"pr.balance_coef: beta must be >= 0 (paper: 0.01), got {self.balance_coef}; a negative "
                 "beta would reward collapsing onto one depth"
             )
+        if self.reconsider_weight not in RECONSIDER_WEIGHTS:
+            raise ConfigError(f"pr.reconsider_weight: expected one of {list(RECONSIDER_WEIGHTS)} (paper: 'use'), "
+                              f"got {self.reconsider_weight!r}")
         if self.mixed_rollout_length is not None and (
             isinstance(self.mixed_rollout_length, bool) or not isinstance(self.mixed_rollout_length, int) or self.mixed_rollout_length < 1
         ):

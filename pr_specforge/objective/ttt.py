@@ -345,7 +345,8 @@ class OnlinePRModel(OnlineEagle3Model):
         head = gate = mixed_one_pass = 0.0
         for j, (q, pm, losses) in enumerate(zip(c["q"], c["pm"], c["losses"])):
             rows = pm.numel()
-            head = head + weights[j] * (q[..., 1:].detach() * losses[..., 1:] * pm[..., None]).sum() / rows
+            use = q[..., 1:].detach() if self.pr.reconsider_weight == "use" else torch.ones_like(q[..., 1:])
+            head = head + weights[j] * (use * losses[..., 1:] * pm[..., None]).sum() / rows
             gate = gate + weights[j] * (q * losses.detach() * pm[..., None]).sum() / rows
             if self.pr.one_pass_loss_on_mixed and j > 0:
                 mixed_one_pass = mixed_one_pass + weights[j] * (losses[..., 0] * pm).sum() / rows

@@ -198,6 +198,30 @@ def test_stop_gradients(detach):
         assert layer_grad > 0.0
 
 
+def test_reconsider_weight_use_follows_the_gate_and_uniform_does_not():
+    """`use` (the paper) weights l^r by sg[q(r)]; `uniform` trains every depth's head at weight 1.
+
+    With a one-step mixed rollout the depth features do not depend on the gate, so only the
+    weighting can make the reconsider term move with the gate's bias.
+    """
+    values = {}
+    for weight in ("use", "uniform"):
+        for bias in (-2.0, 2.0):
+            _, pr, _ = make_drafters(max_depth=2, seed=4)
+            with torch.no_grad():
+                pr.pr_halt_gate.linear.bias.fill_(bias)
+            cfg = PRConfig(reconsider_weight=weight, mixed_rollout_length=1)
+            out = OnlinePRModel(pr, length=TTT, pr=cfg, generator=torch.Generator().manual_seed(0))(**make_batch(pr.config))
+            values[weight, bias] = float(out.terms["loss_reconsider"])
+            gate_params = list(pr.pr_halt_gate.parameters())
+            assert all(float(g.abs().max()) == 0.0 for g in _grad(out.grad_terms["reconsider"], gate_params))
+    assert values["uniform", -2.0] == pytest.approx(values["uniform", 2.0], rel=1e-6)
+    assert values["use", -2.0] > 2 * values["use", 2.0]  # gate open: deeper depths are used, so weighted more
+    assert values["uniform", 2.0] > values["use", 2.0]
+    with pytest.raises(Exception, match="pr.reconsider_weight"):
+        PRConfig(reconsider_weight="marginal")
+
+
 def test_balance_term_is_entropy_of_minibatch_marginal():
     _, pr, _ = make_drafters(max_depth=2)
     with torch.no_grad():
