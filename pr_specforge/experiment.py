@@ -232,29 +232,46 @@ def _train_summary(run_dir: Path, window: int = 100) -> dict:
     return out
 
 
+def _comparisons(eval_dirs, n: int, seed: int) -> List[dict]:
+    """PR vs EAGLE-3 per set x budget x temperature from the evaluators' per-prompt rows."""
+    comparisons = []
+    for eval_dir in eval_dirs:
+        per_prompt: Dict[tuple, Dict[str, dict]] = {}
+        for row in read_jsonl_rows(Path(eval_dir) / "results.jsonl"):
+            per_prompt.setdefault((row["draft"], row["set"], row["budget"], row["temperature"]), {})[row["prompt"]] = row
+        for (draft, set_name, budget, temp), rows in per_prompt.items():
+            if draft != "pr" or ("eagle3", set_name, budget, temp) not in per_prompt:
+                continue
+            stats = paired_bootstrap_gain(per_prompt[("eagle3", set_name, budget, temp)], rows, n=n, seed=seed)
+            comparisons.append({"set": set_name, "budget": budget, "temperature": temp, **stats})
+    comparisons.sort(key=lambda c: (c["budget"], c["temperature"], c["set"]))
+    return comparisons
+
+
+def seed_comparisons(work: Path, n: int) -> Dict[int, List[dict]]:
+    """Every training seed evaluated in `work` (finished `eval-b*-seedN` stages) -> its comparisons."""
+    seeds: Dict[int, List[Path]] = {}
+    for summary in sorted(work.glob("eval-b*-seed*/summary.json")):
+        seed = summary.parent.name.rsplit("seed", 1)[-1]
+        if seed.isdigit():
+            seeds.setdefault(int(seed), []).append(summary.parent)
+    return {seed: _comparisons(dirs, n, seed) for seed, dirs in sorted(seeds.items())}
+
+
 def build_report(args, work: Path, runs: Dict[str, Path], evals: Dict[str, Path], timings: Dict[str, float],
                  diags: Optional[Dict[str, Path]] = None) -> dict:
-    results, comparisons = [], []
-    for key, eval_dir in evals.items():
-        summary_path = eval_dir / "summary.json"
-        if not summary_path.exists():
-            continue
-        summary = json.loads(summary_path.read_text())
+    results = []
+    finished = [d for d in evals.values() if (d / "summary.json").exists()]
+    for eval_dir in finished:
+        summary = json.loads((eval_dir / "summary.json").read_text())
         for r in summary.get("results", []):
             results.append({k: r.get(k) for k in ("draft", "set", "budget", "temperature", "prompts", "tau", "rounds",
                                                   "tokens", "speedup", "tokens_per_s", "ar_tokens_per_s",
                                                   "draft_s_per_round", "verify_s_per_round", "lossless", "recover",
                                                   "recon_rows_per_round", "recon_kept_per_round", "repriced_kept_per_round")}
                            | {"speedup_vs_ar": r.get("speedup")})
-        per_prompt: Dict[tuple, Dict[str, dict]] = {}
-        for row in read_jsonl_rows(eval_dir / "results.jsonl"):
-            per_prompt.setdefault((row["draft"], row["set"], row["budget"], row["temperature"]), {})[row["prompt"]] = row
-        for (draft, set_name, budget, temp), rows in per_prompt.items():
-            if draft != "pr" or ("eagle3", set_name, budget, temp) not in per_prompt:
-                continue
-            stats = paired_bootstrap_gain(per_prompt[("eagle3", set_name, budget, temp)], rows, n=args.bootstrap, seed=args.seed)
-            comparisons.append({"set": set_name, "budget": budget, "temperature": temp, **stats})
-    comparisons.sort(key=lambda c: (c["budget"], c["temperature"], c["set"]))
+    comparisons = _comparisons(finished, args.bootstrap, args.seed)
+    seeds = seed_comparisons(work, args.bootstrap)
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
     except OSError:
@@ -268,6 +285,8 @@ def build_report(args, work: Path, runs: Dict[str, Path], evals: Dict[str, Path]
         "training": {name: _train_summary(run) for name, run in runs.items()},
         "stage_wall_s": timings,
         "heldout": {name: json.loads(p.read_text()) for name, p in (diags or {}).items() if p.exists()},
+        # every training seed evaluated in this workdir (training noise is not in a single seed's CI)
+        "seeds": {str(k): v for k, v in seeds.items()},
     }
 
 
@@ -294,6 +313,25 @@ def render_markdown(report: dict) -> str:
         lo, hi = c["gain_rel_ci95"]
         lines.append(f"| {c['set']} | {c['budget']} | {c['temperature']:g} | {c['prompts']} | {c['tau_eagle3']:.3f} | "
                      f"{c['tau_pr']:.3f} | {100 * c['gain_rel']:+.1f}% | [{100 * lo:+.1f}%, {100 * hi:+.1f}%] |")
+    seeds = report.get("seeds") or {}
+    if len(seeds) > 1:
+        lines += ["", "## Across training seeds (each seed: both drafters retrained; gain and 95% CI per seed)", "",
+                  "| set | B | T | " + " | ".join(f"seed {s}" for s in seeds) + " | mean gain |",
+                  "|---|---|---|" + "---|" * (len(seeds) + 1)]
+        cells = sorted({(c["set"], c["budget"], c["temperature"]) for cs in seeds.values() for c in cs},
+                       key=lambda k: (k[1], k[2], k[0]))
+        for set_name, budget, temp in cells:
+            row, gains = [], []
+            for cs in seeds.values():
+                c = next((c for c in cs if (c["set"], c["budget"], c["temperature"]) == (set_name, budget, temp)), None)
+                if c is None:
+                    row.append("-")
+                    continue
+                gains.append(c["gain_rel"])
+                lo, hi = c["gain_rel_ci95"]
+                row.append(f"{100 * c['gain_rel']:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]")
+            mean = f"{100 * sum(gains) / len(gains):+.1f}%" if gains else "-"
+            lines.append(f"| {set_name} | {budget} | {temp:g} | " + " | ".join(row) + f" | {mean} |")
     lines += ["", "## Speed (this CPU; AR baseline measured in the same run)", "",
               "| drafter | set | B | T | tokens/s | AR tokens/s | speedup | lossless |", "|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:

@@ -42,3 +42,30 @@ def test_a_workdir_is_not_reused_with_other_settings(tmp_path):
     check_settings(path, {"conversations": 256, "max_steps": 300})  # same settings: resume
     with pytest.raises(SystemExit, match=r"conversations: 256 -> 4000.*new --workdir"):
         check_settings(path, {"conversations": 4000, "max_steps": 300})
+
+
+def test_every_evaluated_seed_is_compared_and_rendered_side_by_side(tmp_path):
+    import json
+
+    from pr_specforge.experiment import render_markdown, seed_comparisons
+
+    def write_eval(name, pr_accepted):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "summary.json").write_text("{}")
+        with open(d / "results.jsonl", "w") as f:
+            for i in range(5):
+                for draft, acc in (("eagle3", 20), ("pr", pr_accepted)):
+                    f.write(json.dumps({"draft": draft, "set": "gsm8k", "budget": 48, "temperature": 0.0,
+                                        "prompt": f"p{i}", "accepted": acc + i, "rounds": 10}) + "\n")
+
+    write_eval("eval-b48-seed0", 22)
+    write_eval("eval-b48-seed1", 20)
+    (tmp_path / "eval-b24-seed2").mkdir()  # a seed whose evaluation has not finished is left out
+    seeds = seed_comparisons(tmp_path, n=200)
+    assert sorted(seeds) == [0, 1]
+    assert seeds[0][0]["gain_rel"] == pytest.approx(120 / 110 - 1) and seeds[1][0]["gain_rel"] == 0.0
+    report = {"commit": "x", "machine": {"platform": "p", "cpus": 2}, "comparisons": seeds[0], "results": [],
+              "training": {}, "stage_wall_s": {}, "seeds": {str(k): v for k, v in seeds.items()}}
+    md = render_markdown(report)
+    assert "Across training seeds" in md and "| gsm8k | 48 | 0 | +9.1%" in md and f"| {100 * (120 / 110 - 1) / 2:+.1f}% |" in md
