@@ -33,11 +33,13 @@ import logging
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from pr_specforge.data.io import read_jsonl_rows
-from pr_specforge.pipeline import REPO_ROOT, Stage, call_stage, check_settings, latest_checkpoint, run_stages
+from pr_specforge.pipeline import REPO_ROOT, Stage, check_settings, latest_checkpoint, run_stages
+from pr_specforge.pipeline import call_stage as _call_stage
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +75,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    import shlex
+
+    args.command = "pr-specforge experiment " + shlex.join(sys.argv[1:] if argv is None else argv)
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     # data settings are shared by every seed; seeds and reports may differ between invocations
     check_settings(work / "data_settings.json", {k: getattr(args, k) for k in (
         "conversations", "max_new_tokens", "max_prompt_chars", "max_length", "draft_vocab_size")})
     check_settings(work / "heldout_settings.json", {"heldout": args.heldout})
+    def call_stage(module: str, stage_argv: List[str]) -> None:
+        _call_stage(module, stage_argv, log_file=work / "commands.log")
+
     target, convs, regen, feats = work / "target", work / "conversations.jsonl", work / "regenerated.jsonl", work / "features"
     held = work / "heldout"
     runs = {name: work / "runs" / f"{name}-seed{args.seed}" for name in RECIPES}
@@ -277,7 +285,9 @@ def build_report(args, work: Path, runs: Dict[str, Path], evals: Dict[str, Path]
     except OSError:
         commit = "unknown"
     return {
-        "settings": {k: v for k, v in vars(args).items() if k not in ("report",)},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("report", "command")},
+        "command": getattr(args, "command", None),
+        "stage_commands": (work / "commands.log").read_text().splitlines() if (work / "commands.log").exists() else [],
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
         "commit": commit,
         "results": results,
@@ -307,6 +317,8 @@ def render_markdown(report: dict) -> str:
 
     lines = ["# EAGLE-3 vs Parallel Reconsideration on SmolLM2-135M-Instruct (CPU)", "",
              f"commit `{report['commit']}`, machine: {report['machine']['platform']}, {report['machine']['cpus']} CPUs", "",
+             f"command: `{report.get('command')}`; the stages ran (in-process) as:", "",
+             *(f"    {c}" for c in report.get("stage_commands", [])), "",
              "## Acceptance length (tau, bonus token included) and PR's relative gain (95% paired bootstrap CI)", "",
              "| set | B | T | prompts | tau EAGLE-3 | tau PR | gain | 95% CI |", "|---|---|---|---|---|---|---|---|"]
     for c in report["comparisons"]:

@@ -58,10 +58,24 @@ class Stage:
         self.name, self.output, self.run = name, output, run
 
 
-def call_stage(module: str, argv: List[str]) -> None:
-    """Run a sub-command's `main(argv)` in-process; a non-zero exit stops the pipeline."""
-    import importlib
+#: module -> the `pr-specforge` sub-command that runs it (for logged command lines)
+_COMMANDS = {"pr_specforge.data.cli": "data", "pr_specforge.eval.cli": "eval", "pr_specforge.export": "export",
+             "pr_specforge.diagnose": "diagnose", "pr_specforge.telemetry": "plot"}
 
+
+def call_stage(module: str, argv: List[str], log_file: Optional[Path] = None) -> None:
+    """Run a sub-command's `main(argv)` in-process; a non-zero exit stops the pipeline.
+
+    The equivalent command line is logged, and appended to `log_file` when given.
+    """
+    import importlib
+    import shlex
+
+    line = "pr-specforge " + shlex.join([_COMMANDS.get(module, module), *argv])
+    log.info("stage command: %s", line)
+    if log_file is not None:
+        with open(log_file, "a") as f:
+            f.write(line + "\n")
     rc = importlib.import_module(module).main(argv)
     if rc:
         raise SystemExit(f"stage command failed ({module} {' '.join(argv)}): exit {rc}")

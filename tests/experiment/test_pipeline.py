@@ -51,6 +51,9 @@ def test_experiment_runs_every_stage_reports_both_drafters_and_resumes(tmp_path)
     assert set(data["stage_wall_s"]) == set(stages)
     md = report.with_suffix(".md").read_text()
     assert "95% CI" in md and "Held-out features" in md and "recovered share" in md
+    assert data["command"].startswith("pr-specforge experiment --workdir")
+    assert any(c.startswith("pr-specforge data regenerate --target") for c in data["stage_commands"])
+    assert any(c.startswith("pr-specforge diagnose") for c in data["stage_commands"]) and "pr-specforge eval" in md
     assert report.parent.joinpath("smollm2-toy-tau.png").exists()
     # a rerun skips every finished stage and rebuilds the same report
     out = _experiment(work, report)
