@@ -112,25 +112,51 @@ def check_settings(path: Path, settings: Dict) -> None:
     atomic_write_json(path, settings)
 
 
-def run_stages(stages: List[Stage], times_path: Optional[Path] = None) -> Dict[str, float]:
-    """Run the stages in order, skipping finished ones; wall times are kept across reruns."""
+def run_stages(stages: List[Stage], times_path: Optional[Path] = None, heartbeat_s: float = 60.0) -> Dict[str, float]:
+    """Run the stages in order, skipping finished ones; return each stage's wall time.
+
+    Wall time accumulates across interrupted runs: while a stage runs, its running total is
+    saved every `heartbeat_s` seconds (so a kill loses at most that much of the account), and
+    once more when the stage ends, whether it finished or failed.
+    """
+    import threading
+
+    from pr_specforge.data.io import atomic_write_json
+
     timings: Dict[str, float] = {}
     if times_path is not None and times_path.exists():
         timings.update(json.loads(times_path.read_text()))
+    lock = threading.Lock()
+
+    def save(name: str, total: float) -> None:
+        if times_path is not None:
+            with lock:
+                timings[name] = total
+                atomic_write_json(times_path, timings)
+
     for stage in stages:
         if stage.output.exists():
             log.info("stage %-13s skipped (%s exists)", stage.name, stage.output)
             timings.setdefault(stage.name, 0.0)
             continue
         log.info("stage %-13s running", stage.name)
-        t0 = time.perf_counter()
-        stage.run()
-        timings[stage.name] = timings.get(stage.name, 0.0) + time.perf_counter() - t0
-        log.info("stage %-13s done in %.1f s", stage.name, time.perf_counter() - t0)
-        if times_path is not None:
-            from pr_specforge.data.io import atomic_write_json
+        base, t0 = timings.get(stage.name, 0.0), time.perf_counter()
+        done = threading.Event()
 
-            atomic_write_json(times_path, timings)
+        def beat(name=stage.name, base=base, t0=t0, done=done) -> None:
+            while not done.wait(heartbeat_s):
+                save(name, base + time.perf_counter() - t0)
+
+        thread = threading.Thread(target=beat, daemon=True)
+        thread.start()
+        try:
+            stage.run()
+        finally:
+            done.set()
+            thread.join()
+            save(stage.name, base + time.perf_counter() - t0)
+            timings[stage.name] = base + time.perf_counter() - t0
+        log.info("stage %-13s done in %.1f s", stage.name, time.perf_counter() - t0)
     return {stage.name: timings[stage.name] for stage in stages}
 
 

@@ -1,0 +1,50 @@
+"""`run_stages`: skip finished stages, account wall time across interruptions."""
+
+import json
+import time
+
+import pytest
+
+from pr_specforge.pipeline import Stage, run_stages
+
+
+def test_finished_stages_are_skipped_and_wall_time_survives_a_failed_attempt(tmp_path):
+    times = tmp_path / "stage_times.json"
+    out_a, out_b = tmp_path / "a.done", tmp_path / "b.done"
+    calls = []
+
+    def stage_a():
+        calls.append("a")
+        out_a.write_text("ok")
+
+    def failing_b():
+        calls.append("b")
+        time.sleep(0.2)
+        raise RuntimeError("killed half-way")
+
+    with pytest.raises(RuntimeError):
+        run_stages([Stage("a", out_a, stage_a), Stage("b", out_b, failing_b)], times)
+    first = json.loads(times.read_text())
+    assert first["b"] >= 0.2  # the failed attempt's time is kept
+
+    def stage_b():
+        calls.append("b")
+        time.sleep(0.1)
+        out_b.write_text("ok")
+
+    got = run_stages([Stage("a", out_a, stage_a), Stage("b", out_b, stage_b)], times)
+    assert calls == ["a", "b", "b"]  # a was not rerun
+    assert got["b"] >= first["b"] + 0.1 and got["a"] == first["a"]
+
+
+def test_a_running_stage_saves_its_time_on_a_heartbeat(tmp_path):
+    times = tmp_path / "stage_times.json"
+    seen = []
+
+    def slow():
+        time.sleep(0.5)
+        seen.append(json.loads(times.read_text()).get("slow", 0.0))  # what a kill now would leave on disk
+        (tmp_path / "slow.done").write_text("ok")
+
+    run_stages([Stage("slow", tmp_path / "slow.done", slow)], times, heartbeat_s=0.1)
+    assert seen[0] >= 0.3
