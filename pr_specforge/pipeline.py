@@ -129,9 +129,9 @@ def run_stages(stages: List[Stage], times_path: Optional[Path] = None, heartbeat
     lock = threading.Lock()
 
     def save(name: str, total: float) -> None:
-        if times_path is not None:
-            with lock:
-                timings[name] = total
+        with lock:
+            timings[name] = total
+            if times_path is not None:
                 atomic_write_json(times_path, timings)
 
     for stage in stages:
@@ -155,7 +155,6 @@ def run_stages(stages: List[Stage], times_path: Optional[Path] = None, heartbeat
             done.set()
             thread.join()
             save(stage.name, base + time.perf_counter() - t0)
-            timings[stage.name] = base + time.perf_counter() - t0
         log.info("stage %-13s done in %.1f s", stage.name, time.perf_counter() - t0)
     return {stage.name: timings[stage.name] for stage in stages}
 

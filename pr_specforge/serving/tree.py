@@ -341,7 +341,7 @@ class _Builder:
         kept = global_cut(self.nodes, cfg.budget)
         return DraftTree(
             recon_kept=sum(self.nodes[i].via_recon for i in kept),
-            repriced_kept=sum(self.nodes[i].via_recon or self.nodes[i].repriced for i in kept),
+            repriced_kept=sum(self.nodes[i].repriced for i in kept),  # via_recon implies repriced
             nodes=self.nodes,
             kept=kept,
             root_position=rt.length,
