@@ -53,6 +53,13 @@ from specforge.utils import padding  # noqa: F401
 SPECFORGE_VERSION = "0.2.0"
 
 
+def simulated_acc_len(per_position_acc):
+    """SpecForge's chain estimate a0 + a0*a1 + ... (its eval loop's `eval/simulated_acc_len`)."""
+    from specforge.eval.evaluator import Evaluator
+
+    return Evaluator._simulated_acc_len(list(per_position_acc))
+
+
 def bootstrap_single_process_env() -> None:
     """SpecForge's one-process rendezvous variables (RANK/WORLD_SIZE/MASTER_*), as its CLI sets them."""
     from specforge.cli import _bootstrap_single_process_env

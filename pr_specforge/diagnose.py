@@ -21,8 +21,6 @@ Owns: the aggregation and the table. Does not own the metrics' definitions
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
 import sys
 import tempfile
@@ -30,16 +28,6 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Optional
 
-log = logging.getLogger(__name__)
-
-
-def simulated_acc_len(per_step_acc: List[float]) -> float:
-    """SpecForge's chain estimate: a0 + a0*a1 + ... (the eval loop's `simulated_acc_len`)."""
-    total, cumulative = 0.0, 1.0
-    for a in per_step_acc:
-        cumulative *= a
-        total += cumulative
-    return total
 
 
 def _resolve_checkpoint(run_dir: Path, checkpoint: Optional[str]) -> str:
@@ -55,27 +43,34 @@ def _resolve_checkpoint(run_dir: Path, checkpoint: Optional[str]) -> str:
 def diagnose(run_dir: str, features: str, checkpoint: Optional[str] = None, limit: Optional[int] = None,
              seed: int = 0, progress: bool = True) -> Dict:
     """Run the checkpoint's training objective over `features` without updating it; return the metrics."""
-    import torch
     import yaml
+
+    from pr_specforge.train import check_feature_dir
+
+    run = Path(run_dir)
+    recipe_path = run / "resolved_recipe.yaml"
+    if not recipe_path.exists():
+        raise SystemExit(f"{run}: no resolved_recipe.yaml; is this a `pr-specforge train` output directory?")
+    check_feature_dir("--features", features, None, None)
+    ckpt = _resolve_checkpoint(run, checkpoint)
+    raw = yaml.safe_load(recipe_path.read_text())
+    if (raw.get("training") or {}).get("strategy") != "pr":
+        raw.pop("pr", None)  # eagle3 runs trained before c2ad539 wrote a pr: section, which load_recipe refuses
+    with tempfile.TemporaryDirectory(prefix="pr-diagnose-") as scratch:
+        recipe_path = Path(scratch) / "resolved_recipe.yaml"
+        recipe_path.write_text(yaml.safe_dump(raw, sort_keys=False))
+        return _diagnose(recipe_path, scratch, run, ckpt, features, limit, seed, progress)
+
+
+def _diagnose(recipe_path: Path, scratch: str, run: Path, ckpt: str, features: str, limit: Optional[int],
+              seed: int, progress: bool) -> Dict:
+    import torch
     from tqdm import tqdm
 
     from pr_specforge import _specforge as sf
     from pr_specforge.integration import _unwrap, build_registry
     from pr_specforge.train import load_recipe
 
-    run = Path(run_dir)
-    recipe_path = run / "resolved_recipe.yaml"
-    if not recipe_path.exists():
-        raise SystemExit(f"{run}: no resolved_recipe.yaml; is this a `pr-specforge train` output directory?")
-    if not (Path(features) / "manifest.json").exists() and not any(Path(features).rglob("*.ckpt")):
-        raise SystemExit(f"--features {features}: no feature files (expected `pr-specforge data hidden-states` output)")
-    ckpt = _resolve_checkpoint(run, checkpoint)
-    scratch = tempfile.mkdtemp(prefix="pr-diagnose-")
-    raw = yaml.safe_load(recipe_path.read_text())
-    if (raw.get("training") or {}).get("strategy") != "pr":
-        raw.pop("pr", None)  # written by versions before 0.1 for every strategy
-    recipe_path = Path(scratch) / "resolved_recipe.yaml"
-    recipe_path.write_text(yaml.safe_dump(raw, sort_keys=False))
     recipe = load_recipe(str(recipe_path), [
         f"data.hidden_states_path={os.path.abspath(features)}", "data.eval_hidden_states_path=",
         "training.eval_interval=0",
@@ -129,7 +124,7 @@ def diagnose(run_dir: str, features: str, checkpoint: Optional[str] = None, limi
     return {
         "run": str(run), "checkpoint": ckpt, "features": str(features), "strategy": cfg.training.strategy,
         "batches": batches, "positions": denom[0] if denom else 0,
-        "one_pass_acc": acc, "simulated_acc_len": simulated_acc_len(acc),
+        "one_pass_acc": acc, "simulated_acc_len": sf.simulated_acc_len(acc),
         "pr": {k: (n / d if d else None) for k, (n, d) in sorted(ratios.items())},
         "pr_counts": {k: [n, d] for k, (n, d) in sorted(ratios.items())},
     }
@@ -172,7 +167,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--json", default=None, help="write the metrics here (atomically)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    report = diagnose(args.run_dir, args.features, args.checkpoint, args.limit, args.seed, not args.no_progress)
+    from pr_specforge.config import ConfigError
+
+    try:
+        report = diagnose(args.run_dir, args.features, args.checkpoint, args.limit, args.seed, not args.no_progress)
+    except ConfigError as e:
+        print(f"pr-specforge diagnose: {e}", file=sys.stderr)
+        return 2
     if args.json:
         from pr_specforge.data.io import atomic_write_json
 

@@ -241,7 +241,7 @@ def preflight(recipe: Recipe) -> None:
                 f"drafter; the {cfg.training.strategy} strategy needs {EAGLE3_ARCHITECTURE!r}"
             )
     for field in ("hidden_states_path", "eval_hidden_states_path"):
-        sample = _check_feature_dir(f"data.{field}", getattr(cfg.data, field), draft, draft_path)
+        sample = check_feature_dir(f"data.{field}", getattr(cfg.data, field), draft, draft_path)
         if (field == "eval_hidden_states_path" and sample is not None and cfg.training.strategy == "eagle3"
                 and str(cfg.model.torch_dtype) == "float32" and str(sample["hidden_state"].dtype) != "torch.float32"):
             # SpecForge 0.2.0's eval loop feeds stored features to the drafter uncast; the failure would
@@ -253,7 +253,7 @@ def preflight(recipe: Recipe) -> None:
             )
 
 
-def _check_feature_dir(field: str, feats: Optional[str], draft: Optional[dict], draft_path: Optional[str]):
+def check_feature_dir(field: str, feats: Optional[str], draft: Optional[dict], draft_path: Optional[str]):
     """The first feature file under `feats`, checked against the draft config; None when unset."""
     if not feats:
         return None

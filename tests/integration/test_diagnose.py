@@ -58,3 +58,8 @@ def test_diagnose_names_a_missing_run_or_feature_directory(tmp_path):
     rc, out = _run([sys.executable, "-m", "pr_specforge.cli", "diagnose", str(tmp_path / "nope"),
                     "--features", str(tmp_path)], tmp_path)
     assert rc != 0 and "no resolved_recipe.yaml" in out and "Traceback" not in out
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "resolved_recipe.yaml").write_text("{}")
+    rc, out = _run([sys.executable, "-m", "pr_specforge.cli", "diagnose", str(tmp_path / "run"),
+                    "--features", str(tmp_path / "nofeatures")], tmp_path)
+    assert rc == 2 and "--features" in out and "not a directory" in out and "Traceback" not in out
