@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 
-
 def _resolve_checkpoint(run_dir: Path, checkpoint: Optional[str]) -> str:
     from pr_specforge.pipeline import latest_checkpoint
 

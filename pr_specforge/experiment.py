@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -75,8 +76,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    import shlex
-
     args.command = "pr-specforge experiment " + shlex.join(sys.argv[1:] if argv is None else argv)
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -86,6 +85,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     check_settings(work / "heldout_settings.json", {"heldout": args.heldout})
     def call_stage(module: str, stage_argv: List[str]) -> None:
         _call_stage(module, stage_argv, log_file=work / "commands.log")
+
+    holdout_args = sum((["--holdout-prompts", b] for b in BENCHMARKS), [])
+
+    def regenerate(conversations: Path, out: Path, done: Path):
+        def run() -> None:
+            call_stage("pr_specforge.data.cli", [
+                "regenerate", "--target", str(target), "--input", str(conversations), "--output", str(out),
+                "--max-new-tokens", str(args.max_new_tokens), "--batch-size", "32", "--temperature", "0",
+                "--max-prompt-chars", str(args.max_prompt_chars)])
+            done.write_text("ok\n")
+        return run
+
+    def hidden_states(conversations: Path, out: Path) -> None:
+        call_stage("pr_specforge.data.cli", [
+            "hidden-states", "--target", str(target), "--input", str(conversations), "--output", str(out),
+            "--max-length", str(args.max_length), "--draft-vocab-size", str(args.draft_vocab_size)])
 
     target, convs, regen, feats = work / "target", work / "conversations.jsonl", work / "regenerated.jsonl", work / "features"
     held = work / "heldout"
@@ -140,29 +155,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         Stage("target", target / "config.json", lambda: call_stage("pr_specforge.data.cli", ["smollm2-target", "--output", str(target)])),
         Stage("conversations", convs, lambda: call_stage("pr_specforge.data.cli", [
             "conversations", "--source", "sharegpt-package", "--output", str(convs), "--limit", str(args.conversations),
-            "--max-turns", "1", *sum((["--holdout-prompts", b] for b in BENCHMARKS), [])])),
-        Stage("regenerate", work / "regenerated.done", lambda: (call_stage("pr_specforge.data.cli", [
-            "regenerate", "--target", str(target), "--input", str(convs), "--output", str(regen),
-            "--max-new-tokens", str(args.max_new_tokens), "--batch-size", "32", "--temperature", "0",
-            "--max-prompt-chars", str(args.max_prompt_chars)]), (work / "regenerated.done").write_text("ok\n"))),
-        Stage("features", feats / "manifest.json", lambda: (call_stage("pr_specforge.data.cli", [
-            "hidden-states", "--target", str(target), "--input", str(regen), "--output", str(feats),
-            "--max-length", str(args.max_length), "--draft-vocab-size", str(args.draft_vocab_size)]),
+            "--max-turns", "1", *holdout_args])),
+        Stage("regenerate", work / "regenerated.done", regenerate(convs, regen, work / "regenerated.done")),
+        Stage("features", feats / "manifest.json", lambda: (
+            hidden_states(regen, feats),
             call_stage("pr_specforge.data.cli", ["validate", str(feats), "--target", str(target)]))),
         *([
             Stage("heldout-conversations", held / "conversations.jsonl", lambda: call_stage("pr_specforge.data.cli", [
                 "conversations", "--source", "sharegpt-package", "--output", str(held / "conversations.jsonl"),
-                "--limit", str(args.heldout), "--max-turns", "1", "--exclude-ids", str(convs),
-                *sum((["--holdout-prompts", b] for b in BENCHMARKS), [])])),
-            Stage("heldout-regenerate", held / "regenerated.done", lambda: (call_stage("pr_specforge.data.cli", [
-                "regenerate", "--target", str(target), "--input", str(held / "conversations.jsonl"),
-                "--output", str(held / "regenerated.jsonl"), "--max-new-tokens", str(args.max_new_tokens),
-                "--batch-size", "32", "--temperature", "0", "--max-prompt-chars", str(args.max_prompt_chars)]),
-                (held / "regenerated.done").write_text("ok\n"))),
-            Stage("heldout-features", held / "features" / "manifest.json", lambda: call_stage("pr_specforge.data.cli", [
-                "hidden-states", "--target", str(target), "--input", str(held / "regenerated.jsonl"),
-                "--output", str(held / "features"), "--max-length", str(args.max_length),
-                "--draft-vocab-size", str(args.draft_vocab_size)])),
+                "--limit", str(args.heldout), "--max-turns", "1", "--exclude-ids", str(convs), *holdout_args])),
+            Stage("heldout-regenerate", held / "regenerated.done",
+                  regenerate(held / "conversations.jsonl", held / "regenerated.jsonl", held / "regenerated.done")),
+            Stage("heldout-features", held / "features" / "manifest.json",
+                  lambda: hidden_states(held / "regenerated.jsonl", held / "features")),
         ] if args.heldout else []),
         Stage("train-eagle3", runs["eagle3"] / "train.done", train("eagle3")),
         Stage("train-pr", runs["pr"] / "train.done", train("pr")),
