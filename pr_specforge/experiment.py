@@ -393,7 +393,10 @@ def render_markdown(report: dict) -> str:
                 lines.append(f"| {b} | {_f(pr.get(f'pr/conf_share_{b}'))} | {_f(pr.get(f'pr/halt_past_0_{b}'))} | "
                              + " | ".join(_f(pr.get(f"pr/acc_depth_{r}_{b}")) for r in range(3))
                              + f" | {_f(pr.get(f'pr/recovered_share_{b}'))} |")
-    lines += ["", "## Stage wall times (s)", "", ", ".join(f"{k}: {v:.0f}" for k, v in report["stage_wall_s"].items()), ""]
+    lines += ["", "## Stage wall times (s)", "",
+              "Summed over every invocation that ran the stage, so a stage that was interrupted and resumed also "
+              "counts the work it redid (for training, at most one save interval per interruption).", "",
+              ", ".join(f"{k}: {v:.0f}" for k, v in report["stage_wall_s"].items()), ""]
     return "\n".join(lines)
 
 
