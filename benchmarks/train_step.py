@@ -1,6 +1,6 @@
 """One training step of SpecForge's `eagle3` strategy vs the `pr` strategy, side by side.
 
-    python benchmarks/train_step.py [--seq 512] [--repeats 5] [--dtype bfloat16] [--json out.json]
+    python benchmarks/train_step.py [--seq 512] [--prompt-frac 0.38] [--repeats 5] [--dtype bfloat16] [--json out.json]
 
 Drafter shaped like SmolLM2-135M's (hidden 576, 9 heads / 3 KV heads, intermediate
 1536, vocab 49152, draft vocab 8192), seq 512, TTT 7, R = 2, batch 1; identical
@@ -8,9 +8,14 @@ weights and inputs for both; a step = strategy.forward_loss + backward + AdamW
 step. Reports the median of `--repeats` timed steps (after one warm-up step each),
 interleaving the two strategies so machine noise hits both alike.
 
+The first `--prompt-frac` of the sequence is a prompt (loss mask 0), as in chat data
+(0.38 is the share of unscored tokens in the SmolLM2 experiment's features). PR runs
+two ways: `pr` (the default: the mixed-cache rollout skips the rows that no TTT step
+scores) and `pr_all_rows` (every row; `OnlinePRModel(skip_unscored_rows=False)`).
+
 `work_ratio` = rows processed by the decoder layer in PR's step / in EAGLE-3's,
 counted at run time with a hook on the layer's q projection. METHOD.md estimates
-(7 + 2 + 6*3) / 7 = 3.86 for a faithful PR step at TTT 7, R 2. Target:
+(7 + 2 + 6*3) / 7 = 3.86 for a faithful PR step over all rows at TTT 7, R 2. Target:
 `pr_over_eagle3 <= 1.2 * work_ratio`.
 """
 
@@ -51,18 +56,22 @@ def build(args):
     eagle.t2d[ids] = True
     eagle.d2t.copy_(ids - torch.arange(cfg.draft_vocab_size))
     eagle.freeze_embedding()
-    pr = LlamaForCausalLMEagle3PR(build_pr_config(cfg, PRDraftSettings(max_depth=args.depth)))
-    pr.load_state_dict(eagle.state_dict(), strict=False)
-    pr.freeze_embedding()
-    eagle, pr = eagle.to(dtype), pr.to(dtype)
+    drafts = {"eagle3": eagle.to(dtype)}
+    for name in ("pr", "pr_all_rows"):
+        pr = LlamaForCausalLMEagle3PR(build_pr_config(cfg, PRDraftSettings(max_depth=args.depth)))
+        pr.load_state_dict(eagle.state_dict(), strict=False)
+        pr.freeze_embedding()
+        drafts[name] = pr.to(dtype)
     strategies = {
-        "eagle3": Eagle3TrainStrategy(OnlineEagle3Model(eagle, length=args.ttt)),
-        "pr": make_strategy(OnlinePRModel(pr, length=args.ttt, pr=PRConfig(max_depth=args.depth))),
+        "eagle3": Eagle3TrainStrategy(OnlineEagle3Model(drafts["eagle3"], length=args.ttt)),
+        **{name: make_strategy(OnlinePRModel(drafts[name], length=args.ttt, pr=PRConfig(max_depth=args.depth),
+                                             skip_unscored_rows=name == "pr"))
+           for name in ("pr", "pr_all_rows")},
     }
     opts = {name: torch.optim.AdamW([p for p in s.trainable_module().parameters() if p.requires_grad], lr=1e-5)
             for name, s in strategies.items()}
     rows = {}
-    for name, draft in (("eagle3", eagle), ("pr", pr)):
+    for name, draft in drafts.items():
         rows[name] = [0]
         draft.midlayer.self_attn.q_proj.register_forward_hook(
             lambda m, inp, out, counter=rows[name]: counter.__setitem__(0, counter[0] + inp[0].shape[0] * inp[0].shape[1])
@@ -70,14 +79,16 @@ def build(args):
     return cfg, strategies, opts, rows
 
 
-def make_batch(cfg, seq, dtype):
+def make_batch(cfg, seq, dtype, prompt_frac=0.0):
     from pr_specforge._specforge import TrainBatch
 
     g = torch.Generator().manual_seed(1)
+    loss_mask = torch.ones(1, seq, 1, dtype=torch.long)
+    loss_mask[:, : int(prompt_frac * seq)] = 0
     tensors = {
         "input_ids": torch.randint(0, cfg.vocab_size, (1, seq), generator=g),
         "attention_mask": torch.ones(1, seq, dtype=torch.long),
-        "loss_mask": torch.ones(1, seq, 1, dtype=torch.long),
+        "loss_mask": loss_mask,
         "hidden_state": torch.randn(1, seq, 3 * cfg.hidden_size, generator=g).to(dtype),
         "target": (torch.randn(1, seq, cfg.vocab_size, generator=g) * 4).to(dtype),
     }
@@ -96,6 +107,7 @@ def step(strategy, opt, batch):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--prompt-frac", type=float, default=0.38, help="leading share of the sequence with loss mask 0")
     parser.add_argument("--ttt", type=int, default=7)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
@@ -108,7 +120,7 @@ def main(argv=None) -> int:
     import pr_specforge._specforge  # noqa: F401  (CPU-safe loss)
 
     cfg, strategies, opts, rows = build(args)
-    batch = make_batch(cfg, args.seq, getattr(torch, args.dtype))
+    batch = make_batch(cfg, args.seq, getattr(torch, args.dtype), args.prompt_frac)
     for name in strategies:  # warm-up (and row count of one step)
         rows[name][0] = 0
         step(strategies[name], opts[name], batch)
@@ -121,10 +133,13 @@ def main(argv=None) -> int:
     result = {
         "eagle3_step_s": med["eagle3"],
         "pr_step_s": med["pr"],
+        "pr_all_rows_step_s": med["pr_all_rows"],
         "pr_over_eagle3": med["pr"] / med["eagle3"],
+        "pr_all_rows_over_eagle3": med["pr_all_rows"] / med["eagle3"],
         "work_ratio": rows_per_step["pr"] / rows_per_step["eagle3"],
+        "work_ratio_all_rows": rows_per_step["pr_all_rows"] / rows_per_step["eagle3"],
         "decoder_rows": rows_per_step,
-        "settings": {"seq": args.seq, "ttt": args.ttt, "depth": args.depth, "dtype": args.dtype,
+        "settings": {"seq": args.seq, "prompt_frac": args.prompt_frac, "ttt": args.ttt, "depth": args.depth, "dtype": args.dtype,
                      "repeats": args.repeats, "threads": torch.get_num_threads(), "device": "cpu",
                      "torch": torch.__version__},
     }
@@ -134,6 +149,8 @@ def main(argv=None) -> int:
         print(f"{name:<10}{med[name]:>18.3f}{rows_per_step[name]:>20d}")
     print(f"pr/eagle3 time ratio {result['pr_over_eagle3']:.2f}  work ratio {result['work_ratio']:.2f}  "
           f"target <= {1.2 * result['work_ratio']:.2f}: {'met' if result['within_target'] else 'NOT met'}")
+    print(f"pr_all_rows/eagle3 time ratio {result['pr_all_rows_over_eagle3']:.2f}  "
+          f"work ratio {result['work_ratio_all_rows']:.2f}")
     if args.json:
         from pr_specforge.data.io import atomic_write_json
 

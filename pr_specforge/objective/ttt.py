@@ -104,6 +104,36 @@ class _Group:
     ctx: KV
 
 
+@dataclass
+class _RowView:
+    """The fields of a SpecForge step view that scoring the mixed rollout reads, cut to its rows."""
+
+    target_p: torch.Tensor
+    target_token_ids: torch.Tensor
+    position_mask: torch.Tensor
+    loss_mask: torch.Tensor
+
+
+def _scored_window(views, t: int) -> Tuple[int, int]:
+    """The smallest `[lo, hi)` of sequence rows that holds every row some step scores.
+
+    A row the mixed rollout computes matters only through its own losses (weighted by the
+    step's loss and position masks) and its own later steps: the context keys are the
+    step-0 keys of every row, which the one-pass call computes (unless `pr.mix_context`).
+    So rows whose masks are 0 at every step of the rollout (prompt tokens, padding) can
+    be skipped with the objective and telemetry unchanged. Falls back to `[0, t)` when no
+    row is scored.
+    """
+    scored = torch.zeros(t, dtype=torch.bool, device=views[0].loss_mask.device)
+    for v in views:
+        scored |= (v.loss_mask.reshape(v.loss_mask.shape[0], t) != 0).any(0)
+        scored |= (v.position_mask.reshape(v.position_mask.shape[0], t) != 0).any(0)
+    idx = scored.nonzero()
+    if idx.numel() == 0:
+        return 0, t
+    return int(idx[0]), int(idx[-1]) + 1
+
+
 class OnlinePRModel(OnlineEagle3Model):
     """TTT training model for `LlamaForCausalLMEagle3PR` (see module docstring)."""
 
@@ -115,6 +145,7 @@ class OnlinePRModel(OnlineEagle3Model):
         pr: Optional[PRConfig] = None,
         ploss_decay: float = 0.8,
         generator: Optional[torch.Generator] = None,
+        skip_unscored_rows: bool = True,
     ) -> None:
         if attention_backend != "sdpa":
             raise ValueError(
@@ -136,6 +167,9 @@ class OnlinePRModel(OnlineEagle3Model):
             )
         self.ploss_decay = ploss_decay
         self.generator = generator
+        # The mixed-cache rollout runs only the window of sequence rows that some TTT step scores
+        # (see `_scored_window`); the objective and telemetry are unchanged, only the work shrinks.
+        self.skip_unscored_rows = skip_unscored_rows
 
     # ------------------------------------------------------------------ M calls
     def _run(self, groups: List[_Group], pos: torch.Tensor, ctx_mask, start_mask) -> List[Tuple[torch.Tensor, KV]]:
@@ -246,14 +280,29 @@ class OnlinePRModel(OnlineEagle3Model):
         feats_a, chain_a = f0, [kv0]
         mixed_len = 0 if depth == 0 else min(length, self.pr.mixed_rollout_length or length)
 
-        # Mixed-cache rollout state.
+        # The mixed rollout's rows: all of them, or the window of rows that one of its steps scores.
+        lo, hi = 0, t
+        if mixed_len and self.skip_unscored_rows and not self.pr.mix_context and not return_logits:
+            lo, hi = _scored_window(views[:mixed_len], t)
+        rows = slice(lo, hi)
+        whole = (lo, hi) == (0, t)
+        cut = (lambda x: x) if whole else (lambda x: x[:, rows])  # noqa: E731  [B, T, ...] -> window
+        cut_kv = (lambda kv: kv) if whole else (lambda kv: (kv[0][..., rows, :], kv[1][..., rows, :]))  # noqa: E731
+        views_b = views if whole else [_RowView(cut(v.target_p), cut(v.target_token_ids), cut(v.position_mask),
+                                                cut(v.loss_mask)) for v in views[:mixed_len]]
+        pos_b = pos if whole else pos[..., rows]
+        ctx_mask_b, start_mask_b = (ctx_mask, start_mask) if whole else (ctx_mask[:, :, rows], start_mask[..., rows])
+
+        # Mixed-cache rollout state (rows `lo:hi`; the context keys stay those of every row).
         stages = [(j, r) for j in range(mixed_len) for r in range(0 if j else 1, depth + 1)]
-        depth_feats: List[torch.Tensor] = [f0]  # g_j^r for the current step j
-        depth_kv: List[KV] = [kv0]
+        depth_feats: List[torch.Tensor] = [cut(f0)]  # g_j^r for the current step j
+        depth_kv: List[KV] = [cut_kv(kv0)]
         chain_b: List[KV] = []
         ctx_b: KV = kv0  # becomes step 0's mixed keys once step 0 closes, if pr.mix_context
-        cont_feat = f0
+        cont_feat = cut(f0)
         collected: Dict[str, list] = {k: [] for k in ("q", "pm", "lm", "losses", "correct", "lambdas", "d", "conf")}
+        collected["rows"] = b * t  # the loss denominators stay SpecForge's B*T
+        collected["window"] = (lo, hi, t)
 
         a_step, s_idx = 1, 0
         while a_step < length or s_idx < len(stages):
@@ -264,12 +313,19 @@ class OnlinePRModel(OnlineEagle3Model):
             if s_idx < len(stages):
                 j, r = stages[s_idx]
                 if r == 0:
-                    groups.append(_Group(embs[j], cont_feat, j, list(chain_b), ctx_b))
+                    groups.append(_Group(cut(embs[j]), cont_feat, j, list(chain_b), ctx_b))
                 else:
                     prev = depth_feats[r - 1]
                     groups.append(_Group(draft.self_query(prev), prev, j, list(chain_b), ctx_b))
                 kinds.append(("B", (j, r)))
-            results = self._checkpointed(self._run, groups, pos, ctx_mask, start_mask)
+            if whole or len(groups) == 1:
+                a_only = kinds[0][0] == "A"
+                results = self._checkpointed(self._run, groups, pos if a_only or whole else pos_b,
+                                             ctx_mask if a_only or whole else ctx_mask_b,
+                                             start_mask if a_only or whole else start_mask_b)
+            else:  # the rollouts hold different rows: one call each
+                results = (self._checkpointed(self._run, groups[:1], pos, ctx_mask, start_mask)
+                           + self._checkpointed(self._run, groups[1:], pos_b, ctx_mask_b, start_mask_b))
             for (kind, key), (feat, kv) in zip(kinds, results):
                 if kind == "A":
                     score_one_pass(key, feat)
@@ -285,7 +341,8 @@ class OnlinePRModel(OnlineEagle3Model):
                     depth_kv.append(kv)
                 s_idx += 1
                 if r == depth:
-                    cont_feat, mixed_kv = self._close_step(j, depth_feats, depth_kv, views, logits_a, collected, return_logits, out)
+                    cont_feat, mixed_kv = self._close_step(j, depth_feats, depth_kv, views_b, cut(logits_a[0]) if j == 0 else None,
+                                                           collected, return_logits, out)
                     chain_b.append(mixed_kv)
                     if j == 0 and self.pr.mix_context:
                         ctx_b = mixed_kv
@@ -303,8 +360,10 @@ class OnlinePRModel(OnlineEagle3Model):
             out.logits = logits_a
         return out
 
-    def _close_step(self, j, depth_feats, depth_kv, views, logits_a, collected, return_logits, out):
-        """All depths of mixed-rollout step j are computed: gate, q, halt depth, mixed cache, losses."""
+    def _close_step(self, j, depth_feats, depth_kv, views, logits_0, collected, return_logits, out):
+        """All depths of mixed-rollout step j are computed: gate, q, halt depth, mixed cache, losses.
+
+        `logits_0`: step 0's one-pass logits (its depth 0 is the one-pass row), else None."""
         draft: LlamaForCausalLMEagle3PR = self.draft_model
         depth = self.pr.max_depth
         v = views[j]
@@ -312,13 +371,13 @@ class OnlinePRModel(OnlineEagle3Model):
             [draft.halt_probability(f, detach_input=self.pr.gate_detach_input) for f in depth_feats[:depth]], dim=-1
         )  # [B,T,R]
         q = halting_distribution(lambdas)  # [B,T,R+1]
-        d = torch.multinomial(q.detach().reshape(-1, depth + 1), 1, generator=self.generator).view(q.shape[:-1])
+        d = self._sample_halt_depth(q.detach(), collected["window"])
         sel = F.one_hot(d, depth + 1).to(depth_feats[0].dtype)  # [B,T,R+1]
         feat_d = sum(sel[..., r, None] * depth_feats[r] for r in range(depth + 1))
         k_d = sum(sel[:, None, :, r, None] * depth_kv[r][0] for r in range(depth + 1))
         v_d = sum(sel[:, None, :, r, None] * depth_kv[r][1] for r in range(depth + 1))
 
-        logits = [logits_a[0] if (j == 0 and r == 0) else draft.compute_logits(f) for r, f in enumerate(depth_feats)]
+        logits = [logits_0 if (j == 0 and r == 0) else draft.compute_logits(f) for r, f in enumerate(depth_feats)]
         losses = torch.stack([soft_cross_entropy_rows(lg, v.target_p) for lg in logits], dim=-1)  # [B,T,R+1]
         with torch.no_grad():
             pred = torch.stack([lg.argmax(-1) for lg in logits], dim=-1)
@@ -340,11 +399,23 @@ class OnlinePRModel(OnlineEagle3Model):
             out.position_masks.append(v.position_mask.squeeze(-1).float())
         return feat_d, (k_d, v_d)
 
+    def _sample_halt_depth(self, q: torch.Tensor, window: Tuple[int, int, int]) -> torch.Tensor:
+        """`d ~ q` per row by inverse CDF, from one uniform per sequence row.
+
+        The uniforms are drawn for every row of the sequence and then cut to the mixed
+        rollout's window, so a row's halt depth does not depend on which rows run."""
+        lo, hi, t = window
+        gen = self.generator
+        u = torch.rand(q.shape[0], t, generator=gen, device=gen.device if gen is not None else q.device)
+        u = u[:, lo:hi].to(device=q.device, dtype=q.dtype)
+        below = q.cumsum(-1)[..., :-1]  # P(d <= r), r < R
+        return (u[..., None] >= below).sum(-1)
+
     def _routing_terms(self, c, weights, out: PRForwardOutput) -> torch.Tensor:
         """Eq. 6's reconsidered-head, gate and balance terms over the mixed rollout."""
         head = gate = mixed_one_pass = 0.0
+        rows = c["rows"]
         for j, (q, pm, losses) in enumerate(zip(c["q"], c["pm"], c["losses"])):
-            rows = pm.numel()
             use = q[..., 1:].detach() if self.pr.reconsider_weight == "use" else torch.ones_like(q[..., 1:])
             head = head + weights[j] * (use * losses[..., 1:] * pm[..., None]).sum() / rows
             gate = gate + weights[j] * (q * losses.detach() * pm[..., None]).sum() / rows

@@ -372,3 +372,59 @@ def test_confidence_banded_telemetry_partitions_the_positions_and_matches_the_lo
     conf = torch.stack([torch.softmax(lg[0], -1).amax(-1) for lg in out.depth_logits])
     high = float(((conf >= CONFIDENCE_BANDS[1]).float() * torch.stack(masks)).sum())
     assert rm["pr/conf_share_conf_ge90"][0] == pytest.approx(high)
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_skipping_unscored_rows_leaves_loss_gradients_and_telemetry_unchanged(ckpt):
+    """The mixed rollout skips rows no step scores (a masked prompt, padding): same objective, fewer rows."""
+    batch = make_batch(make_drafters(max_depth=2)[1].config, batch=2, seq=30, pad_last=4)
+    batch["loss_mask"][0, -1] = 1
+    batch["loss_mask"][:, :12] = 0  # a prompt: rows 0..11 are never scored at step 0 ...
+    batch["loss_mask"][0, 12:15] = 0  # ... nor rows 12..14 of sequence 0 (sequence 1 scores them)
+    results = []
+    for skip in (False, True):
+        _, pr, _ = make_drafters(max_depth=2, seed=5)
+        with torch.no_grad():
+            pr.pr_halt_gate.linear.weight.normal_(0, 0.5)  # halt depths vary across rows
+        model = OnlinePRModel(pr, length=TTT, pr=PRConfig(gradient_checkpointing=ckpt),
+                              generator=torch.Generator().manual_seed(0), skip_unscored_rows=skip)
+        widths = []
+        run = model._run
+        model._run = lambda groups, *a: (widths.append(groups[0].hidden.shape[1]), run(groups, *a))[1]
+        out = model(**batch)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in pr.named_parameters() if p.grad is not None}
+        results.append((out, grads, widths))
+    (full, g_full, w_full), (skip, g_skip, w_skip) = results
+    assert set(w_full) == {30}
+    # Row t at step j is scored at position t + j: the window starts TTT - 1 rows before the first scored row.
+    assert min(w_skip) == 30 - (12 - (TTT - 1)) and max(w_skip) == 30  # sequence 0 is scored to its end
+    torch.testing.assert_close(skip.loss, full.loss)
+    assert set(skip.terms) == set(full.terms)
+    for name in full.terms:
+        torch.testing.assert_close(skip.terms[name], full.terms[name], msg=name)
+    assert set(skip.ratio_metrics) == set(full.ratio_metrics)
+    for name, (num, den) in full.ratio_metrics.items():
+        torch.testing.assert_close(skip.ratio_metrics[name][0], num, msg=name)
+        torch.testing.assert_close(skip.ratio_metrics[name][1], den, msg=name)
+    assert set(g_skip) == set(g_full)
+    for name in g_full:
+        torch.testing.assert_close(g_skip[name], g_full[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_skipping_unscored_rows_is_off_where_the_rows_are_read():
+    """With `mix_context` every row's halt-depth key is context for later rows; with `return_logits`
+    the per-row outputs are returned: both run every row."""
+    for pr_cfg, ret in ((PRConfig(mix_context=True), False), (PRConfig(), True)):
+        _, pr, _ = make_drafters(max_depth=2)
+        batch = make_batch(pr.config, batch=1, seq=20)
+        batch["loss_mask"][:, :10] = 0
+        model = OnlinePRModel(pr, length=TTT, pr=pr_cfg)
+        widths = []
+        run = model._run
+        model._run = lambda groups, *a: (widths.append(groups[0].hidden.shape[1]), run(groups, *a))[1]
+        with torch.no_grad():
+            out = model(**batch, return_logits=ret)
+        assert set(widths) == {20}
+        if ret:
+            assert all(d.shape == (1, 20) for d in out.halt_depths)
