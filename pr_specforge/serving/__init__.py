@@ -8,7 +8,9 @@ from pr_specforge.serving.tree import DraftTree, Node, TreeConfig, build_tree, g
 from pr_specforge.serving.verify import (  # noqa: F401
     accept_greedy,
     accept_sampling,
+    TreeLogits,
     commit_cache,
+    output_head,
     sample_token,
     target_forward_tree,
 )

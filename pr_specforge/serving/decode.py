@@ -35,6 +35,7 @@ from pr_specforge.serving.verify import (
     accept_greedy,
     accept_sampling,
     commit_cache,
+    output_head,
     sample_token,
     target_forward_tree,
 )
@@ -89,13 +90,14 @@ def _eos_set(eos_token_id) -> Optional[set]:
 class SpeculativeDecoder:
     """Target + drafter + tree shape. `reconsider=False` serves a PR drafter as plain EAGLE."""
 
-    def __init__(self, target, drafter, tree_config: TreeConfig, reconsider: bool = True) -> None:
+    def __init__(self, target, drafter, tree_config: TreeConfig, reconsider: bool = True, lazy_logits: bool = True) -> None:
         self.target = target.eval()
         self.drafter = drafter.eval()
         self.rt = DrafterRuntime(drafter, target)
         tree_config.check_vocab(self.rt.draft_vocab_size)
         self.cfg = tree_config
         self.reconsider = reconsider
+        self.lazy_logits = lazy_logits  # the target's vocabulary projection only for the nodes acceptance reads
         self.layer_ids = aux_layer_ids(drafter, int(target.config.num_hidden_layers))
         self.device = target.get_input_embeddings().weight.device
 
@@ -125,6 +127,8 @@ class SpeculativeDecoder:
         ids = torch.tensor([list(input_ids)], device=self.device)
         out = self.target(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
         first = sample_token(out.logits[0, -1].float(), temperature, verify_gen)
+        # Per-node logits on use, if the output embedding alone reproduces the target's logits.
+        head = output_head(self.target, out.hidden_states[-1][0, -1:], out.logits[0, -1:]) if self.lazy_logits else None
         aux = torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
         self.rt.reset()
         next_tokens = torch.tensor(list(input_ids[1:]) + [first])
@@ -139,7 +143,7 @@ class SpeculativeDecoder:
             tokens, depths = tree.tokens(), tree.depths()
             children = tree.children()
             logits, aux = target_forward_tree(
-                self.target, cache, tokens, depths, tree.tree_mask(), tree.root_position, self.layer_ids
+                self.target, cache, tokens, depths, tree.tree_mask(), tree.root_position, self.layer_ids, head
             )
             if temperature <= 0:
                 path, bonus = accept_greedy(tokens, children, logits)
@@ -164,8 +168,7 @@ class SpeculativeDecoder:
         res.total_s = time.perf_counter() - t_start
         return res
 
-    def _diagnose(self, tree: DraftTree, path: List[int], bonus: int, logits: torch.Tensor, res: DecodeResult) -> None:
-        probs = torch.softmax(logits, dim=-1)
+    def _diagnose(self, tree: DraftTree, path: List[int], bonus: int, logits, res: DecodeResult) -> None:
         for step, j in enumerate(path):
             node = tree.nodes[tree.kept[j]]
             if node.logp_one is None:  # a leaf never forwarded: its children were not drafted
@@ -180,7 +183,8 @@ class SpeculativeDecoder:
             top1 = int(self.rt.to_target_ids(top[:1])[0])
             onepass_hit = emitted in one_pass
             res.diagnostics.append(
-                (node.top1_prob, float(probs[j].max()), top1 == emitted, onepass_hit, (not onepass_hit) and via_recon)
+                (node.top1_prob, float(torch.softmax(logits[j], dim=-1).max()), top1 == emitted, onepass_hit,
+                 (not onepass_hit) and via_recon)
             )
 
 

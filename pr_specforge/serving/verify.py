@@ -5,6 +5,10 @@ Owns:
     against the target's `DynamicCache`, with a 4D additive mask (the committed
     prefix + each node's ancestors and itself) and explicit position ids
     (`root_position + depth`); returns logits and the three captured layers.
+    With an output head (`output_head`), the logits are `TreeLogits`: the head runs
+    on a node's final hidden state when acceptance first reads that node, so a round
+    computes the vocabulary projection for the path it walks (about tau nodes), not
+    for every node of the tree.
   * `accept_greedy` (T = 0: longest path matching the target's argmax tokens) and
     `accept_sampling` (T > 0: target-only multi-candidate rejection sampling: visit
     the children in order, accept `c_i` with probability `r_{i-1}(c_i)`, else zero
@@ -21,9 +25,44 @@ Does not own: drafting (`tree`), the round loop (`decode`).
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+
+Head = Callable[[torch.Tensor], torch.Tensor]
+
+
+class TreeLogits:
+    """The target's logits over the tree's nodes, each computed on first use (fp32 `[V]`)."""
+
+    def __init__(self, hidden: torch.Tensor, head: Head) -> None:
+        self.hidden, self.head = hidden, head
+        self._rows: Dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
+    def __getitem__(self, u: int) -> torch.Tensor:
+        u = int(u)
+        if u not in self._rows:
+            self._rows[u] = self.head(self.hidden[u : u + 1])[0].float()
+        return self._rows[u]
+
+
+def output_head(target, hidden: torch.Tensor, logits: torch.Tensor, rtol: float = 1e-4) -> Optional[Head]:
+    """The target's hidden-to-logits map, if its output embedding alone reproduces `logits`.
+
+    `hidden`/`logits`: a forward's final hidden states and logits for the same rows. A model
+    whose forward transforms its logits further (a soft cap, a logit scale) fails the check,
+    and then None: the caller keeps the forward's own logits for every node."""
+    head = target.get_output_embeddings()
+    if head is None:
+        return None
+    with torch.no_grad():
+        ours = head(hidden).float()
+    ref = logits.float()
+    scale = ref.abs().max().clamp_min(1.0)
+    return head if bool(((ours - ref).abs().max() <= rtol * scale)) else None
 
 
 def sample_token(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator]) -> int:
@@ -43,9 +82,11 @@ def target_forward_tree(
     mask: torch.Tensor,
     root_position: int,
     layer_ids: Sequence[int],
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Forward the kept tree. `mask [n, n]` ancestor-or-self. Returns `logits [n, V]` (fp32)
-    and the captured layers `[n, 3*Ht]` (layer outputs, `hidden_states[i + 1]`)."""
+    head: Optional[Head] = None,
+) -> Tuple[Union[torch.Tensor, TreeLogits], torch.Tensor]:
+    """Forward the kept tree. `mask [n, n]` ancestor-or-self. Returns the logits (`[n, V]` fp32,
+    or `TreeLogits` computed per node on use when `head` is given) and the captured layers
+    `[n, 3*Ht]` (layer outputs, `hidden_states[i + 1]`)."""
     device = target.get_input_embeddings().weight.device
     dtype = target.get_input_embeddings().weight.dtype
     n = len(tokens)
@@ -64,8 +105,11 @@ def target_forward_tree(
         past_key_values=cache,
         use_cache=True,
         output_hidden_states=True,
+        **({"logits_to_keep": torch.zeros(0, dtype=torch.long, device=device)} if head is not None else {}),
     )
     aux = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
+    if head is not None:
+        return TreeLogits(out.hidden_states[-1][0], head), aux
     return out.logits[0].float(), aux
 
 

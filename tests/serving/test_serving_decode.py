@@ -80,3 +80,44 @@ def test_eos_stops_decoding(setup):
     cut = ref[: ref.index(eos) + 1]
     res = SpeculativeDecoder(target, eagle, TreeConfig(budget=8)).generate(PROMPTS[1], 30, eos_token_id=eos)
     assert res.tokens == cut
+
+
+def test_lazy_logits_decode_exactly_as_full_logits_with_fewer_head_rows(setup):
+    """Acceptance reads the target's logits only on the path it walks; the output is unchanged."""
+    target, _, pr = setup
+    head = target.get_output_embeddings()
+    rows = [0]
+    hook = head.register_forward_hook(lambda m, inp, out: rows.__setitem__(0, rows[0] + inp[0].reshape(-1, inp[0].shape[-1]).shape[0]))
+    try:
+        runs = {}
+        for lazy in (False, True):
+            for temperature in (0.0, 1.0):
+                rows[0] = 0
+                dec = SpeculativeDecoder(target, pr, TreeConfig(budget=24), lazy_logits=lazy)
+                res = dec.generate(PROMPTS[0], 30, temperature=temperature, seed=7)
+                runs[lazy, temperature] = (res, rows[0])
+    finally:
+        hook.remove()
+    for temperature in (0.0, 1.0):
+        (full, full_rows), (lazy, lazy_rows) = runs[False, temperature], runs[True, temperature]
+        assert lazy.tokens == full.tokens and lazy.accept_lengths == full.accept_lengths
+        assert len(lazy.diagnostics) == len(full.diagnostics)
+        for a, b in zip(lazy.diagnostics, full.diagnostics):
+            assert a[2:] == b[2:] and a[:2] == pytest.approx(b[:2], rel=1e-5)
+        assert lazy_rows < full_rows / 2  # the head ran on the walked path, not on every tree node
+
+
+def test_output_head_is_refused_when_the_forward_transforms_its_logits(setup):
+    """A target whose logits are not its output embedding's (a soft cap, a scale) keeps full logits."""
+    import torch
+
+    from pr_specforge.serving import output_head
+
+    target, _, _ = setup
+    with torch.no_grad():
+        out = target(input_ids=torch.tensor([PROMPTS[0]]), output_hidden_states=True)
+    hidden, logits = out.hidden_states[-1][0], out.logits[0]
+    assert output_head(target, hidden, logits) is target.get_output_embeddings()
+    cap = float(logits.abs().max()) / 2  # a soft cap that binds on the largest logits
+    assert output_head(target, hidden, cap * torch.tanh(logits / cap)) is None
+    assert output_head(target, hidden, 1.05 * logits) is None  # a logit scale
