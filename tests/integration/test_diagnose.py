@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 import yaml
 
 from tests.helpers import write_features, write_workspace
