@@ -428,3 +428,45 @@ def test_skipping_unscored_rows_is_off_where_the_rows_are_read():
         assert set(widths) == {20}
         if ret:
             assert all(d.shape == (1, 20) for d in out.halt_depths)
+
+
+def test_rows_equal_specforge_layer_on_explicit_causal_sequences():
+    """Each row, rebuilt as a plain causal sequence through SpecForge's own midlayer: step 0's
+    reconsidered depths ([context rows < t, the row]) and step 1 over the sampled mixed cache
+    ([context rows < t, row t's halt-depth input, the row]), with random gates so halt depths vary."""
+    _, pr, _ = make_drafters(max_depth=2, seed=2)
+    with torch.no_grad():
+        pr.pr_halt_gate.linear.weight.normal_(0, 0.5)
+    batch = make_batch(pr.config, batch=1, seq=10)
+    model = OnlinePRModel(pr, length=3, generator=torch.Generator().manual_seed(0))
+
+    def layer(emb, hid):
+        return pr.midlayer(input_emb=emb, hidden_states=hid, cache_hidden=None, attention_mask=None,
+                           position_ids=torch.arange(emb.shape[1])[None])
+
+    with torch.no_grad():
+        out = model(**batch, return_logits=True)
+        h0 = pr.project_hidden_states(batch["hidden_states"])
+        e0 = pr.embed_input_ids(batch["input_ids"])
+        t_len = h0.shape[1]
+        feats = [layer(e0, h0)]
+        torch.testing.assert_close(pr.compute_logits(feats[0]), out.logits[0], rtol=1e-5, atol=1e-5)
+        for r in (1, 2):  # step 0, depth r: f^r = M(f^{r-1}, Q(f^{r-1})) at position t, context rows < t
+            prev, fr = feats[-1], torch.empty_like(feats[-1])
+            for t in range(t_len):
+                fr[:, t] = layer(torch.cat([e0[:, :t], pr.self_query(prev[:, t : t + 1])], 1),
+                                 torch.cat([h0[:, :t], prev[:, t : t + 1]], 1))[:, t]
+            torch.testing.assert_close(pr.compute_logits(fr), out.depth_logits[0][r], rtol=1e-5, atol=1e-5)
+            feats.append(fr)
+        d0 = out.halt_depths[0][0]
+        assert len(set(d0.tolist())) > 1  # the mixed cache really mixes depths
+        e1 = pr.embed_input_ids(torch.cat([batch["input_ids"][:, 1:], batch["input_ids"][:, :1]], 1))
+        for t in range(t_len - 1):
+            d = int(d0[t])
+            halt_emb, halt_hid = (e0[:, t : t + 1], h0[:, t : t + 1]) if d == 0 else (
+                pr.self_query(feats[d - 1][:, t : t + 1]), feats[d - 1][:, t : t + 1])
+            emb, hid = torch.cat([e0[:, :t], halt_emb], 1), torch.cat([h0[:, :t], halt_hid], 1)
+            g0 = layer(torch.cat([emb, e1[:, t : t + 1]], 1), torch.cat([hid, feats[d][:, t : t + 1]], 1))[:, -1:]
+            g1 = layer(torch.cat([emb, pr.self_query(g0)], 1), torch.cat([hid, g0], 1))[:, -1:]
+            for r, g in ((0, g0), (1, g1)):
+                torch.testing.assert_close(pr.compute_logits(g)[0, 0], out.depth_logits[1][r][0, t], rtol=1e-5, atol=1e-5)
