@@ -285,24 +285,21 @@ class OnlinePRModel(OnlineEagle3Model):
         if mixed_len and self.skip_unscored_rows and not self.pr.mix_context and not return_logits:
             lo, hi = _scored_window(views[:mixed_len], t)
         rows = slice(lo, hi)
-        whole = (lo, hi) == (0, t)
-        cut = (lambda x: x) if whole else (lambda x: x[:, rows])  # noqa: E731  [B, T, ...] -> window
-        cut_kv = (lambda kv: kv) if whole else (lambda kv: (kv[0][..., rows, :], kv[1][..., rows, :]))  # noqa: E731
-        views_b = views if whole else [_RowView(cut(v.target_p), cut(v.target_token_ids), cut(v.position_mask),
-                                                cut(v.loss_mask)) for v in views[:mixed_len]]
-        pos_b = pos if whole else pos[..., rows]
-        ctx_mask_b, start_mask_b = (ctx_mask, start_mask) if whole else (ctx_mask[:, :, rows], start_mask[..., rows])
+        cut = lambda x: x[:, rows]  # noqa: E731  [B, T, ...] -> the window's rows (a view)
+        views_b = [_RowView(cut(v.target_p), cut(v.target_token_ids), cut(v.position_mask), cut(v.loss_mask))
+                   for v in views[:mixed_len]]
+        inputs_a = (pos, ctx_mask, start_mask)
+        inputs_b = (pos[..., rows], ctx_mask[:, :, rows], start_mask[..., rows])
+        whole = (lo, hi) == (0, t)  # then both rollouts' rows share one call of M
 
         # Mixed-cache rollout state (rows `lo:hi`; the context keys stay those of every row).
         stages = [(j, r) for j in range(mixed_len) for r in range(0 if j else 1, depth + 1)]
         depth_feats: List[torch.Tensor] = [cut(f0)]  # g_j^r for the current step j
-        depth_kv: List[KV] = [cut_kv(kv0)]
+        depth_kv: List[KV] = [(kv0[0][..., rows, :], kv0[1][..., rows, :])]
         chain_b: List[KV] = []
         ctx_b: KV = kv0  # becomes step 0's mixed keys once step 0 closes, if pr.mix_context
         cont_feat = cut(f0)
         collected: Dict[str, list] = {k: [] for k in ("q", "pm", "lm", "losses", "correct", "lambdas", "d", "conf")}
-        collected["rows"] = b * t  # the loss denominators stay SpecForge's B*T
-        collected["window"] = (lo, hi, t)
 
         a_step, s_idx = 1, 0
         while a_step < length or s_idx < len(stages):
@@ -318,14 +315,9 @@ class OnlinePRModel(OnlineEagle3Model):
                     prev = depth_feats[r - 1]
                     groups.append(_Group(draft.self_query(prev), prev, j, list(chain_b), ctx_b))
                 kinds.append(("B", (j, r)))
-            if whole or len(groups) == 1:
-                a_only = kinds[0][0] == "A"
-                results = self._checkpointed(self._run, groups, pos if a_only or whole else pos_b,
-                                             ctx_mask if a_only or whole else ctx_mask_b,
-                                             start_mask if a_only or whole else start_mask_b)
-            else:  # the rollouts hold different rows: one call each
-                results = (self._checkpointed(self._run, groups[:1], pos, ctx_mask, start_mask)
-                           + self._checkpointed(self._run, groups[1:], pos_b, ctx_mask_b, start_mask_b))
+            n_a = sum(kind == "A" for kind, _ in kinds)
+            calls = [(groups, inputs_a)] if whole else [(groups[:n_a], inputs_a), (groups[n_a:], inputs_b)]
+            results = [res for gs, inputs in calls if gs for res in self._checkpointed(self._run, gs, *inputs)]
             for (kind, key), (feat, kv) in zip(kinds, results):
                 if kind == "A":
                     score_one_pass(key, feat)
@@ -342,7 +334,7 @@ class OnlinePRModel(OnlineEagle3Model):
                 s_idx += 1
                 if r == depth:
                     cont_feat, mixed_kv = self._close_step(j, depth_feats, depth_kv, views_b, cut(logits_a[0]) if j == 0 else None,
-                                                           collected, return_logits, out)
+                                                           (lo, hi, t), collected, return_logits, out)
                     chain_b.append(mixed_kv)
                     if j == 0 and self.pr.mix_context:
                         ctx_b = mixed_kv
@@ -353,17 +345,18 @@ class OnlinePRModel(OnlineEagle3Model):
         out.grad_terms["one_pass"] = one_pass
         loss = one_pass
         if mixed_len:
-            loss = loss + self._routing_terms(collected, weights, out)
+            loss = loss + self._routing_terms(collected, weights, b * t, out)
         out.loss = loss
         out.terms["loss_total"] = loss.detach()
         if return_logits:
             out.logits = logits_a
         return out
 
-    def _close_step(self, j, depth_feats, depth_kv, views, logits_0, collected, return_logits, out):
+    def _close_step(self, j, depth_feats, depth_kv, views, logits_0, window, collected, return_logits, out):
         """All depths of mixed-rollout step j are computed: gate, q, halt depth, mixed cache, losses.
 
-        `logits_0`: step 0's one-pass logits (its depth 0 is the one-pass row), else None."""
+        `logits_0`: step 0's one-pass logits (its depth 0 is the one-pass row), else None;
+        `window`: `(lo, hi, T)`, the sequence rows the mixed rollout runs."""
         draft: LlamaForCausalLMEagle3PR = self.draft_model
         depth = self.pr.max_depth
         v = views[j]
@@ -371,7 +364,7 @@ class OnlinePRModel(OnlineEagle3Model):
             [draft.halt_probability(f, detach_input=self.pr.gate_detach_input) for f in depth_feats[:depth]], dim=-1
         )  # [B,T,R]
         q = halting_distribution(lambdas)  # [B,T,R+1]
-        d = self._sample_halt_depth(q.detach(), collected["window"])
+        d = self._sample_halt_depth(q.detach(), window)
         sel = F.one_hot(d, depth + 1).to(depth_feats[0].dtype)  # [B,T,R+1]
         feat_d = sum(sel[..., r, None] * depth_feats[r] for r in range(depth + 1))
         k_d = sum(sel[:, None, :, r, None] * depth_kv[r][0] for r in range(depth + 1))
@@ -411,10 +404,11 @@ class OnlinePRModel(OnlineEagle3Model):
         below = q.cumsum(-1)[..., :-1]  # P(d <= r), r < R
         return (u[..., None] >= below).sum(-1)
 
-    def _routing_terms(self, c, weights, out: PRForwardOutput) -> torch.Tensor:
-        """Eq. 6's reconsidered-head, gate and balance terms over the mixed rollout."""
+    def _routing_terms(self, c, weights, rows: int, out: PRForwardOutput) -> torch.Tensor:
+        """Eq. 6's reconsidered-head, gate and balance terms over the mixed rollout.
+
+        `rows`: the loss denominator, all B*T rows as SpecForge's (the window's rows are fewer)."""
         head = gate = mixed_one_pass = 0.0
-        rows = c["rows"]
         for j, (q, pm, losses) in enumerate(zip(c["q"], c["pm"], c["losses"])):
             use = q[..., 1:].detach() if self.pr.reconsider_weight == "use" else torch.ones_like(q[..., 1:])
             head = head + weights[j] * (use * losses[..., 1:] * pm[..., None]).sum() / rows

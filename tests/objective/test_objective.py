@@ -374,6 +374,18 @@ def test_confidence_banded_telemetry_partitions_the_positions_and_matches_the_lo
     assert rm["pr/conf_share_conf_ge90"][0] == pytest.approx(high)
 
 
+def record_call_widths(model):
+    """The number of sequence rows of every call of M the model makes (appended as they run)."""
+    widths, run = [], model._run
+
+    def recording(groups, *args):
+        widths.append(groups[0].hidden.shape[1])
+        return run(groups, *args)
+
+    model._run = recording
+    return widths
+
+
 @pytest.mark.parametrize("ckpt", [False, True])
 def test_skipping_unscored_rows_leaves_loss_gradients_and_telemetry_unchanged(ckpt):
     """The mixed rollout skips rows no step scores (a masked prompt, padding): same objective, fewer rows."""
@@ -388,9 +400,7 @@ def test_skipping_unscored_rows_leaves_loss_gradients_and_telemetry_unchanged(ck
             pr.pr_halt_gate.linear.weight.normal_(0, 0.5)  # halt depths vary across rows
         model = OnlinePRModel(pr, length=TTT, pr=PRConfig(gradient_checkpointing=ckpt),
                               generator=torch.Generator().manual_seed(0), skip_unscored_rows=skip)
-        widths = []
-        run = model._run
-        model._run = lambda groups, *a: (widths.append(groups[0].hidden.shape[1]), run(groups, *a))[1]
+        widths = record_call_widths(model)
         out = model(**batch)
         out.loss.backward()
         grads = {n: p.grad.clone() for n, p in pr.named_parameters() if p.grad is not None}
@@ -420,9 +430,7 @@ def test_skipping_unscored_rows_is_off_where_the_rows_are_read():
         batch = make_batch(pr.config, batch=1, seq=20)
         batch["loss_mask"][:, :10] = 0
         model = OnlinePRModel(pr, length=TTT, pr=pr_cfg)
-        widths = []
-        run = model._run
-        model._run = lambda groups, *a: (widths.append(groups[0].hidden.shape[1]), run(groups, *a))[1]
+        widths = record_call_widths(model)
         with torch.no_grad():
             out = model(**batch, return_logits=ret)
         assert set(widths) == {20}
