@@ -1,9 +1,12 @@
 """One training step of SpecForge's `eagle3` strategy vs the `pr` strategy, side by side.
 
-    python benchmarks/train_step.py [--seq 512] [--prompt-frac 0.38] [--repeats 5] [--dtype bfloat16] [--json out.json]
+    python benchmarks/train_step.py [--shape smollm2|llama3-8b] [--seq 512] [--prompt-frac 0.38] [--repeats 5]
+                                    [--dtype bfloat16] [--device cpu|cuda] [--json out.json]
 
 Drafter shaped like SmolLM2-135M's (hidden 576, 9 heads / 3 KV heads, intermediate
-1536, vocab 49152, draft vocab 8192), seq 512, TTT 7, R = 2, batch 1; identical
+1536, vocab 49152, draft vocab 8192) or, with `--shape llama3-8b`, like Llama-3.1-8B's
+(hidden 4096, 32 / 8 heads, intermediate 14336, vocab 128256, draft vocab 32000);
+seq 512, TTT 7, R = 2, batch 1; identical
 weights and inputs for both; a step = strategy.forward_loss + backward + AdamW
 step. Reports the median of `--repeats` timed steps (after one warm-up step each),
 interleaving the two strategies so machine noise hits both alike.
@@ -32,6 +35,15 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 import torch  # noqa: E402
 
 
+# Drafter shapes: SmolLM2-135M's (the CPU experiment) and Llama-3.1-8B-Instruct's (recipes/llama3.1-8b-*.yaml).
+SHAPES = {
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                    vocab_size=49152, draft_vocab_size=8192),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                      vocab_size=128256, draft_vocab_size=32000),
+}
+
+
 def build(args):
     from transformers import LlamaConfig
 
@@ -43,8 +55,7 @@ def build(args):
     from pr_specforge._specforge import Eagle3TrainStrategy
 
     cfg = LlamaConfig(
-        hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-        num_hidden_layers=1, vocab_size=49152, draft_vocab_size=8192, max_position_embeddings=2048,
+        **SHAPES[args.shape], num_hidden_layers=1, max_position_embeddings=max(2048, args.seq),
         rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False, fc_norm=True,
         architectures=["LlamaForCausalLMEagle3"],
     )
@@ -95,17 +106,20 @@ def make_batch(cfg, seq, dtype, prompt_frac=0.0):
     return TrainBatch(sample_ids=["bench"], strategy="eagle3", tensors=tensors, metadata={"target_repr": "logits"})
 
 
-def step(strategy, opt, batch):
+def step(strategy, opt, batch, sync=lambda: None):
+    sync()
     t0 = time.perf_counter()
     out = strategy.forward_loss(batch)
     opt.zero_grad(set_to_none=True)
     out.loss.backward()
     opt.step()
+    sync()
     return time.perf_counter() - t0
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="smollm2", choices=sorted(SHAPES), help="drafter shape")
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--prompt-frac", type=float, default=0.38, help="leading share of the sequence with loss mask 0")
     parser.add_argument("--ttt", type=int, default=7)
@@ -113,6 +127,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda[:N] (CUDA uses SpecForge's Triton loss kernel)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.threads:
@@ -121,14 +136,22 @@ def main(argv=None) -> int:
 
     cfg, strategies, opts, rows = build(args)
     batch = make_batch(cfg, args.seq, getattr(torch, args.dtype), args.prompt_frac)
+    if args.device != "cpu":
+        for s in strategies.values():
+            s.trainable_module().to(args.device)
+        batch.tensors = {k: v.to(args.device) for k, v in batch.tensors.items()}
+        # optimizers are built after the move so their state lives on the device
+        opts.update({name: torch.optim.AdamW([p for p in s.trainable_module().parameters() if p.requires_grad], lr=1e-5)
+                     for name, s in strategies.items()})
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     for name in strategies:  # warm-up (and row count of one step)
         rows[name][0] = 0
-        step(strategies[name], opts[name], batch)
+        step(strategies[name], opts[name], batch, sync)
     rows_per_step = {name: rows[name][0] for name in rows}
     times = {name: [] for name in strategies}
     for _ in range(args.repeats):
         for name in strategies:
-            times[name].append(step(strategies[name], opts[name], batch))
+            times[name].append(step(strategies[name], opts[name], batch, sync))
     med = {name: statistics.median(v) for name, v in times.items()}
     result = {
         "eagle3_step_s": med["eagle3"],
@@ -139,8 +162,8 @@ def main(argv=None) -> int:
         "work_ratio": rows_per_step["pr"] / rows_per_step["eagle3"],
         "work_ratio_all_rows": rows_per_step["pr_all_rows"] / rows_per_step["eagle3"],
         "decoder_rows": rows_per_step,
-        "settings": {"seq": args.seq, "prompt_frac": args.prompt_frac, "ttt": args.ttt, "depth": args.depth, "dtype": args.dtype,
-                     "repeats": args.repeats, "threads": torch.get_num_threads(), "device": "cpu",
+        "settings": {"shape": args.shape, "seq": args.seq, "prompt_frac": args.prompt_frac, "ttt": args.ttt, "depth": args.depth, "dtype": args.dtype,
+                     "repeats": args.repeats, "threads": torch.get_num_threads(), "device": args.device,
                      "torch": torch.__version__},
     }
     result["within_target"] = result["pr_over_eagle3"] <= 1.2 * result["work_ratio"]

@@ -2,13 +2,14 @@
 # DeepSpeed backend vs SpecForge's DDP backend on GPU(s): 20 steps each on a tiny random
 # target from tests/helpers.py, per-step ploss_0 compared; prints PASS/FAIL. Under 10 min on one GPU.
 # Usage: scripts/gpu_check.sh [NPROC (default: visible GPUs)] [WORKDIR (default: mktemp)]
-# Not yet run on a GPU (the CPU path is covered by tests/training/test_deepspeed.py).
+# Ran on one H200 on 2026-11-29: PASS (benchmarks/results/gpu-h200.md); the CPU path is covered by tests/training/test_deepspeed.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NPROC="${1:-$(python -c 'import torch; print(max(1, torch.cuda.device_count()))')}"
+PY="${PYTHON:-python3}"
+NPROC="${1:-$("$PY" -c 'import torch; print(max(1, torch.cuda.device_count()))')}"
 WORK="${2:-$(mktemp -d)}"
 export TORCHDYNAMO_DISABLE=1 WANDB_MODE=disabled OMP_NUM_THREADS=1
-python - "$WORK" "$NPROC" <<'PY'
+"$PY" - "$WORK" "$NPROC" <<'PY'
 import os, sys, yaml
 from tests.helpers import write_workspace
 root, nproc = sys.argv[1], int(sys.argv[2])
@@ -24,10 +25,10 @@ for stage in (1, 2):
 PY
 for run in ddp zero1 zero2; do
   echo "== $run"
-  python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m pr_specforge.cli train \
+  "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m pr_specforge.cli train \
     -c "$WORK/$run.yaml" "output_dir=$WORK/out_$run" > "$WORK/$run.log" 2>&1 || { tail -40 "$WORK/$run.log"; echo "FAIL: $run did not finish"; exit 1; }
 done
-python - "$WORK" <<'PY'
+"$PY" - "$WORK" <<'PY'
 import sys
 from pr_specforge.telemetry import read_metrics
 root = sys.argv[1]

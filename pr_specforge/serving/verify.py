@@ -66,10 +66,14 @@ def output_head(target, hidden: torch.Tensor, logits: torch.Tensor, rtol: float 
 
 
 def sample_token(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator]) -> int:
-    """The target's own next token: argmax at T = 0, else a sample of softmax(logits / T)."""
+    """The target's own next token: argmax at T = 0, else a sample of softmax(logits / T).
+
+    Sampling runs on the CPU whatever the logits' device, so the CPU generator serves a
+    CUDA target too and a seed draws the same tokens on either device.
+    """
     if temperature <= 0:
         return int(torch.argmax(logits))
-    p = torch.softmax(logits.double() / temperature, dim=-1)
+    p = torch.softmax(logits.detach().double().cpu() / temperature, dim=-1)
     return int(torch.multinomial(p, 1, generator=generator))
 
 
@@ -135,7 +139,7 @@ def accept_sampling(
     """T > 0: target-only multi-candidate rejection sampling (each child a deterministic proposal)."""
     path, u = [0], 0
     while True:
-        r = torch.softmax(logits[u].double() / temperature, dim=-1)
+        r = torch.softmax(logits[u].detach().double().cpu() / temperature, dim=-1)  # CPU: see sample_token
         nxt = None
         for c in children[u]:
             t = tokens[c]

@@ -1,6 +1,7 @@
 """The speculative decode loop: lossless at T = 0 (EAGLE-3 and PR drafters), seeded at T > 0."""
 
 import pytest
+import torch
 
 import pr_specforge.serving.decode as decode_mod
 from pr_specforge.serving import SpeculativeDecoder, TreeConfig, autoregressive_decode, build_tree
@@ -121,3 +122,17 @@ def test_output_head_is_refused_when_the_forward_transforms_its_logits(setup):
     cap = float(logits.abs().max()) / 2  # a soft cap that binds on the largest logits
     assert output_head(target, hidden, cap * torch.tanh(logits / cap)) is None
     assert output_head(target, hidden, 1.05 * logits) is None  # a logit scale
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_serving_check.py runs the full set)")
+def test_cuda_decode_is_lossless_and_samples_with_a_cpu_generator(setup):
+    target, eagle, pr = setup
+    target, pr = target.to("cuda"), pr.to("cuda")
+    try:
+        dec = SpeculativeDecoder(target, pr, TreeConfig(budget=24))
+        ref, _ = autoregressive_decode(target, PROMPTS[0], 20)
+        assert dec.generate(PROMPTS[0], 20).tokens == ref
+        a = dec.generate(PROMPTS[0], 20, temperature=1.0, seed=3)
+        assert a.tokens == dec.generate(PROMPTS[0], 20, temperature=1.0, seed=3).tokens
+    finally:
+        target.to("cpu"), pr.to("cpu")
