@@ -131,7 +131,7 @@ def _diagnose(recipe_path: Path, scratch: str, run: Path, ckpt: str, features: s
 
 def render(report: Dict) -> str:
     """A short text table of one diagnosis."""
-    from pr_specforge.objective.ttt import CONFIDENCE_BAND_NAMES
+    from pr_specforge.objective.ttt import CONFIDENCE_BAND_NAMES, RECOVER_TOPK
 
     lines = [f"{report['run']} @ {os.path.basename(report['checkpoint'])} on {report['features']} "
              f"({report['batches']} batches, {report['positions']:.0f} positions)",
@@ -145,6 +145,8 @@ def render(report: Dict) -> str:
         lines.append("q_bar              | " + " | ".join(f"{pr[f'pr/depth_marginal_{r}']:.3f}" for r in depths))
         lines.append("halt share         | " + " | ".join(f"{pr[f'pr/halt_share_depth_{r}']:.3f}" for r in depths))
         lines.append(f"recovered share of depth-0 misses: {pr['pr/recovered_share']:.3f}")
+        if pr.get("pr/recovered_outside_topk") is not None:
+            lines.append(f"... of those outside depth 0's top-{RECOVER_TOPK} (a served one-pass miss): {pr['pr/recovered_outside_topk']:.3f}")
         lines.append("by depth-0 confidence | share | halt past 0 | " + " | ".join(f"acc d{r}" for r in depths) + " | recovered")
         for b in CONFIDENCE_BAND_NAMES:
             if pr.get(f"pr/conf_share_{b}") is None:

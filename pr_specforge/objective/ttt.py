@@ -55,6 +55,9 @@ def marginal_entropy(q: torch.Tensor, weight: torch.Tensor) -> Tuple[torch.Tenso
 
 #: depth-0 top-1 probability bands of the confidence-banded telemetry (the evaluator's Table 7 bands)
 CONFIDENCE_BANDS = (0.5, 0.9)
+#: `pr/recovered_outside_topk`: depth-0 misses in the serving sense (the target token is not among
+#: depth 0's top RECOVER_TOPK, the tree's k), and the share some depth >= 1 gets right at top-1.
+RECOVER_TOPK = 6
 CONFIDENCE_BAND_NAMES = ("conf_lt50", "conf_50to90", "conf_ge90")
 
 
@@ -299,7 +302,7 @@ class OnlinePRModel(OnlineEagle3Model):
         chain_b: List[KV] = []
         ctx_b: KV = kv0  # becomes step 0's mixed keys once step 0 closes, if pr.mix_context
         cont_feat = cut(f0)
-        collected: Dict[str, list] = {k: [] for k in ("q", "pm", "lm", "losses", "correct", "lambdas", "d", "conf")}
+        collected: Dict[str, list] = {k: [] for k in ("q", "pm", "lm", "losses", "correct", "lambdas", "d", "conf", "in_topk")}
 
         a_step, s_idx = 1, 0
         while a_step < length or s_idx < len(stages):
@@ -377,7 +380,10 @@ class OnlinePRModel(OnlineEagle3Model):
             pred = pred + draft.d2t[pred]
             correct = pred == v.target_token_ids[..., None]
             conf = torch.softmax(logits[0].float(), dim=-1).amax(-1)  # depth-0 top-1 probability
+            top = logits[0].topk(min(RECOVER_TOPK, logits[0].shape[-1]), dim=-1).indices
+            in_topk = ((top + draft.d2t[top]) == v.target_token_ids[..., None]).any(-1)
         collected["conf"].append(conf)
+        collected["in_topk"].append(in_topk)
         collected["q"].append(q)
         collected["pm"].append(v.position_mask.squeeze(-1).float())
         collected["lm"].append(v.loss_mask.squeeze(-1).float())
@@ -456,6 +462,9 @@ class OnlinePRModel(OnlineEagle3Model):
         recovered = wrong0 * (correct[..., 1:].amax(-1) if depth else torch.zeros_like(wrong0))
         rm["pr/recovered_share"] = (recovered.sum(), wrong0.sum())
         rm["pr/recovered_of_all"] = (recovered.sum(), lm_sum)
+        # the serving sense of a miss: the target token is not even among depth 0's top-k proposals
+        outside = (1.0 - torch.stack(c["in_topk"]).float()) * lm
+        rm["pr/recovered_outside_topk"] = ((recovered * outside).sum(), outside.sum())
         # The same by depth-0 confidence band (the evaluator's bands): does the gate open, and do the
         # reconsidered depths out-predict depth 0, where the one-pass guess is unsure?
         conf = torch.stack(c["conf"])

@@ -373,6 +373,23 @@ def test_confidence_banded_telemetry_partitions_the_positions_and_matches_the_lo
     high = float(((conf >= CONFIDENCE_BANDS[1]).float() * torch.stack(masks)).sum())
     assert rm["pr/conf_share_conf_ge90"][0] == pytest.approx(high)
 
+    # misses in the serving sense (target not in depth 0's top-k) are a subset of depth-0 top-1 misses,
+    # and so are their recoveries; the count matches the returned depth-0 logits and the target
+    from pr_specforge.objective.ttt import RECOVER_TOPK
+
+    rec_k, outside = rm["pr/recovered_outside_topk"]
+    rec, wrong0 = rm["pr/recovered_share"]
+    assert rec_k <= rec and 0 < outside <= wrong0
+    target_ids = batch["target"].argmax(-1)  # make_batch's soft targets; the token SpecForge scores is their argmax
+    ids = []
+    for _ in out.depth_logits:
+        ids.append(target_ids)
+        target_ids = padding(target_ids, left=False)
+    top = torch.stack([lg[0].topk(RECOVER_TOPK, -1).indices for lg in out.depth_logits])
+    top = top + pr.d2t[top]
+    miss = ~(top == torch.stack(ids)[..., None]).any(-1)
+    assert outside == pytest.approx(float((miss.float() * torch.stack(masks)).sum()))
+
 
 def record_call_widths(model):
     """The number of sequence rows of every call of M the model makes (appended as they run)."""
