@@ -79,6 +79,8 @@ def build(args):
                                              skip_unscored_rows=name == "pr"))
            for name in ("pr", "pr_all_rows")},
     }
+    for s in strategies.values():  # before the optimizers, so their state lives on the device
+        s.trainable_module().to(args.device)
     opts = {name: torch.optim.AdamW([p for p in s.trainable_module().parameters() if p.requires_grad], lr=1e-5)
             for name, s in strategies.items()}
     rows = {}
@@ -90,7 +92,7 @@ def build(args):
     return cfg, strategies, opts, rows
 
 
-def make_batch(cfg, seq, dtype, prompt_frac=0.0):
+def make_batch(cfg, seq, dtype, prompt_frac=0.0, device="cpu"):
     from pr_specforge._specforge import TrainBatch
 
     g = torch.Generator().manual_seed(1)
@@ -103,6 +105,7 @@ def make_batch(cfg, seq, dtype, prompt_frac=0.0):
         "hidden_state": torch.randn(1, seq, 3 * cfg.hidden_size, generator=g).to(dtype),
         "target": (torch.randn(1, seq, cfg.vocab_size, generator=g) * 4).to(dtype),
     }
+    tensors = {k: v.to(device) for k, v in tensors.items()}
     return TrainBatch(sample_ids=["bench"], strategy="eagle3", tensors=tensors, metadata={"target_repr": "logits"})
 
 
@@ -135,14 +138,7 @@ def main(argv=None) -> int:
     import pr_specforge._specforge  # noqa: F401  (CPU-safe loss)
 
     cfg, strategies, opts, rows = build(args)
-    batch = make_batch(cfg, args.seq, getattr(torch, args.dtype), args.prompt_frac)
-    if args.device != "cpu":
-        for s in strategies.values():
-            s.trainable_module().to(args.device)
-        batch.tensors = {k: v.to(args.device) for k, v in batch.tensors.items()}
-        # optimizers are built after the move so their state lives on the device
-        opts.update({name: torch.optim.AdamW([p for p in s.trainable_module().parameters() if p.requires_grad], lr=1e-5)
-                     for name, s in strategies.items()})
+    batch = make_batch(cfg, args.seq, getattr(torch, args.dtype), args.prompt_frac, args.device)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     for name in strategies:  # warm-up (and row count of one step)
         rows[name][0] = 0

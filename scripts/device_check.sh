@@ -19,8 +19,11 @@ run() {  # run NAME CMD...: log to OUTDIR/NAME.log, record pass/fail
   local name=$1; shift
   echo "== $name: $*"
   local t0=$SECONDS
-  if "$@" > "$OUTDIR/$name.log" 2>&1; then echo "   ok ($((SECONDS - t0)) s)"; else echo "   FAILED ($((SECONDS - t0)) s)"; tail -30 "$OUTDIR/$name.log"; status=1; fi
-  tail -8 "$OUTDIR/$name.log"
+  if "$@" > "$OUTDIR/$name.log" 2>&1; then
+    echo "   ok ($((SECONDS - t0)) s)"; tail -8 "$OUTDIR/$name.log"
+  else
+    echo "   FAILED ($((SECONDS - t0)) s)"; tail -30 "$OUTDIR/$name.log"; status=1
+  fi
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 "$PY" -c 'import torch, transformers, specforge; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, "specforge ok")'
