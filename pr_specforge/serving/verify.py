@@ -65,16 +65,20 @@ def output_head(target, hidden: torch.Tensor, logits: torch.Tensor, rtol: float 
     return head if bool(((ours - ref).abs().max() <= rtol * scale)) else None
 
 
-def sample_token(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator]) -> int:
-    """The target's own next token: argmax at T = 0, else a sample of softmax(logits / T).
+def sampling_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(logits / T) in float64 on the CPU, whatever the logits' device.
 
-    Sampling runs on the CPU whatever the logits' device, so the CPU generator serves a
-    CUDA target too and a seed draws the same tokens on either device.
+    Every draw at T > 0 uses these, so the sequence's CPU generator serves a CUDA target
+    too and a seed draws the same tokens on either device.
     """
+    return torch.softmax(logits.detach().double().cpu() / temperature, dim=-1)
+
+
+def sample_token(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator]) -> int:
+    """The target's own next token: argmax at T = 0, else a sample of softmax(logits / T)."""
     if temperature <= 0:
         return int(torch.argmax(logits))
-    p = torch.softmax(logits.detach().double().cpu() / temperature, dim=-1)
-    return int(torch.multinomial(p, 1, generator=generator))
+    return int(torch.multinomial(sampling_probs(logits, temperature), 1, generator=generator))
 
 
 @torch.no_grad()
@@ -139,7 +143,7 @@ def accept_sampling(
     """T > 0: target-only multi-candidate rejection sampling (each child a deterministic proposal)."""
     path, u = [0], 0
     while True:
-        r = torch.softmax(logits[u].detach().double().cpu() / temperature, dim=-1)  # CPU: see sample_token
+        r = sampling_probs(logits[u], temperature)
         nxt = None
         for c in children[u]:
             t = tokens[c]
