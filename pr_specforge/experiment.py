@@ -151,7 +151,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "--k", "6", "--bw", "6", "--gamma", "8", "--m", "3", "--seed", str(args.seed),
             "--out-dir", str(evals[key]), "--json", str(evals[key] / "summary.json"), "--no-progress"])
 
-    stages = [
+    shared = [
         Stage("target", target / "config.json", lambda: call_stage("pr_specforge.data.cli", ["smollm2-target", "--output", str(target)])),
         Stage("conversations", convs, lambda: call_stage("pr_specforge.data.cli", [
             "conversations", "--source", "sharegpt-package", "--output", str(convs), "--limit", str(args.conversations),
@@ -169,6 +169,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             Stage("heldout-features", held / "features" / "manifest.json",
                   lambda: hidden_states(held / "regenerated.jsonl", held / "features")),
         ] if args.heldout else []),
+    ]
+    seeded = [
         Stage("train-eagle3", runs["eagle3"] / "train.done", train("eagle3")),
         Stage("train-pr", runs["pr"] / "train.done", train("pr")),
         *([Stage("diagnose", diags["pr"], diagnose)] if args.heldout else []),
@@ -176,7 +178,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         Stage("eval-b48", evals["b48"] / "summary.json", evaluate("b48", [48], [0.0, 1.0])),
         Stage("eval-b24", evals["b24"] / "summary.json", evaluate("b24", [24], [0.0])),
     ]
-    timings = run_stages(stages, work / "stage_times.json")
+    # data stages are shared by every seed; the rest are timed per seed, so a second seed's
+    # training is not added onto the first's
+    shared_times, seed_times = work / "stage_times.json", work / f"stage_times-seed{args.seed}.json"
+    migrate_stage_times(shared_times, work / "stage_times-seed0.json", [s.name for s in seeded])
+    timings = run_stages(shared, shared_times) | run_stages(seeded, seed_times)
     report = build_report(args, work, runs, evals, timings, diags)
     prefix = args.report or str(REPO_ROOT / "benchmarks" / "results" / ("smollm2-cpu" + (f"-seed{args.seed}" if args.seed else "")))
     write_report(report, Path(prefix))
@@ -185,6 +191,20 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 # ---------------------------------------------------------------- statistics
+def migrate_stage_times(shared: Path, seed0: Path, seeded_names: Sequence[str]) -> None:
+    """Workdirs made before per-seed timing kept every stage in `shared`; those seeded stages were seed 0's."""
+    if seed0.exists() or not shared.exists():
+        return
+    from pr_specforge.data.io import atomic_write_json
+
+    times = json.loads(shared.read_text())
+    moved = {k: times.pop(k) for k in seeded_names if k in times}
+    if moved:
+        atomic_write_json(seed0, moved)
+        atomic_write_json(shared, times)
+        log.info("moved seed 0's stage times %s from %s to %s", sorted(moved), shared, seed0)
+
+
 def paired_bootstrap_gain(rows_a: Dict[str, dict], rows_b: Dict[str, dict], n: int = 2000, seed: int = 0) -> dict:
     """PR's relative tau gain over EAGLE-3, `tau_b / tau_a - 1`, with a 95% paired bootstrap CI.
 

@@ -48,3 +48,20 @@ def test_a_running_stage_saves_its_time_on_a_heartbeat(tmp_path):
 
     run_stages([Stage("slow", tmp_path / "slow.done", slow)], times, heartbeat_s=0.1)
     assert seen[0] >= 0.3
+
+
+def test_old_workdirs_move_seeded_stage_times_to_seed0_once(tmp_path):
+    """Before per-seed timing, a second seed's training time was added onto the first's."""
+    from pr_specforge.experiment import migrate_stage_times
+
+    shared, seed0 = tmp_path / "stage_times.json", tmp_path / "stage_times-seed0.json"
+    shared.write_text(json.dumps({"features": 806.0, "train-eagle3": 5674.0, "eval-b48": 7656.0}))
+    migrate_stage_times(shared, seed0, ["train-eagle3", "train-pr", "eval-b48"])
+    assert json.loads(shared.read_text()) == {"features": 806.0}
+    assert json.loads(seed0.read_text()) == {"train-eagle3": 5674.0, "eval-b48": 7656.0}
+    # seed 1's stages then start from zero in their own file, and a second call changes nothing
+    run_stages([Stage("train-eagle3", tmp_path / "t.done", lambda: (tmp_path / "t.done").write_text("ok"))],
+               tmp_path / "stage_times-seed1.json")
+    assert json.loads((tmp_path / "stage_times-seed1.json").read_text())["train-eagle3"] < 5.0
+    migrate_stage_times(shared, seed0, ["train-eagle3"])
+    assert json.loads(seed0.read_text())["train-eagle3"] == 5674.0
