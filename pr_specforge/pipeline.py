@@ -84,8 +84,13 @@ def call_stage(module: str, argv: List[str], log_file: Optional[Path] = None) ->
 
 
 def latest_checkpoint(run_dir: Path, required: bool = True) -> Optional[str]:
-    """The newest `<run_id>-stepN` checkpoint directory of a SpecForge run."""
-    ckpts = sorted((p for p in Path(run_dir).glob("*-step*") if p.name.rsplit("step", 1)[-1].isdigit()),
+    """The newest complete `<run_id>-stepN` checkpoint directory of a SpecForge run.
+
+    A directory counts once its `training_state.pt` exists (it is renamed into place last), so a
+    kill in the middle of a save resumes from the checkpoint before it, as SpecForge itself does.
+    """
+    ckpts = sorted((p for p in Path(run_dir).glob("*-step*")
+                    if p.name.rsplit("step", 1)[-1].isdigit() and (p / "training_state.pt").is_file()),
                    key=lambda p: int(p.name.rsplit("step", 1)[-1]))
     if not ckpts:
         if required:

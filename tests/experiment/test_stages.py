@@ -65,3 +65,19 @@ def test_old_workdirs_move_seeded_stage_times_to_seed0_once(tmp_path):
     assert json.loads((tmp_path / "stage_times-seed1.json").read_text())["train-eagle3"] < 5.0
     migrate_stage_times(shared, seed0, ["train-eagle3"])
     assert json.loads(seed0.read_text())["train-eagle3"] == 5674.0
+
+
+def test_resume_skips_a_checkpoint_killed_mid_save(tmp_path):
+    from pr_specforge.pipeline import latest_checkpoint
+
+    assert latest_checkpoint(tmp_path, required=False) is None
+    for step in (500, 1000, 1500):
+        (tmp_path / f"run-step{step}").mkdir()
+    for step in (500, 1000):
+        (tmp_path / f"run-step{step}" / "training_state.pt").write_bytes(b"x")
+    (tmp_path / "run-step1500" / "training_state.pt.tmp").write_bytes(b"x")  # the kill landed before the rename
+    (tmp_path / "run-latest").mkdir()
+    (tmp_path / "run-latest" / "training_state.pt").write_bytes(b"x")
+    assert latest_checkpoint(tmp_path) == str(tmp_path / "run-step1000")
+    with pytest.raises(SystemExit, match="no checkpoint"):
+        latest_checkpoint(tmp_path / "empty")
