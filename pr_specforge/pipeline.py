@@ -86,17 +86,20 @@ def call_stage(module: str, argv: List[str], log_file: Optional[Path] = None) ->
 def latest_checkpoint(run_dir: Path, required: bool = True) -> Optional[str]:
     """The newest complete `<run_id>-stepN` checkpoint directory of a SpecForge run.
 
-    A directory counts once its `training_state.pt` exists (it is renamed into place last), so a
-    kill in the middle of a save resumes from the checkpoint before it, as SpecForge itself does.
+    Completeness is SpecForge's own rule (`CheckpointManager.latest_dir`: its `-latest` pointer, else
+    the highest step whose `training_state.pt` exists), so a kill in the middle of a save resumes
+    from the checkpoint before it. A directory holding several runs gives the highest step of any.
     """
-    ckpts = sorted((p for p in Path(run_dir).glob("*-step*")
-                    if p.name.rsplit("step", 1)[-1].isdigit() and (p / "training_state.pt").is_file()),
-                   key=lambda p: int(p.name.rsplit("step", 1)[-1]))
+    from specforge.training.checkpoint import CheckpointManager
+
+    steps = [p.name.rsplit("-step", 1) for p in Path(run_dir).glob("*-step*")]
+    run_ids = sorted({run_id for run_id, step in steps if step.isdigit()})
+    ckpts = [d for d in (CheckpointManager(str(run_dir), run_id).latest_dir() for run_id in run_ids) if d]
     if not ckpts:
         if required:
             raise SystemExit(f"no checkpoint under {run_dir}; did training save one (training.save_interval)?")
         return None
-    return str(ckpts[-1])
+    return max(ckpts, key=lambda d: int(d.rsplit("-step", 1)[-1]))
 
 
 def check_settings(path: Path, settings: Dict) -> None:
