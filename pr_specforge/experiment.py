@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from pr_specforge.data.io import read_jsonl_rows
-from pr_specforge.pipeline import REPO_ROOT, Stage, check_settings, latest_checkpoint, run_stages
+from pr_specforge.pipeline import REPO_ROOT, Stage, check_settings, latest_checkpoint, log_command, run_stages, train_command
 from pr_specforge.pipeline import call_stage as _call_stage
 
 log = logging.getLogger(__name__)
@@ -109,24 +109,29 @@ def main(argv: Optional[List[str]] = None) -> int:
     evals = {"b48": work / f"eval-b48-seed{args.seed}", "b24": work / f"eval-b24-seed{args.seed}"}
     diags = {name: work / "diagnose" / f"{name}-seed{args.seed}.json" for name in RECIPES}
 
+    def train_overrides(name: str) -> List[str]:
+        overrides = [
+            f"model.target_model_path={target}",
+            f"model.vocab_mapping_path={feats / 'vocab_mapping' / 'vocab_mapping.pt'}",
+            f"data.hidden_states_path={feats}", f"data.max_length={args.max_length}",
+            f"output_dir={runs[name]}", f"training.num_epochs={args.epochs}",
+            f"training.learning_rate={args.lr}", f"training.seed={args.seed}",
+            f"training.save_interval={args.save_interval}",
+        ]
+        if args.heldout and args.eval_interval:
+            overrides += [f"data.eval_hidden_states_path={held / 'features'}", f"training.eval_interval={args.eval_interval}"]
+        return overrides
+
     def train(name: str):
         def run() -> None:
             from pr_specforge.train import run_train
 
-            overrides = [
-                f"model.target_model_path={target}",
-                f"model.vocab_mapping_path={feats / 'vocab_mapping' / 'vocab_mapping.pt'}",
-                f"data.hidden_states_path={feats}", f"data.max_length={args.max_length}",
-                f"output_dir={runs[name]}", f"training.num_epochs={args.epochs}",
-                f"training.learning_rate={args.lr}", f"training.seed={args.seed}",
-                f"training.save_interval={args.save_interval}",
-            ]
-            if args.heldout and args.eval_interval:
-                overrides += [f"data.eval_hidden_states_path={held / 'features'}", f"training.eval_interval={args.eval_interval}"]
+            overrides = train_overrides(name)
             ckpt = latest_checkpoint(runs[name], required=False)
             if ckpt:
                 log.info("resuming %s from %s", name, ckpt)
                 overrides.append(f"training.resume_from={ckpt}")
+            log_command(train_command(str(RECIPES[name]), overrides), work / "commands.log")
             rc = run_train(str(RECIPES[name]), overrides)
             if rc:
                 raise SystemExit(f"training {name} failed: exit {rc}")
@@ -183,7 +188,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     shared_times, seed_times = work / "stage_times.json", work / f"stage_times-seed{args.seed}.json"
     migrate_stage_times(shared_times, work / "stage_times-seed0.json", [s.name for s in seeded])
     timings = run_stages(shared, shared_times) | run_stages(seeded, seed_times)
-    report = build_report(args, work, runs, evals, timings, diags)
+    report = build_report(args, work, runs, evals, timings, diags,
+                          train_commands={name: train_command(str(RECIPES[name]), train_overrides(name)) for name in RECIPES})
     prefix = args.report or str(REPO_ROOT / "benchmarks" / "results" / ("smollm2-cpu" + (f"-seed{args.seed}" if args.seed else "")))
     write_report(report, Path(prefix))
     print(render_markdown(report))
@@ -292,7 +298,7 @@ def seed_comparisons(work: Path, n: int) -> Dict[int, List[dict]]:
 
 
 def build_report(args, work: Path, runs: Dict[str, Path], evals: Dict[str, Path], timings: Dict[str, float],
-                 diags: Optional[Dict[str, Path]] = None) -> dict:
+                 diags: Optional[Dict[str, Path]] = None, train_commands: Optional[Dict[str, str]] = None) -> dict:
     results = []
     finished = [d for d in evals.values() if (d / "summary.json").exists()]
     for eval_dir in finished:
@@ -312,7 +318,11 @@ def build_report(args, work: Path, runs: Dict[str, Path], evals: Dict[str, Path]
     return {
         "settings": {k: v for k, v in vars(args).items() if k not in ("report", "command")},
         "command": getattr(args, "command", None),
-        "stage_commands": (work / "commands.log").read_text().splitlines() if (work / "commands.log").exists() else [],
+        # every command run in this workdir, in order; a repeat (the same stage resumed) is listed once
+        "stage_commands": list(dict.fromkeys((work / "commands.log").read_text().splitlines()))
+        if (work / "commands.log").exists() else [],
+        # this seed's trainings (an interrupted one reran this with training.resume_from=<latest checkpoint>)
+        "train_commands": train_commands or {},
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
         "commit": commit,
         "results": results,
@@ -344,6 +354,8 @@ def render_markdown(report: dict) -> str:
              f"commit `{report['commit']}`, machine: {report['machine']['platform']}, {report['machine']['cpus']} CPUs", "",
              f"command: `{report.get('command')}`; the stages ran (in-process) as:", "",
              *(f"    {c}" for c in report.get("stage_commands", [])), "",
+             *(["this seed's trainings ran (in-process; a resumed one adds `training.resume_from=<latest checkpoint>`) as:", "",
+                *(f"    {c}" for c in report["train_commands"].values()), ""] if report.get("train_commands") else []),
              "## Acceptance length (tau, bonus token included) and PR's relative gain (95% paired bootstrap CI)", "",
              "| set | B | T | prompts | tau EAGLE-3 | tau PR | gain | 95% CI |", "|---|---|---|---|---|---|---|---|"]
     for c in report["comparisons"]:

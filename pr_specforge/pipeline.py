@@ -24,7 +24,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,21 @@ _COMMANDS = {"pr_specforge.data.cli": "data", "pr_specforge.eval.cli": "eval", "
              "pr_specforge.diagnose": "diagnose", "pr_specforge.telemetry": "plot"}
 
 
+def log_command(line: str, log_file: Optional[Path] = None) -> None:
+    """Log a stage's equivalent command line; append it to `log_file` when given."""
+    log.info("stage command: %s", line)
+    if log_file is not None:
+        with open(log_file, "a") as f:
+            f.write(line + "\n")
+
+
+def train_command(recipe: str, overrides: Sequence[str]) -> str:
+    """The command line equivalent to `run_train(recipe, overrides)`."""
+    import shlex
+
+    return "pr-specforge " + shlex.join(["train", "-c", str(recipe), *overrides])
+
+
 def call_stage(module: str, argv: List[str], log_file: Optional[Path] = None) -> None:
     """Run a sub-command's `main(argv)` in-process; a non-zero exit stops the pipeline.
 
@@ -71,11 +86,7 @@ def call_stage(module: str, argv: List[str], log_file: Optional[Path] = None) ->
     import importlib
     import shlex
 
-    line = "pr-specforge " + shlex.join([_COMMANDS.get(module, module), *argv])
-    log.info("stage command: %s", line)
-    if log_file is not None:
-        with open(log_file, "a") as f:
-            f.write(line + "\n")
+    log_command("pr-specforge " + shlex.join([_COMMANDS.get(module, module), *argv]), log_file)
     rc = importlib.import_module(module).main(argv)
     if rc:
         raise SystemExit(f"stage command failed ({module} {' '.join(argv)}): exit {rc}")
@@ -193,6 +204,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     def train() -> None:
         from pr_specforge.train import run_train
 
+        log_command(train_command(args.recipe, overrides))
         rc = run_train(args.recipe, overrides)
         if rc:
             raise SystemExit(f"training failed with exit {rc}")

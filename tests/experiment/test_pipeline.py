@@ -54,6 +54,12 @@ def test_experiment_runs_every_stage_reports_both_drafters_and_resumes(tmp_path)
     assert data["command"].startswith("pr-specforge experiment --workdir")
     assert any(c.startswith("pr-specforge data regenerate --target") for c in data["stage_commands"])
     assert any(c.startswith("pr-specforge diagnose") for c in data["stage_commands"]) and "pr-specforge eval" in md
+    # the trainings are recorded too: logged as run, and restated in the report for this seed
+    for name, recipe in (("eagle3", "smollm2-135m-cpu-eagle3.yaml"), ("pr", "smollm2-135m-cpu.yaml")):
+        logged = [c for c in data["stage_commands"] if c.startswith("pr-specforge train -c") and c.split()[3].endswith(recipe)]
+        assert len(logged) == 1 and f"output_dir={work / 'runs' / (name + '-seed0')}" in logged[0]
+        assert data["train_commands"][name] == logged[0] and logged[0] in md
+    assert len(set(data["stage_commands"])) == len(data["stage_commands"])
     assert report.parent.joinpath("smollm2-toy-tau.png").exists()
     # a rerun skips every finished stage and rebuilds the same report
     out = _experiment(work, report)
