@@ -470,7 +470,11 @@ def _plots(report: dict, prefix: Path) -> None:
         ax[0].set_title("depth marginal q_bar (end of training)")
         gates = [d for d in depths if f"pr/gate_mean_depth_{d}" in pr]
         ax[1].bar(gates, [pr[f"pr/gate_mean_depth_{d}"] for d in gates])
-        ax[1].set_title("mean gate lambda_r")
+        ax[1].set_title("mean gate lambda_r (P halt at depth r)")
+        for a in ax:
+            a.set_xticks(depths)
+            a.set_xlabel("depth r")
+            a.set_ylim(0, 1)
         fig.tight_layout()
         fig.savefig(str(prefix) + "-gate.png", dpi=120)
         plt.close(fig)
