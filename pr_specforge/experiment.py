@@ -471,8 +471,8 @@ def _plots(report: dict, prefix: Path) -> None:
         gates = [d for d in depths if f"pr/gate_mean_depth_{d}" in pr]
         ax[1].bar(gates, [pr[f"pr/gate_mean_depth_{d}"] for d in gates])
         ax[1].set_title("mean gate lambda_r (P halt at depth r)")
-        for a in ax:
-            a.set_xticks(depths)
+        for a, ticks in zip(ax, (depths, gates)):  # no gate at the cap R: it halts there regardless
+            a.set_xticks(ticks)
             a.set_xlabel("depth r")
             a.set_ylim(0, 1)
         fig.tight_layout()
