@@ -71,11 +71,16 @@ def log_command(line: str, log_file: Optional[Path] = None) -> None:
             f.write(line + "\n")
 
 
-def train_command(recipe: str, overrides: Sequence[str]) -> str:
-    """The command line equivalent to `run_train(recipe, overrides)`."""
+def command_line(subcommand: str, argv: Sequence[str]) -> str:
+    """The `pr-specforge SUBCOMMAND ARGV...` line a stage is equivalent to."""
     import shlex
 
-    return "pr-specforge " + shlex.join(["train", "-c", str(recipe), *overrides])
+    return "pr-specforge " + shlex.join([subcommand, *argv])
+
+
+def train_command(recipe: str, overrides: Sequence[str]) -> str:
+    """The command line equivalent to `run_train(recipe, overrides)`."""
+    return command_line("train", ["-c", str(recipe), *overrides])
 
 
 def call_stage(module: str, argv: List[str], log_file: Optional[Path] = None) -> None:
@@ -84,9 +89,8 @@ def call_stage(module: str, argv: List[str], log_file: Optional[Path] = None) ->
     The equivalent command line is logged, and appended to `log_file` when given.
     """
     import importlib
-    import shlex
 
-    log_command("pr-specforge " + shlex.join([_COMMANDS.get(module, module), *argv]), log_file)
+    log_command(command_line(_COMMANDS.get(module, module), argv), log_file)
     rc = importlib.import_module(module).main(argv)
     if rc:
         raise SystemExit(f"stage command failed ({module} {' '.join(argv)}): exit {rc}")
