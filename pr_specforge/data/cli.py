@@ -5,6 +5,7 @@
     pr-specforge data hidden-states  --input regen.jsonl --output features/ --target DIR --chat-template smollm2
     pr-specforge data smollm2-target --output targets/smollm2-135m-instruct
     pr-specforge data validate       features/ [--target DIR]
+    torchrun --nproc_per_node 8 -m pr_specforge.cli data hidden-states --device cuda ...   # one shard per GPU
 
 Every step resumes: rerun the same command after an interruption. Heavy
 imports live inside the branches so `--help` is instant. Library code logs;
@@ -110,6 +111,22 @@ def _chat_template_for(target: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pr_specforge.data.sharding import close, current_shard
+
+    shard = current_shard()
+    try:
+        return _main(argv, shard)
+    finally:
+        close(shard)
+
+
+def _print(shard, text: str) -> None:
+    """The run's summary line, once (rank 0) under torchrun."""
+    if shard.is_main:
+        print(text)
+
+
+def _main(argv: list[str] | None, shard) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO), format="%(levelname)s %(name)s: %(message)s")
     from pr_specforge.data.io import DataFormatError
@@ -140,12 +157,12 @@ def main(argv: list[str] | None = None) -> int:
                 backend = OpenAIChatBackend(args.server, args.model, timeout=args.timeout,
                                             max_retries=args.max_retries, concurrency=args.concurrency)
             else:
-                backend = TransformersBackend.from_pretrained(args.target, dtype=args.dtype, device=args.device)
+                backend = TransformersBackend.from_pretrained(args.target, dtype=args.dtype, device=shard.device(args.device))
             sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens)
             stats = regenerate_conversations(args.input, args.output, backend, turns=args.turns, sampling=sampling,
                                              batch_size=args.batch_size, limit=args.limit,
                                              max_prompt_chars=args.max_prompt_chars)
-            print(json.dumps(stats.as_dict()))
+            _print(shard, json.dumps(stats.as_dict()))
             return 0 if not stats.skipped.get("failed") else 3
 
         if args.command == "hidden-states":
@@ -156,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 backend=args.backend, aux_layers=args.aux_layers, max_length=args.max_length,
                 draft_vocab_size=args.draft_vocab_size, batch_size=args.batch_size,
                 max_batch_tokens=args.max_batch_tokens, dtype=args.dtype, device=args.device, limit=args.limit)
-            print(json.dumps(stats.as_dict()))
+            _print(shard, json.dumps(stats.as_dict()))
             return 0
 
         if args.command == "smollm2-target":

@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,8 @@ logger = logging.getLogger(__name__)
 FILE_GROUP_SIZE = 2000
 MANIFEST = "manifest.json"
 FORMAT = "specforge-offline-eagle3"
+#: Test hook: seconds to sleep after each written batch (lets a test kill -9 a rank mid-shard).
+BATCH_SLEEP_ENV = "PR_SPECFORGE_PREP_BATCH_SLEEP"
 
 
 class FeatureDirMismatch(RuntimeError):
@@ -134,6 +137,21 @@ class TransformersCapture:
             aux_layers = default_aux_layers(_text_config(model.config).num_hidden_layers)
         return cls(model, aux_layers, device)
 
+    def forward(self, input_ids, attention_mask):
+        """Batched `(final [B,L,H], aux [B,L,3H])` on the model's device: the one feature path,
+        used by `capture` (offline files) and by online training (`pr_specforge.online`)."""
+        import torch
+
+        with torch.inference_mode():
+            out = self.decoder(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                output_hidden_states=True,
+                use_cache=False,
+            )
+        aux = torch.cat([out.hidden_states[i + 1] for i in self.aux_layers], dim=-1)
+        return out.last_hidden_state, aux
+
     def capture(self, batch: list) -> list[tuple]:
         """`batch`: list of 1-D input_ids. Returns `(hidden [1,L,H], aux [1,L,3H])` per row, on CPU."""
         import torch
@@ -145,15 +163,7 @@ class TransformersCapture:
         for i, x in enumerate(batch):  # right padding: causal attention keeps real positions exact
             ids[i, : lens[i]] = x
             mask[i, : lens[i]] = 1
-        with torch.inference_mode():
-            out = self.decoder(
-                input_ids=ids.to(self.device),
-                attention_mask=mask.to(self.device),
-                output_hidden_states=True,
-                use_cache=False,
-            )
-        final = out.last_hidden_state
-        aux = torch.cat([out.hidden_states[i + 1] for i in self.aux_layers], dim=-1)
+        final, aux = self.forward(ids, mask)
         final, aux = final.cpu(), aux.cpu()
         return [(final[i : i + 1, : lens[i]].clone(), aux[i : i + 1, : lens[i]].clone()) for i in range(len(batch))]
 
@@ -215,6 +225,7 @@ class HiddenStateStats:
     tokens: int = 0
     loss_tokens: int = 0
     skipped: Counter = field(default_factory=Counter)
+    dtype: str | None = None  # of the features this process wrote
 
     def as_dict(self) -> dict:
         return {
@@ -241,6 +252,41 @@ def _batches(items: list, batch_size: int, max_batch_tokens: int):
         yield batch
 
 
+def tokenized_rows(input_path, tokenizer, chat_template: str, max_length: int, vocab_size: int,
+                   stats: HiddenStateStats, limit: int | None = None):
+    """Yield `(row index, TokenizedSample)` for every trainable row of a conversation JSONL.
+
+    The one tokenisation (and skip rule) shared by offline features and online
+    training, so both see the same rows with the same ids and loss masks.
+    Rows skipped are counted in `stats.skipped` by reason.
+    """
+    from pr_specforge.data.templates import tokenize_conversation
+
+    for idx, (lineno, row) in enumerate(iter_jsonl(input_path)):
+        if limit is not None and idx >= limit:
+            break
+        stats.rows += 1
+        conv = row.get("conversations")
+        if not isinstance(conv, list) or not conv:
+            stats.skipped["no_conversation"] += 1
+            continue
+        try:
+            sample = tokenize_conversation(tokenizer, conv, chat_template, max_length)
+        except (KeyError, TypeError, ValueError) as e:
+            logger.warning("%s:%d: cannot tokenise (%s); skipped", input_path, lineno, e)
+            stats.skipped["bad_conversation"] += 1
+            continue
+        if int(sample.loss_mask.sum()) == 0:
+            stats.skipped["no_loss_tokens"] += 1
+            continue
+        if int(sample.input_ids.max()) >= vocab_size:
+            stats.skipped["token_out_of_vocab"] += 1
+            continue
+        stats.tokens += len(sample.input_ids)
+        stats.loss_tokens += int(sample.loss_mask.sum())
+        yield idx, sample
+
+
 def prepare_hidden_states(
     input_path: str | os.PathLike,
     output_dir: str | os.PathLike,
@@ -263,13 +309,23 @@ def prepare_hidden_states(
 
     `capture`/`tokenizer` may be passed in (tests, benchmarks); otherwise they
     are loaded from `target_path` with `backend`.
+
+    Under `torchrun` every rank tokenises the whole input (cheap next to the
+    forward), forms the same length-sorted batches, and captures batches
+    `rank, rank + N, ...`: a row's batch, hence its features, is the same as
+    in a one-rank run. Rank 0 writes the vocab map and the final manifest once
+    every rank is done (`pr_specforge.data.sharding`).
     """
-    import torch
     from tqdm import tqdm
     from transformers import AutoConfig, AutoTokenizer
 
-    from pr_specforge.data.templates import check_tokenizer, tokenize_conversation
+    from pr_specforge.data.sharding import current_shard, gather_to_main
+    from pr_specforge.data.templates import check_tokenizer
 
+    shard = current_shard()
+    if backend == "sglang" and shard.world > 1 and capture is None:
+        raise ValueError("the sglang backend runs one rank; under torchrun use --backend transformers")
+    device = shard.device(device)
     out_dir = Path(output_dir)
     config = capture.model.config if capture is not None and hasattr(capture, "model") else AutoConfig.from_pretrained(target_path)
     tcfg = _text_config(config)
@@ -286,34 +342,18 @@ def prepare_hidden_states(
 
     stats = HiddenStateStats()
     counts: Counter = Counter()
-    todo: list = []
-    for idx, (lineno, row) in enumerate(iter_jsonl(input_path)):
-        if limit is not None and idx >= limit:
-            break
-        stats.rows += 1
-        conv = row.get("conversations")
-        if not isinstance(conv, list) or not conv:
-            stats.skipped["no_conversation"] += 1
-            continue
-        try:
-            sample = tokenize_conversation(tokenizer, conv, chat_template, max_length)
-        except (KeyError, TypeError, ValueError) as e:
-            logger.warning("%s:%d: cannot tokenise (%s); skipped", input_path, lineno, e)
-            stats.skipped["bad_conversation"] += 1
-            continue
-        if int(sample.loss_mask.sum()) == 0:
-            stats.skipped["no_loss_tokens"] += 1
-            continue
-        if int(sample.input_ids.max()) >= target["vocab_size"]:
-            stats.skipped["token_out_of_vocab"] += 1
-            continue
+    items = []
+    for idx, sample in tokenized_rows(input_path, tokenizer, chat_template, max_length, target["vocab_size"], stats, limit):
         count_loss_tokens(counts, sample.input_ids, sample.loss_mask)
-        stats.tokens += len(sample.input_ids)
-        stats.loss_tokens += int(sample.loss_mask.sum())
-        if feature_path(out_dir, idx).exists():
-            stats.resumed += 1
+        items.append((idx, sample.input_ids, sample.loss_mask))
+    todo = []
+    for k, batch in enumerate(_batches(items, batch_size, max_batch_tokens)):
+        if not shard.owns(k):
             continue
-        todo.append((idx, sample.input_ids, sample.loss_mask))
+        done = sum(feature_path(out_dir, it[0]).exists() for it in batch)
+        stats.resumed += done
+        if done < len(batch):
+            todo.append(batch)  # whole: a row's features never depend on how far a killed run got
 
     manifest = {
         "format": FORMAT,
@@ -333,35 +373,60 @@ def prepare_hidden_states(
         },
         "draft_vocab_size": draft_vocab_size,
         "vocab_mapping": "vocab_mapping/vocab_mapping.pt",
+        "ranks": shard.world,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out_dir / MANIFEST, {**manifest, "counts": stats.as_dict()})
+    if shard.is_main:
+        atomic_write_json(out_dir / MANIFEST, {**manifest, "counts": stats.as_dict()})
 
     if todo and capture is None:
-        if backend == "transformers":
-            capture = TransformersCapture.from_pretrained(target_path, aux_layers, dtype=dtype, device=device)
-        elif backend == "sglang":
-            capture = SGLangCapture(target_path, aux_layers, dtype=dtype)
-        else:
-            raise ValueError(f"unknown backend {backend!r} (transformers | sglang)")
-
-    with tqdm(total=len(todo), desc="hidden states", unit="sample", disable=not progress) as bar:
-        for batch in _batches(todo, batch_size, max_batch_tokens):
-            feats = capture.capture([ids for _, ids, _ in batch])
-            for (idx, ids, mask), (hidden, aux) in zip(batch, feats):
-                if torch.isnan(hidden).any() or torch.isnan(aux).any():
-                    stats.skipped["nan"] += 1
-                    logger.warning("NaN in the hidden states of row %d; not written", idx)
-                    continue
-                atomic_torch_save(
-                    {"input_ids": ids.to(torch.long), "loss_mask": mask.to(torch.long), "hidden_state": hidden, "aux_hidden_state": aux},
-                    feature_path(out_dir, idx),
-                )
-                stats.written += 1
+        capture = _load_capture(backend, target_path, aux_layers, dtype, device)
+    n_todo = sum(len(b) for b in todo)  # rows of unfinished batches (done rows are recomputed, not rewritten)
+    desc = "hidden states" if shard.world == 1 else f"hidden states (rank {shard.rank}/{shard.world})"
+    pause = float(os.environ.get(BATCH_SLEEP_ENV, "0") or 0)
+    with tqdm(total=n_todo, desc=desc, unit="sample", disable=not progress, position=shard.local_rank) as bar:
+        for batch in todo:
+            _write_batch(capture, batch, out_dir, stats)
             bar.update(len(batch))
+            if pause:
+                time.sleep(pause)
 
+    per_rank = gather_to_main(shard, (stats.written, stats.resumed, stats.skipped.get("nan", 0), stats.dtype))
+    if not shard.is_main:
+        return stats
+    stats.written, stats.resumed, nan = (sum(col) for col in list(zip(*per_rank))[:3])
+    if nan:
+        stats.skipped["nan"] = nan
+    written_dtype = next((d for *_, d in per_rank if d), dtype)  # what was stored, e.g. a float32 capture
     save_vocab_mapping(build_vocab_mapping(counts, draft_vocab_size, target["vocab_size"]), out_dir)
-    dtype_name = str(feats[0][0].dtype).replace("torch.", "") if todo else manifest["dtype"]
-    atomic_write_json(out_dir / MANIFEST, {**manifest, "status": "complete", "dtype": dtype_name, "counts": stats.as_dict()})
+    atomic_write_json(out_dir / MANIFEST, {**manifest, "status": "complete", "dtype": written_dtype, "counts": stats.as_dict()})
     logger.info("hidden states: %s", stats.as_dict())
     return stats
+
+
+def _load_capture(backend: str, target_path: str, aux_layers, dtype: str, device: str):
+    if backend == "transformers":
+        return TransformersCapture.from_pretrained(target_path, aux_layers, dtype=dtype, device=device)
+    if backend == "sglang":
+        return SGLangCapture(target_path, aux_layers, dtype=dtype)
+    raise ValueError(f"unknown backend {backend!r} (transformers | sglang)")
+
+
+def _write_batch(capture, batch: list, out_dir: Path, stats: HiddenStateStats) -> None:
+    """Capture one batch and write each missing row's feature file atomically (a kill loses only this batch)."""
+    import torch
+
+    feats = capture.capture([ids for _, ids, _ in batch])
+    for (idx, ids, mask), (hidden, aux) in zip(batch, feats):
+        if feature_path(out_dir, idx).exists():
+            continue  # written before a kill (counted as resumed)
+        if torch.isnan(hidden).any() or torch.isnan(aux).any():
+            stats.skipped["nan"] += 1
+            logger.warning("NaN in the hidden states of row %d; not written", idx)
+            continue
+        atomic_torch_save(
+            {"input_ids": ids.to(torch.long), "loss_mask": mask.to(torch.long), "hidden_state": hidden, "aux_hidden_state": aux},
+            feature_path(out_dir, idx),
+        )
+        stats.written += 1
+        stats.dtype = str(hidden.dtype).replace("torch.", "")

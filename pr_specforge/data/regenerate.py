@@ -215,20 +215,30 @@ def regenerate_conversations(
     In-process batches are formed from rows sorted by prompt length (stable), so one
     long prompt does not pad a whole batch; `max_prompt_chars` skips (and counts)
     conversations whose user turns exceed it.
+
+    Under `torchrun` rank r takes input rows r, r + N, ... and appends them to
+    its own `<output>.parts/rank{r}.jsonl` (resumed per rank); once every rank
+    is done, rank 0 merges the parts into `output_path` in input order.
     """
     from tqdm import tqdm
+
+    from pr_specforge.data.sharding import current_shard
 
     if turns not in ("first", "all"):
         raise ValueError(f"turns must be 'first' or 'all', got {turns!r}")
     sampling = sampling or SamplingConfig()
     stats = RegenerateStats()
-    done = read_done_ids(output_path)
+    shard = current_shard()
+    final_path, output_path = output_path, _part_path(output_path, shard)
+    done = read_done_ids(final_path) | (read_done_ids(output_path) if shard.world > 1 else set())
 
     def pending():
         seen = set()
-        for lineno, row in iter_jsonl(input_path):
-            if limit is not None and stats.read >= limit:
+        for pos, (lineno, row) in enumerate(iter_jsonl(input_path)):
+            if limit is not None and pos >= limit:
                 return
+            if not shard.owns(pos):
+                continue
             stats.read += 1
             rid = str(row.get("id", f"line{lineno}"))
             conv = row.get("conversations")
@@ -254,7 +264,8 @@ def regenerate_conversations(
         out.write({"id": row["id"], "conversations": conv, "regenerated_by": backend.name})
         stats.written += 1
 
-    with JsonlAppender(output_path) as out, tqdm(desc="regenerate", unit="conv", disable=not progress) as bar:
+    desc = "regenerate" if shard.world == 1 else f"regenerate (rank {shard.rank}/{shard.world})"
+    with JsonlAppender(output_path) as out, tqdm(desc=desc, unit="conv", disable=not progress, position=shard.local_rank) as bar:
         concurrency = getattr(backend, "concurrency", None)
         if concurrency:
             with ThreadPoolExecutor(max_workers=concurrency) as pool:
@@ -285,5 +296,65 @@ def regenerate_conversations(
                         emit(out, r, conv)
                     bar.update(len(batch))
                     batch = []
+    if shard.world > 1:
+        stats = _finish_shards(shard, stats, input_path, final_path)
     logger.info("regenerate: %s", stats.as_dict())
     return stats
+
+
+def _part_path(output_path, shard) -> str:
+    """Where this rank appends its rows (the output itself for one rank)."""
+    if shard.world == 1:
+        return str(output_path)
+    return os.path.join(f"{output_path}.parts", f"rank{shard.rank}.jsonl")
+
+
+def _finish_shards(shard, stats: RegenerateStats, input_path, output_path) -> RegenerateStats:
+    """Wait for every rank; rank 0 sums the counters and merges the parts in input order."""
+    from collections import Counter
+
+    from pr_specforge.data.sharding import gather_to_main
+
+    per_rank = gather_to_main(shard, stats.as_dict())
+    if not shard.is_main:
+        return stats
+    total = RegenerateStats(skipped=Counter())
+    for d in per_rank:
+        total.read += d["read"]
+        total.written += d["written"]
+        total.resumed += d["resumed"]
+        total.skipped.update(d["skipped"])
+    merge_parts(input_path, output_path)
+    return total
+
+
+def merge_parts(input_path, output_path) -> int:
+    """Fold `<output>.parts/rank*.jsonl` into `output_path`, rows in input order, atomically.
+
+    Rows already in the output are kept; the parts are deleted once the merged
+    file is in place (a kill before that leaves them for the next merge).
+    Returns the number of rows in the merged output.
+    """
+    import glob
+    import json
+
+    from pr_specforge.data.io import atomic_write_text, read_jsonl_rows
+
+    parts = sorted(glob.glob(os.path.join(f"{output_path}.parts", "rank*.jsonl")))
+    order = {str(row.get("id", f"line{lineno}")): k for k, (lineno, row) in enumerate(iter_jsonl(input_path))}
+    rows, seen = [], set()
+    for path in [str(output_path), *parts]:
+        for row in read_jsonl_rows(path):
+            if row["id"] not in seen:
+                seen.add(row["id"])
+                rows.append(row)
+    rows.sort(key=lambda r: order.get(r["id"], len(order)))
+    atomic_write_text(output_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    for path in parts:
+        os.unlink(path)
+    if parts:
+        try:
+            os.rmdir(os.path.dirname(parts[0]))
+        except OSError:  # a stray temp file: harmless, the next merge reads only rank*.jsonl
+            pass
+    return len(rows)
