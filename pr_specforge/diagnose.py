@@ -131,7 +131,7 @@ def _diagnose(recipe_path: Path, scratch: str, run: Path, ckpt: str, features: s
 
 def render(report: Dict) -> str:
     """A short text table of one diagnosis."""
-    from pr_specforge.objective.ttt import CONFIDENCE_BAND_NAMES, RECOVER_TOPK
+    from pr_specforge.objective.metrics import CONFIDENCE_BAND_NAMES, RECOVER_TOPK
 
     lines = [f"{report['run']} @ {os.path.basename(report['checkpoint'])} on {report['features']} "
              f"({report['batches']} batches, {report['positions']:.0f} positions)",

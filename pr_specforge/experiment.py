@@ -348,7 +348,7 @@ def _f(x, fmt=".3f") -> str:
 
 
 def render_markdown(report: dict) -> str:
-    from pr_specforge.objective.ttt import CONFIDENCE_BAND_NAMES
+    from pr_specforge.objective.metrics import CONFIDENCE_BAND_NAMES
 
     lines = ["# EAGLE-3 vs Parallel Reconsideration on SmolLM2-135M-Instruct (CPU)", "",
              f"commit `{report['commit']}`, machine: {report['machine']['platform']}, {report['machine']['cpus']} CPUs", "",

@@ -193,6 +193,15 @@ class LlamaForCausalLMEagle3PR(LlamaForCausalLMEagle3):
     def self_query(self, feature: torch.Tensor) -> torch.Tensor:
         return self.pr_self_query(feature).to(feature.dtype)
 
+    def reconsideration_inputs(self, feature: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Eq. 3, `f^r = M(f^{r-1}, Q(f^{r-1}))`: the two input slots of a reconsideration pass.
+
+        Returns `(Q(f^{r-1}), f^{r-1})`: the self-query in the token-embedding slot, the previous
+        depth's feature in the hidden slot, at the same position. Training (`objective.ttt`) and
+        serving (`serving.tree`) both build their reconsideration rows through this.
+        """
+        return self.self_query(feature), feature
+
     def halt_probability(self, feature: torch.Tensor, detach_input: bool = False) -> torch.Tensor:
         """lambda for each row's feature (fp32)."""
         x = self.norm(feature) if self.pr_settings.gate_reads_normed else feature

@@ -1,4 +1,4 @@
-"""The PR training model: SpecForge's EAGLE-3 TTT loop plus reconsideration (Eq. 6, 7, 12).
+"""The PR training model: SpecForge's EAGLE-3 TTT loop plus reconsideration (Sec. 3-4).
 
 `OnlinePRModel` subclasses SpecForge's `OnlineEagle3Model` and keeps its
 interface: same inputs (offline EAGLE-3 features), same teacher (`t2d`-restricted
@@ -7,28 +7,36 @@ target distribution), same per-step loss and accuracy (it calls the parent's
 
 Two on-policy rollouts share step 0 (the branch point, Appendix B.2):
   A. the one-pass chain: SpecForge's EAGLE-3 TTT, scored by `l^0` (unconditional);
-  B. the mixed-cache chain: at every TTT step `j` the depths `r = 1..R`
-     (`f^r = M(f^{r-1}, Q(f^{r-1}))`, same position, context + chain + own key),
-     the gate's `lambda_0..lambda_{R-1}`, `q` (Eq. 4), a sampled halt depth
-     `d ~ q`, and the next step continues from `f^d` with `kv(f^d)` in the chain
-     (the mixed cache, Eq. 7); scored by the gated head and gate terms of Eq. 6.
-Rows that depend only on what is already computed run in ONE call of `M`: call
-`c` holds A's step `c` and B's next stage (for `c = 1` that is exactly Eq. 5:
-`f_{p+1}^0` and `f_p^1` both read `f_p^0`).
+  B. the mixed-cache chain: at every TTT step `j` the depths `r = 1..R`, the gate's
+     `lambda_0..lambda_{R-1}`, `q`, a sampled halt depth `d ~ q`, and the next step
+     continues from `f^d` with `kv(f^d)` in the chain; scored by the gated head and
+     gate terms of Eq. 6.
 
-Loss (per TTT step j, weight w_j = decay^j, means over all B*T rows as SpecForge):
-  L = sum_j w_j [ l^0_A + sum_{r>=1} sg[q_r] l^r_B + sum_{r>=0} q_r sg[l^r_B] ]
-      - beta * H(q_bar),   q_bar = loss-position mean of q over every step.
+One function per equation:
+  `reconsideration_row`   Eq. 3   `f^r = M(f^{r-1}, Q(f^{r-1}))`, same position, context +
+                                  chain + own key;
+  `halting_distribution`  Eq. 4   `q` from the gate (`pr_specforge.modeling`); a row's halt
+                                  depth is drawn by `OnlinePRModel.sample_halt_depth`;
+  `coforward_schedule`    Eq. 5   the rows that share each batched call of `M`: call `c`
+                                  holds A's step `c` and B's next stage (for `c = 1` that is
+                                  exactly Eq. 5: `f_{p+1}^0` and `f_p^1` both read `f_p^0`);
+  `pr_objective`          Eq. 6   the loss and its four terms (`objective.loss`);
+  `mixed_cache`           Eq. 7   each row's `f^d` and `kv(f^d)`;
+  `continuation_row`      Eq. 12  step `j + 1` continues from step `j`'s halt depth.
+Per-depth logits come from one readout, `OnlinePRModel.readout`.
+
+The loss (`pr_specforge.objective.loss`):
+  L = sum_j w_j [ l^0_A + sum_{r>=1} sg[q_r] l^r_B + sum_{r>=0} q_r sg[l^r_B] ] - beta * H(q_bar).
 With R = 0 there is nothing to route: L is SpecForge's EAGLE-3 loss exactly.
 
-Does not own: the drafter's parameters (`pr_specforge.modeling`), SpecForge
-integration (`pr_specforge.integration`).
+Does not own: the drafter's parameters (`pr_specforge.modeling`), the telemetry
+(`pr_specforge.objective.metrics`), SpecForge integration (`pr_specforge.integration`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -37,28 +45,8 @@ from pr_specforge._specforge import OnlineEagle3Model, _compute_target_p_padded,
 from pr_specforge.config import PRConfig
 from pr_specforge.modeling.attention import KV, chain_attention, strict_causal_mask
 from pr_specforge.modeling.drafter import LlamaForCausalLMEagle3PR, halting_distribution
-
-ENTROPY_EPS = 1e-12
-
-
-def marginal_entropy(q: torch.Tensor, weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """`H(q_bar)` with `q_bar = sum(weight * q) / sum(weight)` (Appendix B.3, J).
-
-    The entropy of the minibatch depth marginal, NOT the mean per-position
-    entropy. `q [..., R+1]`, `weight [...]`. Returns `(H, q_bar)`.
-    """
-    w = weight.to(q.dtype)
-    q_bar = (q * w[..., None]).reshape(-1, q.shape[-1]).sum(0) / w.sum().clamp_min(1.0)
-    entropy = -(q_bar * torch.log(q_bar.clamp_min(ENTROPY_EPS))).sum()
-    return entropy, q_bar
-
-
-#: depth-0 top-1 probability bands of the confidence-banded telemetry (the evaluator's Table 7 bands)
-CONFIDENCE_BANDS = (0.5, 0.9)
-#: `pr/recovered_outside_topk`: depth-0 misses in the serving sense (the target token is not among
-#: depth 0's top RECOVER_TOPK, the tree's k), and the share some depth >= 1 gets right at top-1.
-RECOVER_TOPK = 6
-CONFIDENCE_BAND_NAMES = ("conf_lt50", "conf_50to90", "conf_ge90")
+from pr_specforge.objective.loss import LossTerms, MixedStep, marginal_entropy, pr_objective  # noqa: F401
+from pr_specforge.objective.metrics import mixed_rollout_metrics, step_predictions
 
 
 @dataclass
@@ -96,6 +84,7 @@ class PRForwardOutput:
     grad_terms: Dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+# ------------------------------------------------------------------ records
 @dataclass
 class _Group:
     """One row group of a batched call of M: `[B, T, d]` inputs at position offset `step`."""
@@ -117,6 +106,74 @@ class _RowView:
     loss_mask: torch.Tensor
 
 
+@dataclass(frozen=True)
+class MixedStage:
+    """Depth `depth` of TTT step `step` in the mixed rollout: depth 0 continues from the previous
+    step's halt depth (Eq. 12), depth `r >= 1` is a reconsideration pass (Eq. 3)."""
+
+    step: int
+    depth: int
+
+
+@dataclass(frozen=True)
+class CoforwardCall:
+    """One batched call of `M`: the one-pass chain's step and the mixed rollout's next stage (either may be absent)."""
+
+    one_pass_step: Optional[int]
+    mixed: Optional[MixedStage]
+
+
+def coforward_schedule(length: int, mixed_length: int, max_depth: int) -> List[CoforwardCall]:
+    """Eq. 5: the calls of `M` after step 0. Call `c` co-forwards the one-pass chain's step `c + 1`
+    with stage `c` of the mixed rollout (its stages: depths `1..R` of step 0, then `0..R` of each
+    later step): every row of a call reads only what earlier calls computed."""
+    stages = [MixedStage(j, r) for j in range(mixed_length) for r in range(0 if j else 1, max_depth + 1)]
+    calls = max(length - 1, len(stages))
+    return [CoforwardCall(c + 1 if c + 1 < length else None, stages[c] if c < len(stages) else None) for c in range(calls)]
+
+
+# ---------------------------------------------------------------- equations
+def reconsideration_row(draft: LlamaForCausalLMEagle3PR, prev: torch.Tensor, step: int, chain: List[KV], ctx: KV) -> _Group:
+    """Eq. 3: the rows of `f^r = M(f^{r-1}, Q(f^{r-1}))` at TTT step `step`: the same position,
+    attending to the context, the rollout's chain and their own new key."""
+    emb, hidden = draft.reconsideration_inputs(prev)
+    return _Group(emb, hidden, step, list(chain), ctx)
+
+
+def continuation_row(emb: torch.Tensor, halted: torch.Tensor, step: int, chain: List[KV], ctx: KV) -> _Group:
+    """Eq. 12: depth 0 of TTT step `step` in the mixed rollout reads step `step - 1`'s feature at its
+    halt depth, `f^d`, and attends over the mixed cache of the steps before it (Eq. 7)."""
+    return _Group(emb, halted, step, list(chain), ctx)
+
+
+def mixed_cache(depth_feats: List[torch.Tensor], depth_kv: List[KV], halt_depth: torch.Tensor) -> Tuple[torch.Tensor, KV]:
+    """Eq. 7: per row, the feature and key/value at its halt depth `d`: `f^d` and `kv(f^d)`."""
+    depth = len(depth_feats) - 1
+    sel = F.one_hot(halt_depth, depth + 1).to(depth_feats[0].dtype)  # [B,T,R+1]
+    feat_d = sum(sel[..., r, None] * depth_feats[r] for r in range(depth + 1))
+    k_d = sum(sel[:, None, :, r, None] * depth_kv[r][0] for r in range(depth + 1))
+    v_d = sum(sel[:, None, :, r, None] * depth_kv[r][1] for r in range(depth + 1))
+    return feat_d, (k_d, v_d)
+
+
+def _record_terms(terms: LossTerms, loss: torch.Tensor, pr: PRConfig, out: PRForwardOutput) -> None:
+    out.terms["loss_one_pass"] = terms.one_pass.detach()
+    out.grad_terms["one_pass"] = terms.one_pass
+    if terms.balance is not None:
+        out.terms.update(
+            loss_reconsider=torch.as_tensor(terms.reconsider).detach(),
+            loss_gate=torch.as_tensor(terms.gate).detach(),
+            loss_balance=terms.balance.detach(),
+            depth_marginal_entropy=terms.entropy.detach(),
+        )
+        out.grad_terms.update(reconsider=terms.reconsider, gate=terms.gate, balance=terms.balance)
+        if pr.one_pass_loss_on_mixed:
+            out.terms["loss_one_pass_mixed"] = torch.as_tensor(terms.one_pass_mixed).detach()
+            out.grad_terms["one_pass_mixed"] = terms.one_pass_mixed
+    out.terms["loss_total"] = loss.detach()
+
+
+# -------------------------------------------------------------- the rollouts
 def _scored_window(views, t: int) -> Tuple[int, int]:
     """The smallest `[lo, hi)` of sequence rows that holds every row some step scores.
 
@@ -135,6 +192,57 @@ def _scored_window(views, t: int) -> Tuple[int, int]:
     if idx.numel() == 0:
         return 0, t
     return int(idx[0]), int(idx[-1]) + 1
+
+
+@dataclass
+class _Inputs:
+    """What every call of `M` reads, prepared once per forward (per-step views shifted as SpecForge's)."""
+
+    views: list
+    embs: List[torch.Tensor]
+    h0: torch.Tensor
+    masks: Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (position ids, context mask, chain-start mask)
+    adapter: Any
+
+
+@dataclass
+class _Rows:
+    """The sequence rows `[lo, hi)` of `T` the mixed rollout runs, and its inputs cut to them."""
+
+    lo: int
+    hi: int
+    t: int
+    views: List[_RowView]
+    masks: Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+    @property
+    def whole(self) -> bool:
+        """All rows: then both rollouts' rows share one call of M."""
+        return (self.lo, self.hi) == (0, self.t)
+
+    def cut(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, self.lo:self.hi]  # [B, T, ...] -> the window's rows (a view)
+
+
+@dataclass
+class _OnePass:
+    """Rollout A's state: its latest feature, its chain of keys, its logits per step."""
+
+    feature: torch.Tensor
+    chain: List[KV]
+    logits: List[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class _Mixed:
+    """Rollout B's state over its rows: the current step's depths, the mixed cache of earlier steps."""
+
+    depth_feats: List[torch.Tensor]  # g_j^r for the current step j
+    depth_kv: List[KV]
+    chain: List[KV]
+    ctx: KV  # step 0's keys of every row; step 0's mixed keys once step 0 closes, if pr.mix_context
+    continuation: torch.Tensor  # f^d of the last closed step
+    steps: List[MixedStep] = field(default_factory=list)
 
 
 class OnlinePRModel(OnlineEagle3Model):
@@ -211,6 +319,10 @@ class OnlinePRModel(OnlineEagle3Model):
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
 
+    def readout(self, feature: torch.Tensor, depth: int) -> torch.Tensor:
+        """The logits of a feature at reconsideration depth `depth` (every depth reads `head(f^r)`)."""
+        return self.draft_model.compute_logits(feature)
+
     # ----------------------------------------------------------------- forward
     def forward(
         self,
@@ -228,12 +340,44 @@ class OnlinePRModel(OnlineEagle3Model):
     ) -> PRForwardOutput:
         if target_hidden_for_compact is not None:
             raise ValueError("training.compact_teacher is not supported by the pr algorithm; set training.compact_teacher=false")
+        inp = self._prepare(input_ids, attention_mask, target, loss_mask, hidden_states, position_ids)
+        del target
+        out = PRForwardOutput(loss=inp.h0.new_zeros(()), plosses=[], acces=[], acceptance_rates=[], acc_corrects=[],
+                              acc_denoms=[], metric_losses=[], metric_loss_denoms=[])
+        # Call 0: TTT step 0 (shared by both rollouts, the branch point).
+        f0, kv0 = self._checkpointed(self._first_call, inp.embs[0], inp.h0, *inp.masks)
+        one_pass = _OnePass(f0, [kv0])
+        self._score_one_pass(0, f0, inp, one_pass, out)
+        depth = self.pr.max_depth
+        mixed_len = 0 if depth == 0 else min(self.length, self.pr.mixed_rollout_length or self.length)
+        rows = self._rows(inp, mixed_len, return_logits)
+        mixed = _Mixed([rows.cut(f0)], [(kv0[0][..., rows.lo:rows.hi, :], kv0[1][..., rows.lo:rows.hi, :])],
+                       chain=[], ctx=kv0, continuation=rows.cut(f0))
+        for call in coforward_schedule(self.length, mixed_len, depth):
+            self._coforward(call, inp, rows, one_pass, mixed, out, return_logits)
+
+        weights = [self.ploss_decay**j for j in range(self.length)]
+        terms = pr_objective(out.plosses, mixed.steps, weights, inp.h0.shape[0] * inp.h0.shape[1], self.pr)
+        out.loss = terms.total()
+        _record_terms(terms, out.loss, self.pr, out)
+        if mixed.steps:
+            out.ratio_metrics.update(mixed_rollout_metrics(mixed.steps, depth))
+        if return_logits:
+            out.logits = one_pass.logits
+            for step in mixed.steps:
+                out.depth_logits.append(step.logits)
+                out.halt_depths.append(step.halt_depth)
+                out.q.append(step.q.detach())
+                out.position_masks.append(step.position_mask)
+        return out
+
+    def _prepare(self, input_ids, attention_mask, target, loss_mask, hidden_states, position_ids) -> _Inputs:
+        """The teacher, the projected features, the masks and SpecForge's per-step views."""
         draft: LlamaForCausalLMEagle3PR = self.draft_model
-        length, depth = self.length, self.pr.max_depth
+        length = self.length
         target_p_padded, target_p_on_draft_padded, target_ids_padded, position_mask = _compute_target_p_padded(
             target=target, t2d=draft.t2d, loss_mask=loss_mask, length=length
         )
-        del target
         b, t, _ = hidden_states.shape
         h0 = draft.project_hidden_states(hidden_states.to(draft.fc.weight.dtype))
         pos = self._prepare_position_ids(position_ids, seq_length=t, past_key_values_length=0, device=h0.device)
@@ -241,7 +385,6 @@ class OnlinePRModel(OnlineEagle3Model):
             attention_mask = torch.ones((b, t), dtype=torch.bool, device=h0.device)
         ctx_mask, start_mask = strict_causal_mask(attention_mask, h0.dtype)
         adapter = self._make_adapter()
-
         # Per-step views, shifted exactly as SpecForge shifts them.
         views, ids, pm, lm = [], input_ids, position_mask, loss_mask
         for j in range(length):
@@ -255,225 +398,108 @@ class OnlinePRModel(OnlineEagle3Model):
             )
             ids, pm, lm = padding(ids, left=False), padding(pm, left=False), padding(lm, left=False)
         embs = [draft.embed_input_ids(v.input_ids).to(h0.dtype) for v in views]
+        return _Inputs(views, embs, h0, (pos, ctx_mask, start_mask), adapter)
 
-        out = PRForwardOutput(loss=h0.new_zeros(()), plosses=[], acces=[], acceptance_rates=[], acc_corrects=[],
-                              acc_denoms=[], metric_losses=[], metric_loss_denoms=[])
-        logits_a: List[Optional[torch.Tensor]] = [None] * length
-
-        def score_one_pass(j: int, feature: torch.Tensor) -> None:
-            logits = draft.compute_logits(feature)
-            logits_a[j] = logits
-            v = views[j]
-            acc, acc_rate, loss, correct, denom, metric_loss, loss_denom = self._acc_and_loss(
-                logits=logits, target_p=v.target_p, target_p_on_draft=v.target_p_on_draft,
-                target_token_ids=v.target_token_ids, position_mask=v.position_mask, loss_mask=v.loss_mask,
-                adapter=adapter,
-            )
-            out.plosses.append(loss)
-            out.acces.append(acc)
-            out.acceptance_rates.append(acc_rate)
-            out.acc_corrects.append(correct)
-            out.acc_denoms.append(denom)
-            out.metric_losses.append(metric_loss)
-            out.metric_loss_denoms.append(loss_denom)
-
-        # Call 0: TTT step 0 (shared by both rollouts).
-        f0, kv0 = self._checkpointed(self._first_call, embs[0], h0, pos, ctx_mask, start_mask)
-        score_one_pass(0, f0)
-        feats_a, chain_a = f0, [kv0]
-        mixed_len = 0 if depth == 0 else min(length, self.pr.mixed_rollout_length or length)
-
-        # The mixed rollout's rows: all of them, or the window of rows that one of its steps scores.
+    def _rows(self, inp: _Inputs, mixed_len: int, return_logits: bool) -> _Rows:
+        """The mixed rollout's rows: all of them, or the window of rows that one of its steps scores."""
+        b, t = inp.h0.shape[:2]
         lo, hi = 0, t
         if mixed_len and self.skip_unscored_rows and not self.pr.mix_context and not return_logits:
-            lo, hi = _scored_window(views[:mixed_len], t)
+            lo, hi = _scored_window(inp.views[:mixed_len], t)
         rows = slice(lo, hi)
-        cut = lambda x: x[:, rows]  # noqa: E731  [B, T, ...] -> the window's rows (a view)
-        views_b = [_RowView(cut(v.target_p), cut(v.target_token_ids), cut(v.position_mask), cut(v.loss_mask))
-                   for v in views[:mixed_len]]
-        inputs_a = (pos, ctx_mask, start_mask)
-        inputs_b = (pos[..., rows], ctx_mask[:, :, rows], start_mask[..., rows])
-        whole = (lo, hi) == (0, t)  # then both rollouts' rows share one call of M
+        cut = lambda x: x[:, rows]  # noqa: E731
+        views = [_RowView(cut(v.target_p), cut(v.target_token_ids), cut(v.position_mask), cut(v.loss_mask))
+                 for v in inp.views[:mixed_len]]
+        pos, ctx_mask, start_mask = inp.masks
+        return _Rows(lo, hi, t, views, (pos[..., rows], ctx_mask[:, :, rows], start_mask[..., rows]))
 
-        # Mixed-cache rollout state (rows `lo:hi`; the context keys stay those of every row).
-        stages = [(j, r) for j in range(mixed_len) for r in range(0 if j else 1, depth + 1)]
-        depth_feats: List[torch.Tensor] = [cut(f0)]  # g_j^r for the current step j
-        depth_kv: List[KV] = [(kv0[0][..., rows, :], kv0[1][..., rows, :])]
-        chain_b: List[KV] = []
-        ctx_b: KV = kv0  # becomes step 0's mixed keys once step 0 closes, if pr.mix_context
-        cont_feat = cut(f0)
-        collected: Dict[str, list] = {k: [] for k in ("q", "pm", "lm", "losses", "correct", "lambdas", "d", "conf", "in_topk")}
+    def _coforward(self, call: CoforwardCall, inp: _Inputs, rows: _Rows, one_pass: _OnePass, mixed: _Mixed,
+                   out: PRForwardOutput, return_logits: bool) -> None:
+        """One call of `M` (two when the mixed rollout runs fewer rows): build its rows, run, advance both rollouts."""
+        groups = []
+        if call.one_pass_step is not None:
+            s = call.one_pass_step
+            groups.append(_Group(inp.embs[s], one_pass.feature, s, list(one_pass.chain), one_pass.chain[0]))
+        if call.mixed is not None:
+            groups.append(self._mixed_row(call.mixed, inp, rows, mixed))
+        n_a = int(call.one_pass_step is not None)
+        batches = [(groups, inp.masks)] if rows.whole else [(groups[:n_a], inp.masks), (groups[n_a:], rows.masks)]
+        results = [res for gs, masks in batches if gs for res in self._checkpointed(self._run, gs, *masks)]
+        if call.one_pass_step is not None:
+            feat, kv = results.pop(0)
+            one_pass.feature = feat
+            one_pass.chain.append(kv)
+            self._score_one_pass(call.one_pass_step, feat, inp, one_pass, out)
+        if call.mixed is not None:
+            self._advance_mixed(call.mixed, *results[0], rows, one_pass, mixed, return_logits)
 
-        a_step, s_idx = 1, 0
-        while a_step < length or s_idx < len(stages):
-            groups, kinds = [], []
-            if a_step < length:
-                groups.append(_Group(embs[a_step], feats_a, a_step, list(chain_a), kv0))
-                kinds.append(("A", a_step))
-            if s_idx < len(stages):
-                j, r = stages[s_idx]
-                if r == 0:
-                    groups.append(_Group(cut(embs[j]), cont_feat, j, list(chain_b), ctx_b))
-                else:
-                    prev = depth_feats[r - 1]
-                    groups.append(_Group(draft.self_query(prev), prev, j, list(chain_b), ctx_b))
-                kinds.append(("B", (j, r)))
-            n_a = sum(kind == "A" for kind, _ in kinds)
-            calls = [(groups, inputs_a)] if whole else [(groups[:n_a], inputs_a), (groups[n_a:], inputs_b)]
-            results = [res for gs, inputs in calls if gs for res in self._checkpointed(self._run, gs, *inputs)]
-            for (kind, key), (feat, kv) in zip(kinds, results):
-                if kind == "A":
-                    score_one_pass(key, feat)
-                    feats_a = feat
-                    chain_a.append(kv)
-                    a_step += 1
-                    continue
-                j, r = key
-                if r == 0:
-                    depth_feats, depth_kv = [feat], [kv]
-                else:
-                    depth_feats.append(feat)
-                    depth_kv.append(kv)
-                s_idx += 1
-                if r == depth:
-                    cont_feat, mixed_kv = self._close_step(j, depth_feats, depth_kv, views_b, cut(logits_a[0]) if j == 0 else None,
-                                                           (lo, hi, t), collected, return_logits, out)
-                    chain_b.append(mixed_kv)
-                    if j == 0 and self.pr.mix_context:
-                        ctx_b = mixed_kv
+    def _mixed_row(self, stage: MixedStage, inp: _Inputs, rows: _Rows, mixed: _Mixed) -> _Group:
+        if stage.depth == 0:
+            return continuation_row(rows.cut(inp.embs[stage.step]), mixed.continuation, stage.step, mixed.chain, mixed.ctx)
+        return reconsideration_row(self.draft_model, mixed.depth_feats[stage.depth - 1], stage.step, mixed.chain, mixed.ctx)
 
-        weights = [self.ploss_decay**j for j in range(length)]
-        one_pass = sum(w * p for w, p in zip(weights, out.plosses))
-        out.terms["loss_one_pass"] = one_pass.detach()
-        out.grad_terms["one_pass"] = one_pass
-        loss = one_pass
-        if mixed_len:
-            loss = loss + self._routing_terms(collected, weights, b * t, out)
-        out.loss = loss
-        out.terms["loss_total"] = loss.detach()
-        if return_logits:
-            out.logits = logits_a
-        return out
-
-    def _close_step(self, j, depth_feats, depth_kv, views, logits_0, window, collected, return_logits, out):
-        """All depths of mixed-rollout step j are computed: gate, q, halt depth, mixed cache, losses.
-
-        `logits_0`: step 0's one-pass logits (its depth 0 is the one-pass row), else None;
-        `window`: `(lo, hi, T)`, the sequence rows the mixed rollout runs."""
-        draft: LlamaForCausalLMEagle3PR = self.draft_model
-        depth = self.pr.max_depth
-        v = views[j]
+    def _advance_mixed(self, stage: MixedStage, feat: torch.Tensor, kv: KV, rows: _Rows, one_pass: _OnePass,
+                       mixed: _Mixed, return_logits: bool) -> None:
+        """Store depth `r` of step `j`; once all depths of step `j` are in, close the step: gate, `q`,
+        halt depth, the mixed cache (Eq. 7) the next step continues from (Eq. 12), and its losses."""
+        if stage.depth == 0:
+            mixed.depth_feats, mixed.depth_kv = [feat], [kv]
+        else:
+            mixed.depth_feats.append(feat)
+            mixed.depth_kv.append(kv)
+        if stage.depth < self.pr.max_depth:
+            return
+        j = stage.step
         lambdas = torch.stack(
-            [draft.halt_probability(f, detach_input=self.pr.gate_detach_input) for f in depth_feats[:depth]], dim=-1
+            [self.draft_model.halt_probability(f, detach_input=self.pr.gate_detach_input) for f in mixed.depth_feats[:-1]],
+            dim=-1,
         )  # [B,T,R]
         q = halting_distribution(lambdas)  # [B,T,R+1]
-        d = self._sample_halt_depth(q.detach(), window)
-        sel = F.one_hot(d, depth + 1).to(depth_feats[0].dtype)  # [B,T,R+1]
-        feat_d = sum(sel[..., r, None] * depth_feats[r] for r in range(depth + 1))
-        k_d = sum(sel[:, None, :, r, None] * depth_kv[r][0] for r in range(depth + 1))
-        v_d = sum(sel[:, None, :, r, None] * depth_kv[r][1] for r in range(depth + 1))
+        d = self.sample_halt_depth(q.detach(), rows)
+        mixed.continuation, kv_d = mixed_cache(mixed.depth_feats, mixed.depth_kv, d)
+        mixed.chain.append(kv_d)
+        if j == 0 and self.pr.mix_context:
+            mixed.ctx = kv_d
+        logits_0 = rows.cut(one_pass.logits[0]) if j == 0 else None  # step 0's depth 0 is the one-pass row
+        mixed.steps.append(self._score_depths(mixed.depth_feats, rows.views[j], logits_0, q, lambdas, d, return_logits))
 
-        logits = [logits_0 if (j == 0 and r == 0) else draft.compute_logits(f) for r, f in enumerate(depth_feats)]
-        losses = torch.stack([soft_cross_entropy_rows(lg, v.target_p) for lg in logits], dim=-1)  # [B,T,R+1]
-        with torch.no_grad():
-            pred = torch.stack([lg.argmax(-1) for lg in logits], dim=-1)
-            pred = pred + draft.d2t[pred]
-            correct = pred == v.target_token_ids[..., None]
-            conf = torch.softmax(logits[0].float(), dim=-1).amax(-1)  # depth-0 top-1 probability
-            top = logits[0].topk(min(RECOVER_TOPK, logits[0].shape[-1]), dim=-1).indices
-            in_topk = ((top + draft.d2t[top]) == v.target_token_ids[..., None]).any(-1)
-        collected["conf"].append(conf)
-        collected["in_topk"].append(in_topk)
-        collected["q"].append(q)
-        collected["pm"].append(v.position_mask.squeeze(-1).float())
-        collected["lm"].append(v.loss_mask.squeeze(-1).float())
-        collected["losses"].append(losses)
-        collected["correct"].append(correct)
-        collected["lambdas"].append(lambdas.detach())
-        collected["d"].append(d)
-        if return_logits:
-            out.depth_logits.append([lg.detach() for lg in logits])
-            out.halt_depths.append(d)
-            out.q.append(q.detach())
-            out.position_masks.append(v.position_mask.squeeze(-1).float())
-        return feat_d, (k_d, v_d)
+    def _score_depths(self, depth_feats, view: _RowView, logits_0, q, lambdas, d, return_logits: bool) -> MixedStep:
+        """The per-depth losses `l^r` of a closed step (and its telemetry's predictions)."""
+        logits = [logits_0 if (logits_0 is not None and r == 0) else self.readout(f, r) for r, f in enumerate(depth_feats)]
+        losses = torch.stack([soft_cross_entropy_rows(lg, view.target_p) for lg in logits], dim=-1)  # [B,T,R+1]
+        correct, confidence, in_topk = step_predictions(logits, view.target_token_ids, self.draft_model.d2t)
+        return MixedStep(
+            q=q, lambdas=lambdas.detach(), halt_depth=d, losses=losses,
+            position_mask=view.position_mask.squeeze(-1).float(), loss_mask=view.loss_mask.squeeze(-1).float(),
+            correct=correct, confidence=confidence, in_topk=in_topk,
+            logits=[lg.detach() for lg in logits] if return_logits else [],
+        )
 
-    def _sample_halt_depth(self, q: torch.Tensor, window: Tuple[int, int, int]) -> torch.Tensor:
+    def _score_one_pass(self, j: int, feature: torch.Tensor, inp: _Inputs, one_pass: _OnePass, out: PRForwardOutput) -> None:
+        """SpecForge's per-step loss and accuracy of the one-pass chain (`l^0_A`)."""
+        logits = self.readout(feature, 0)
+        one_pass.logits.append(logits)
+        v = inp.views[j]
+        acc, acc_rate, loss, correct, denom, metric_loss, loss_denom = self._acc_and_loss(
+            logits=logits, target_p=v.target_p, target_p_on_draft=v.target_p_on_draft,
+            target_token_ids=v.target_token_ids, position_mask=v.position_mask, loss_mask=v.loss_mask,
+            adapter=inp.adapter,
+        )
+        out.plosses.append(loss)
+        out.acces.append(acc)
+        out.acceptance_rates.append(acc_rate)
+        out.acc_corrects.append(correct)
+        out.acc_denoms.append(denom)
+        out.metric_losses.append(metric_loss)
+        out.metric_loss_denoms.append(loss_denom)
+
+    def sample_halt_depth(self, q: torch.Tensor, rows: _Rows) -> torch.Tensor:
         """`d ~ q` per row by inverse CDF, from one uniform per sequence row.
 
         The uniforms are drawn for every row of the sequence and then cut to the mixed
         rollout's window, so a row's halt depth does not depend on which rows run."""
-        lo, hi, t = window
         gen = self.generator
-        u = torch.rand(q.shape[0], t, generator=gen, device=gen.device if gen is not None else q.device)
-        u = u[:, lo:hi].to(device=q.device, dtype=q.dtype)
+        u = torch.rand(q.shape[0], rows.t, generator=gen, device=gen.device if gen is not None else q.device)
+        u = u[:, rows.lo:rows.hi].to(device=q.device, dtype=q.dtype)
         below = q.cumsum(-1)[..., :-1]  # P(d <= r), r < R
         return (u[..., None] >= below).sum(-1)
-
-    def _routing_terms(self, c, weights, rows: int, out: PRForwardOutput) -> torch.Tensor:
-        """Eq. 6's reconsidered-head, gate and balance terms over the mixed rollout.
-
-        `rows`: the loss denominator, all B*T rows as SpecForge's (the window's rows are fewer)."""
-        head = gate = mixed_one_pass = 0.0
-        for j, (q, pm, losses) in enumerate(zip(c["q"], c["pm"], c["losses"])):
-            use = q[..., 1:].detach() if self.pr.reconsider_weight == "use" else torch.ones_like(q[..., 1:])
-            head = head + weights[j] * (use * losses[..., 1:] * pm[..., None]).sum() / rows
-            gate = gate + weights[j] * (q * losses.detach() * pm[..., None]).sum() / rows
-            if self.pr.one_pass_loss_on_mixed and j > 0:
-                mixed_one_pass = mixed_one_pass + weights[j] * (losses[..., 0] * pm).sum() / rows
-        q_all = torch.stack(c["q"])
-        pm_all = torch.stack(c["pm"])
-        entropy, q_bar = marginal_entropy(q_all, pm_all)
-        balance = -self.pr.balance_coef * entropy
-        out.terms.update(
-            loss_reconsider=torch.as_tensor(head).detach(),
-            loss_gate=torch.as_tensor(gate).detach(),
-            loss_balance=balance.detach(),
-            depth_marginal_entropy=entropy.detach(),
-        )
-        out.grad_terms.update(reconsider=head, gate=gate, balance=balance)
-        if self.pr.one_pass_loss_on_mixed:
-            out.terms["loss_one_pass_mixed"] = torch.as_tensor(mixed_one_pass).detach()
-            out.grad_terms["one_pass_mixed"] = mixed_one_pass
-        self._telemetry(c, out)
-        return head + gate + mixed_one_pass + balance
-
-    @torch.no_grad()
-    def _telemetry(self, c, out: PRForwardOutput) -> None:
-        depth = self.pr.max_depth
-        q = torch.stack(c["q"])
-        pm = torch.stack(c["pm"])
-        lm = torch.stack(c["lm"])
-        losses = torch.stack(c["losses"]).detach()
-        correct = torch.stack(c["correct"]).float()
-        lambdas = torch.stack(c["lambdas"])
-        d = torch.stack(c["d"])
-        pm_sum, lm_sum = pm.sum(), lm.sum()
-        rm = out.ratio_metrics
-        for r in range(depth + 1):
-            rm[f"pr/depth_marginal_{r}"] = ((q[..., r] * pm).sum(), pm_sum)
-            rm[f"pr/loss_depth_{r}"] = ((losses[..., r] * pm).sum(), pm_sum)
-            rm[f"pr/acc_depth_{r}"] = ((correct[..., r] * lm).sum(), lm_sum)
-            rm[f"pr/halt_share_depth_{r}"] = (((d == r).float() * lm).sum(), lm_sum)
-        for r in range(depth):
-            rm[f"pr/gate_mean_depth_{r}"] = ((lambdas[..., r] * lm).sum(), lm_sum)
-        rm["pr/halt_past_0"] = (((d > 0).float() * lm).sum(), lm_sum)
-        wrong0 = (1.0 - correct[..., 0]) * lm
-        recovered = wrong0 * (correct[..., 1:].amax(-1) if depth else torch.zeros_like(wrong0))
-        rm["pr/recovered_share"] = (recovered.sum(), wrong0.sum())
-        rm["pr/recovered_of_all"] = (recovered.sum(), lm_sum)
-        # the serving sense of a miss: the target token is not even among depth 0's top-k proposals
-        outside = (1.0 - torch.stack(c["in_topk"]).float()) * lm
-        rm["pr/recovered_outside_topk"] = ((recovered * outside).sum(), outside.sum())
-        # The same by depth-0 confidence band (the evaluator's bands): does the gate open, and do the
-        # reconsidered depths out-predict depth 0, where the one-pass guess is unsure?
-        conf = torch.stack(c["conf"])
-        edges = [0.0, *CONFIDENCE_BANDS, float("inf")]
-        for name, lo, hi in zip(CONFIDENCE_BAND_NAMES, edges[:-1], edges[1:]):
-            in_band = ((conf >= lo) & (conf < hi)).float() * lm
-            band_sum = in_band.sum()
-            rm[f"pr/conf_share_{name}"] = (band_sum, lm_sum)
-            rm[f"pr/halt_past_0_{name}"] = (((d > 0).float() * in_band).sum(), band_sum)
-            for r in range(depth + 1):
-                rm[f"pr/acc_depth_{r}_{name}"] = ((correct[..., r] * in_band).sum(), band_sum)
-            rm[f"pr/recovered_share_{name}"] = ((recovered * in_band).sum(), (wrong0 * in_band).sum())

@@ -124,8 +124,9 @@ class DrafterRuntime:
         return self.drafter.halt_probability(feature)
 
     @torch.no_grad()
-    def self_query(self, feature: torch.Tensor) -> torch.Tensor:
-        return self.drafter.self_query(feature)
+    def reconsideration_inputs(self, feature: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The input slots of a reconsideration pass (Eq. 3), as training builds them."""
+        return self.drafter.reconsideration_inputs(feature)
 
     def _qkv(self, emb: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor):
         # Unbound call: the row API only touches `midlayer`, so it serves EAGLE-3 drafters too.

@@ -277,9 +277,9 @@ class _Builder:
             pos.append(self.root_pos + node.depth)
             visible.append(node.anc_rows)
         if recon:
-            rfeat = torch.stack([self.nodes[i].cur_feature for i in recon])
-            emb.extend(rt.self_query(rfeat))
-            hidden.extend(rfeat)
+            r_emb, r_hidden = rt.reconsideration_inputs(torch.stack([self.nodes[i].cur_feature for i in recon]))
+            emb.extend(r_emb)
+            hidden.extend(r_hidden)
             for i in recon:
                 pos.append(self.root_pos + self.nodes[i].depth)
                 visible.append(self.nodes[i].anc_rows)

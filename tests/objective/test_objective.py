@@ -344,7 +344,7 @@ def test_mix_context_changes_only_the_mixed_rollout():
 
 def test_confidence_banded_telemetry_partitions_the_positions_and_matches_the_logits():
     from pr_specforge.eval.evaluator import BANDS
-    from pr_specforge.objective.ttt import CONFIDENCE_BAND_NAMES, CONFIDENCE_BANDS
+    from pr_specforge.objective.metrics import CONFIDENCE_BAND_NAMES, CONFIDENCE_BANDS
     from pr_specforge.telemetry import panel_name
 
     assert CONFIDENCE_BANDS == BANDS  # training telemetry and the evaluator's Table 7 use the same bands
@@ -375,7 +375,7 @@ def test_confidence_banded_telemetry_partitions_the_positions_and_matches_the_lo
 
     # misses in the serving sense (target not in depth 0's top-k) are a subset of depth-0 top-1 misses,
     # and so are their recoveries; the count matches the returned depth-0 logits and the target
-    from pr_specforge.objective.ttt import RECOVER_TOPK
+    from pr_specforge.objective.metrics import RECOVER_TOPK
 
     rec_k, outside = rm["pr/recovered_outside_topk"]
     rec, wrong0 = rm["pr/recovered_share"]

@@ -174,7 +174,7 @@ def test_tree_attention_sees_only_ancestors(models):
             if via_recon:  # replay v's reconsideration passes up to its halt depth
                 f = p.feature
                 for _ in range(p.halt_depth):
-                    f, k, v = rt.forward_rows(rt.self_query(f[None]), f[None],
+                    f, k, v = rt.forward_rows(rt.drafter.self_query(f[None]), f[None],
                                               torch.tensor([rt.length - 1 + p.depth]), rt.length - 1,
                                               k_list, v_list, [list(range(len(anc_k)))])
                     f = f[0]
