@@ -214,11 +214,13 @@ class LlamaForCausalLMEagle3PR(LlamaForCausalLMEagle3):
         input_emb: torch.Tensor,
         hidden: torch.Tensor,
         position_ids: torch.Tensor,
+        max_position: Optional[int] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """First half of `M` for rows `[N, T, d]` at explicit positions `[N, T]`.
 
         Returns `q [N, H, T, Dh]` and RoPE'd `k, v [N, H, T, Dh]` (KV heads
-        repeated to H, as SpecForge caches them).
+        repeated to H, as SpecForge caches them). `max_position`, when the caller
+        knows a bound on `position_ids`, saves reading it back from the device.
         """
         attn = self.midlayer.self_attn
         if isinstance(attn.rotary_emb, LlamaMutiRotaryEmbedding):
@@ -229,7 +231,8 @@ class LlamaForCausalLMEagle3PR(LlamaForCausalLMEagle3):
         q = attn.q_proj(x).view(n, t, attn.num_heads, attn.head_dim).transpose(1, 2)
         k = attn.k_proj(x).view(n, t, attn.num_key_value_heads, attn.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(n, t, attn.num_key_value_heads, attn.head_dim).transpose(1, 2)
-        cos, sin = attn.rotary_emb(q, seq_len=int(position_ids.max()) + 1)
+        seq_len = (int(position_ids.max()) if max_position is None else max_position) + 1
+        cos, sin = attn.rotary_emb(q, seq_len=seq_len)
         q, k = apply_rotary_pos_emb(q, k, cos.to(q.device), sin.to(q.device), position_ids)
         k = repeat_kv(k, attn.num_key_value_groups)
         v = repeat_kv(v, attn.num_key_value_groups)

@@ -24,7 +24,7 @@ Does not own: which rows run (`pr_specforge.serving.tree`), the target
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -94,14 +94,40 @@ class DrafterRuntime:
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
-        shape = (self.num_heads, 0, self.head_dim)
-        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self._length = 0
+        if not hasattr(self, "k_buf"):
+            self._allocate(256)
+
+    def _allocate(self, capacity: int) -> None:
+        """(Re)allocate the KV buffer `[H, capacity, Dh]`, keeping the committed rows.
+
+        Zero-filled, so a masked column never holds a NaN (0 * NaN would leak through)."""
+        shape = (self.num_heads, capacity, self.head_dim)
+        k = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        v = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        if hasattr(self, "k_buf") and self._length:
+            k[:, : self._length] = self.k_buf[:, : self._length]
+            v[:, : self._length] = self.v_buf[:, : self._length]
+        self.k_buf, self.v_buf = k, v
+
+    def reserve(self, rows: int) -> None:
+        """Make room for `rows` columns in total (context and a round's tree rows); grows by doubling."""
+        if rows > self.k_buf.shape[1]:
+            self._allocate(max(rows, 2 * self.k_buf.shape[1]))
+
+    @property
+    def k_cache(self) -> torch.Tensor:
+        """Committed keys `[H, length, Dh]` (a view of the buffer)."""
+        return self.k_buf[:, : self._length]
+
+    @property
+    def v_cache(self) -> torch.Tensor:
+        return self.v_buf[:, : self._length]
 
     @property
     def length(self) -> int:
         """Committed context rows (positions `0 .. length-1`)."""
-        return self.k_cache.shape[1]
+        return self._length
 
     @property
     def max_depth(self) -> int:
@@ -115,9 +141,17 @@ class DrafterRuntime:
         return draft_ids + self.d2t[draft_ids]
 
     @torch.no_grad()
-    def log_probs(self, feature: torch.Tensor) -> torch.Tensor:
-        """`log pi(. | v)` over the draft vocabulary, fp32, `[N, Vd]`."""
-        return torch.log_softmax(self.drafter.compute_logits(feature).float(), dim=-1)
+    def depth_logits(self, feature: torch.Tensor, depth: Union[int, torch.Tensor] = 0) -> torch.Tensor:
+        """The readout of features reached at reconsideration depth `depth` (an int, or one per row).
+
+        Both tree builders read every row's proposals through this one method; today every
+        depth reads out through the one-pass `norm` + `lm_head` (a shared readout)."""
+        return self.drafter.compute_logits(feature)
+
+    @torch.no_grad()
+    def log_probs(self, feature: torch.Tensor, depth: Union[int, torch.Tensor] = 0) -> torch.Tensor:
+        """`log pi_depth(. | v)` over the draft vocabulary, fp32, `[N, Vd]`."""
+        return torch.log_softmax(self.depth_logits(feature, depth).float(), dim=-1)
 
     @torch.no_grad()
     def halt_probability(self, feature: torch.Tensor) -> torch.Tensor:
@@ -128,9 +162,9 @@ class DrafterRuntime:
         """The input slots of a reconsideration pass (Eq. 3), as training builds them."""
         return self.drafter.reconsideration_inputs(feature)
 
-    def _qkv(self, emb: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor):
+    def _qkv(self, emb: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, max_position: Optional[int] = None):
         # Unbound call: the row API only touches `midlayer`, so it serves EAGLE-3 drafters too.
-        return LlamaForCausalLMEagle3PR.layer_qkv(self.drafter, emb, hidden, pos)
+        return LlamaForCausalLMEagle3PR.layer_qkv(self.drafter, emb, hidden, pos, max_position)
 
     # --------------------------------------------------------------- forwards
     @torch.no_grad()
@@ -145,16 +179,18 @@ class DrafterRuntime:
         hidden = self.drafter.project_hidden_states(aux_hidden.to(self.device, self.dtype))[None]
         emb = self.embed(next_tokens)[None].to(self.dtype)
         pos = torch.arange(start, start + t, device=self.device)[None]
-        q, k, v = self._qkv(emb, hidden, pos)  # [1, H, T, Dh]
-        keys = torch.cat([self.k_cache, k[0]], dim=1)
-        values = torch.cat([self.v_cache, v[0]], dim=1)
+        q, k, v = self._qkv(emb, hidden, pos, start + t - 1)  # [1, H, T, Dh]
+        self.reserve(start + t)
+        self.k_buf[:, start : start + t] = k[0]
+        self.v_buf[:, start : start + t] = v[0]
+        keys, values = self.k_buf[:, : start + t], self.v_buf[:, : start + t]
         scores = torch.einsum("htd,hld->htl", q[0], keys) * self.scale
         causal = torch.ones(t, start + t, dtype=torch.bool, device=self.device).tril(start)
         scores = scores.masked_fill(~causal[None], float("-inf"))
         w = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
         out = torch.einsum("htl,hld->htd", w, values)[None]
         feature = LlamaForCausalLMEagle3PR.layer_finish(self.drafter, out, hidden)[0]
-        self.k_cache, self.v_cache = keys, values
+        self._length = start + t
         return feature
 
     @torch.no_grad()
@@ -194,3 +230,30 @@ class DrafterRuntime:
         out = out + w[..., -1:] * v
         feature = LlamaForCausalLMEagle3PR.layer_finish(self.drafter, out[:, :, None], hidden[:, None].to(self.dtype))[:, 0]
         return feature, k, v
+
+    @torch.no_grad()
+    def forward_tree_rows(
+        self,
+        input_emb: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        first_col: int,
+        mask: torch.Tensor,
+        max_position: int,
+    ) -> torch.Tensor:
+        """N tree rows in one call of `M`, against the preallocated KV buffer (no concatenation).
+
+        The rows' keys/values are written to buffer columns `first_col .. first_col+N-1`
+        before attention, so a row sees its own key through its column. `mask [N, L]` is
+        additive (0 or -inf) over columns `0 .. L-1`: the committed context and the round's
+        tree rows (`reserve` them first). Returns the features `[N, d]`.
+        """
+        n, span = input_emb.shape[0], mask.shape[1]
+        q, k, v = self._qkv(input_emb[:, None].to(self.dtype), hidden[:, None].to(self.dtype), positions[:, None], max_position)
+        self.k_buf[:, first_col : first_col + n] = k[:, :, 0].transpose(0, 1)
+        self.v_buf[:, first_col : first_col + n] = v[:, :, 0].transpose(0, 1)
+        scores = torch.matmul(q[:, :, 0].transpose(0, 1), self.k_buf[:, :span].transpose(1, 2))  # [H, N, L]
+        scores = scores * self.scale + mask[None].to(scores.dtype)
+        w = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+        out = torch.matmul(w, self.v_buf[:, :span]).transpose(0, 1)  # [N, H, Dh]
+        return LlamaForCausalLMEagle3PR.layer_finish(self.drafter, out[:, :, None], hidden[:, None].to(self.dtype))[:, 0]

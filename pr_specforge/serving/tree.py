@@ -20,9 +20,12 @@ The round, step by step (one step = one batched call of `M`):
 So the deepest drafted token sits at depth `gamma` (SGLang's `num_steps`).
 
 Pool and halting (Appendix C.1). A forwarded node enters the pool with probability
-`1 - lambda_0` (sampled with the round's generator). A node carried to depth `r`
-reads `lambda_r` off `f^r` and halts with probability `lambda_r` (always at `r = R`).
-Nodes still pooled when the round ends are not repriced.
+`1 - lambda_0`. A node carried to depth `r` reads `lambda_r` off `f^r` and halts with
+probability `lambda_r` (always at `r = R`). Nodes still pooled when the round ends are
+not repriced. The round draws its uniforms at its start from its generator, one per
+row in row order (`round_uniforms`: the root's, then `B_w + m` per step,
+the frontier rows' then the carried rows'), so the tensor builder, which draws them
+the same way, builds the same tree from the same seed.
 
 Repricing (Eq. 9, Appendix C.2). When v halts at `d_v` we use
   `q(d_v) = lambda_{d_v} prod_{s<d_v} (1 - lambda_s)`   (`prod_{s<R}(1 - lambda_s)` at the cap),
@@ -37,6 +40,9 @@ branch only; the one-pass children keep seeing v's one-pass row.
 
 With an empty pool (`m = 0`, an EAGLE-3 drafter, `R = 0`, or a gate that always
 halts at depth 0) no reconsideration row is ever built and the code path is EAGLE's.
+
+This builder is the reference (and the tests' oracle) of `tensor_tree`, which builds
+the same round over tensors with one host synchronisation; decoding uses that one.
 
 Does not own: the row forwards (`drafter_runtime`), verification (`verify`).
 """
@@ -145,6 +151,26 @@ class DraftTree:
         """`[n, n]` bool, `mask[i, j]` = kept node j is node i or one of its ancestors."""
         return tree_mask(self.parents())
 
+    def one_pass(self, j: int) -> Optional[Tuple[float, List[int]]]:
+        """Kept node j's `(max_t pi_one(t|u), one-pass top-k tokens)`, None if never forwarded."""
+        node = self.nodes[self.kept[j]]
+        if node.logp_one is None:
+            return None
+        return node.top1_prob, [self.nodes[c].token for c in node.children if not self.nodes[c].via_recon]
+
+    def via_recon(self, j: int) -> bool:
+        return self.nodes[self.kept[j]].via_recon
+
+
+def round_uniforms(n_draws: int, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """The round's pool-admission and halting uniforms (float64, on the CPU), drawn at once."""
+    return torch.rand(n_draws, generator=generator, dtype=torch.float64)
+
+
+def uniform_count(cfg: TreeConfig) -> int:
+    """Uniforms per round: the root's admission, then `B_w + m` per step."""
+    return 1 + (cfg.gamma - 1) * (cfg.bw + cfg.m)
+
 
 def tree_mask(parents: List[int]) -> torch.Tensor:
     """Ancestor-or-self relation from a parent list in topological order."""
@@ -161,8 +187,10 @@ class _Builder:
     def __init__(self, rt: DrafterRuntime, cfg: TreeConfig, reconsider: bool, generator: Optional[torch.Generator], coforward: bool = True):
         self.rt, self.cfg = rt, cfg
         self.coforward = coforward
-        self.reconsider = reconsider and rt.is_pr and rt.max_depth > 0
-        self.gen = generator
+        self.reconsider = reconsider and rt.is_pr and rt.max_depth > 0 and cfg.m > 0
+        self.u: List[float] = []
+        if self.reconsider:
+            self.u = round_uniforms(uniform_count(cfg), generator).tolist()
         self.nodes: List[Node] = []
         self.row_k: List[torch.Tensor] = []
         self.row_v: List[torch.Tensor] = []
@@ -201,8 +229,9 @@ class _Builder:
             self.nodes[c].repriced = True
             stack.extend(self.nodes[c].children)
 
-    def coin(self) -> float:
-        return float(torch.rand((), generator=self.gen, dtype=torch.float64))
+    def coin(self, step: int, j: int) -> float:
+        """The uniform of row j of step `step` (the root's at step 0)."""
+        return self.u[0 if step == 0 else 1 + (step - 1) * (self.cfg.bw + self.cfg.m) + j]
 
     # ----------------------------------------------------------------- steps
     def offer_children(self, nid: int, feature: torch.Tensor, logp: torch.Tensor, step: int) -> None:
@@ -214,12 +243,12 @@ class _Builder:
         for lp, did, tok in zip(top.values.tolist(), top.indices.tolist(), tokens):
             self.add_child(nid, did, tok, lp, step, via_recon=False)
 
-    def admit(self, nid: int, lam0: float) -> None:
+    def admit(self, nid: int, lam0: float, u: float) -> None:
         """Appendix C.1: enter the pool with probability `1 - lambda_0`."""
         node = self.nodes[nid]
         node.lambdas = [lam0]
         node.cur_feature, node.cur_row = node.feature, node.row
-        if self.coin() >= lam0:
+        if u >= lam0:
             node.pooled = True
             self.pool.append(nid)
 
@@ -295,7 +324,8 @@ class _Builder:
                 for sl in (slice(0, a), slice(a, None))
             ]
             feats, ks, vs = (torch.cat(x) for x in zip(*parts))
-        logps = rt.log_probs(feats)
+        depth = torch.tensor([0] * len(advance) + [self.nodes[i].depth_r + 1 for i in recon], device=rt.device)
+        logps = rt.log_probs(feats, depth)
         rows = [self.add_row(ks[j], vs[j]) for j in range(len(pos))]
         lams = rt.halt_probability(feats).tolist() if self.reconsider else None
 
@@ -303,7 +333,7 @@ class _Builder:
             self.nodes[i].row = rows[j]
             self.offer_children(i, feats[j], logps[j], step)
             if self.reconsider:
-                self.admit(i, lams[j])
+                self.admit(i, lams[j], self.coin(step, j))
         for jj, i in enumerate(recon):
             j = len(advance) + jj
             self.recon_rows += 1
@@ -313,7 +343,7 @@ class _Builder:
             halt = v.depth_r >= rt.max_depth
             if not halt:
                 v.lambdas.append(lams[j])
-                halt = self.coin() < lams[j]
+                halt = self.coin(step, self.cfg.bw + jj) < lams[j]
             if halt:
                 self.pool.remove(i)
                 v.pooled = False
@@ -330,9 +360,9 @@ class _Builder:
         self.nodes.append(root)
         root.row = self.add_row(rt.k_cache[:, -1], rt.v_cache[:, -1])
         feat = root_feature.reshape(1, -1)
-        self.offer_children(0, feat[0], rt.log_probs(feat)[0], step=0)
+        self.offer_children(0, feat[0], rt.log_probs(feat, 0)[0], step=0)
         if self.reconsider:
-            self.admit(0, float(rt.halt_probability(feat)[0]))
+            self.admit(0, float(rt.halt_probability(feat)[0]), self.coin(0, 0))
         steps = 0
         for s in range(1, cfg.gamma):
             if not self.step(s):
