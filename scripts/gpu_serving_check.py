@@ -53,18 +53,17 @@ def main(argv=None) -> int:
             print(json.dumps(row))
     # deep acceptance through non-contiguous tree slots (the target's continuation written into the drafted
     # tree, as in the CPU test): the KV-cache commit must stay exact on the GPU too
-    import pr_specforge.serving.decode as decode_mod
-    from tests.serving.test_serving_decode import oracle_tree
+    from tests.serving.test_serving_decode import oracle_draft
 
-    real_build = decode_mod.build_tree
+    real_draft = SpeculativeDecoder.draft
     for name, drafter in drafters.items():
         prompt = prompts[0]
         ref, _ = autoregressive_decode(target, prompt, 60)
-        decode_mod.build_tree = oracle_tree(ref + [0] * 20, len(prompt))
+        SpeculativeDecoder.draft = oracle_draft(ref + [0] * 20, len(prompt))
         try:
             res = SpeculativeDecoder(target, drafter, TreeConfig(budget=24, gamma=6)).generate(prompt, 60)
         finally:
-            decode_mod.build_tree = real_build
+            SpeculativeDecoder.draft = real_draft
         row = {"drafter": name, "check": "oracle_deep_accept", "lossless_t0": res.tokens == ref, "tau_t0": res.tau}
         ok &= row["lossless_t0"] and res.tau > 4.0
         rows.append(row)

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--m", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--turns", choices=["first", "all"], default="first")
+    p.add_argument("--tree-builder", choices=["tensor", "object"], default="tensor",
+                   help="draft-tree builder: tensor (default) or the object reference (same trees, slower)")
     p.add_argument("--also-one-pass", action="store_true", help="also serve each PR drafter as plain EAGLE (NAME/one-pass)")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -70,6 +72,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             m=args.m,
             seed=args.seed,
             turns=args.turns,
+            tree_builder=args.tree_builder,
         )
         prompt_sets = {}
         for source in args.prompts:

@@ -25,7 +25,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from pr_specforge.data.io import append_jsonl, read_jsonl_rows
-from pr_specforge.serving import SpeculativeDecoder, TreeConfig, autoregressive_decode
+from pr_specforge.serving import TREE_BUILDERS, SpeculativeDecoder, TreeConfig, autoregressive_decode
 
 CONF_BUCKETS = 10
 BANDS = (0.5, 0.9)  # drafter / target confidence bands of Table 7
@@ -46,6 +46,7 @@ class EvalSettings:
     m: int = 3
     seed: int = 0
     turns: str = "first"
+    tree_builder: str = "tensor"  # "object": the reference builder (same trees, slower)
 
     def __post_init__(self) -> None:
         if not self.budgets:
@@ -58,6 +59,8 @@ class EvalSettings:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.turns not in ("first", "all"):
             raise ValueError(f"turns must be 'first' or 'all', got {self.turns!r}")
+        if self.tree_builder not in TREE_BUILDERS:
+            raise ValueError(f"tree_builder must be one of {TREE_BUILDERS}, got {self.tree_builder!r}")
 
     def tree(self, budget: int) -> TreeConfig:
         return TreeConfig(budget=budget, k=self.k, bw=self.bw, gamma=self.gamma, m=self.m)
@@ -118,7 +121,9 @@ class Evaluator:
         self.decoders: Dict[Tuple[str, int], SpeculativeDecoder] = {}
         for d in drafters:
             for b in settings.budgets:
-                self.decoders[(d.name, b)] = SpeculativeDecoder(target, d.model, settings.tree(b), d.reconsider)
+                self.decoders[(d.name, b)] = SpeculativeDecoder(
+                    target, d.model, settings.tree(b), d.reconsider, tree_builder=settings.tree_builder
+                )
         self.drafters = list(drafters)
 
     # ------------------------------------------------------------------ runs
@@ -300,6 +305,7 @@ def summarize(rows: Iterable[dict], settings: Optional[EvalSettings] = None) -> 
             "m": settings.m,
             "seed": settings.seed,
             "turns": settings.turns,
+            "tree_builder": settings.tree_builder,
         }
     return out
 

@@ -2,7 +2,8 @@
 
 Owns:
   * `SpeculativeDecoder.generate` — prefill, then rounds of: draft a tree
-    (`tree.build_tree`), verify it (`verify`), keep the accepted path's KV in the
+    (`tensor_tree.TensorTreeBuilder` by default, `tree.build_tree` with
+    `tree_builder="object"`: the same trees), verify it (`verify`), keep the accepted path's KV in the
     target cache, and feed the accepted tokens' captured target layers to the
     drafter's context (`DrafterRuntime.extend`). Records per-round timings and,
     for each verified node on the accepted path, the diagnostics the evaluator
@@ -30,7 +31,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from pr_specforge.serving.drafter_runtime import DrafterRuntime, aux_layer_ids
-from pr_specforge.serving.tree import DraftTree, TreeConfig, build_tree
+from pr_specforge.serving.tensor_tree import TensorTreeBuilder
+from pr_specforge.serving.tree import TreeConfig, build_tree
 from pr_specforge.serving.verify import (
     accept_greedy,
     accept_sampling,
@@ -87,10 +89,19 @@ def _eos_set(eos_token_id) -> Optional[set]:
     return set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
 
 
-class SpeculativeDecoder:
-    """Target + drafter + tree shape. `reconsider=False` serves a PR drafter as plain EAGLE."""
+TREE_BUILDERS = ("tensor", "object")
 
-    def __init__(self, target, drafter, tree_config: TreeConfig, reconsider: bool = True, lazy_logits: bool = True) -> None:
+
+class SpeculativeDecoder:
+    """Target + drafter + tree shape. `reconsider=False` serves a PR drafter as plain EAGLE.
+
+    `tree_builder`: "tensor" (`tensor_tree`, one host sync per round) or "object" (`tree`,
+    the reference); they draft the same trees."""
+
+    def __init__(self, target, drafter, tree_config: TreeConfig, reconsider: bool = True, lazy_logits: bool = True,
+                 tree_builder: str = "tensor") -> None:
+        if tree_builder not in TREE_BUILDERS:
+            raise ValueError(f"tree_builder must be one of {TREE_BUILDERS}, got {tree_builder!r}")
         self.target = target.eval()
         self.drafter = drafter.eval()
         self.rt = DrafterRuntime(drafter, target)
@@ -100,6 +111,12 @@ class SpeculativeDecoder:
         self.lazy_logits = lazy_logits  # the target's vocabulary projection only for the nodes acceptance reads
         self.layer_ids = aux_layer_ids(drafter, int(target.config.num_hidden_layers))
         self.device = target.get_input_embeddings().weight.device
+        self.tensor_builder = TensorTreeBuilder(self.rt, tree_config, reconsider) if tree_builder == "tensor" else None
+
+    def draft(self, root_token: int, root_feature: torch.Tensor, generator: torch.Generator):
+        if self.tensor_builder is not None:
+            return self.tensor_builder.build(root_token, root_feature, generator)
+        return build_tree(self.rt, root_token, root_feature, self.cfg, self.reconsider, generator)
 
     @torch.no_grad()
     def generate(
@@ -119,7 +136,7 @@ class SpeculativeDecoder:
         verify_gen = torch.Generator().manual_seed(seed)
         draft_gen = torch.Generator().manual_seed(seed + 1)
         res = DecodeResult(tokens=[])
-        self.trees: List[DraftTree] = []
+        self.trees: list = []  # DraftTree or TensorDraftTree, with keep_trees
         t_start = time.perf_counter()
 
         # prefill: the target's first token and the drafter's context rows
@@ -138,7 +155,7 @@ class SpeculativeDecoder:
 
         while not done:
             t0 = time.perf_counter()
-            tree = build_tree(self.rt, root_token, root_feature, self.cfg, self.reconsider, draft_gen)
+            tree = self.draft(root_token, root_feature, draft_gen)
             t1 = time.perf_counter()
             tokens, depths = tree.tokens(), tree.depths()
             children = tree.children()
@@ -168,22 +185,20 @@ class SpeculativeDecoder:
         res.total_s = time.perf_counter() - t_start
         return res
 
-    def _diagnose(self, tree: DraftTree, path: List[int], bonus: int, logits, res: DecodeResult) -> None:
+    def _diagnose(self, tree, path: List[int], bonus: int, logits, res: DecodeResult) -> None:
+        tokens = tree.tokens()
         for step, j in enumerate(path):
-            node = tree.nodes[tree.kept[j]]
-            if node.logp_one is None:  # a leaf never forwarded: its children were not drafted
+            proposal = tree.one_pass(j)
+            if proposal is None:  # a leaf never forwarded: its children were not drafted
                 continue
+            c_d, one_pass = proposal  # one_pass: the one-pass top-k tokens, best first
             if step + 1 < len(path):
-                child = tree.nodes[tree.kept[path[step + 1]]]
-                emitted, via_recon = child.token, child.via_recon
+                emitted, via_recon = tokens[path[step + 1]], tree.via_recon(path[step + 1])
             else:
                 emitted, via_recon = bonus, False
-            top = torch.topk(node.logp_one, self.cfg.k).indices
-            one_pass = set(self.rt.to_target_ids(top).tolist())
-            top1 = int(self.rt.to_target_ids(top[:1])[0])
             onepass_hit = emitted in one_pass
             res.diagnostics.append(
-                (node.top1_prob, float(torch.softmax(logits[j], dim=-1).max()), top1 == emitted, onepass_hit,
+                (c_d, float(torch.softmax(logits[j], dim=-1).max()), one_pass[0] == emitted, onepass_hit,
                  (not onepass_hit) and via_recon)
             )
 

@@ -101,7 +101,7 @@ def target_forward_tree(
     past = cache.get_seq_length()
     if past != root_position:
         raise RuntimeError(f"target cache holds {past} positions, expected {root_position}")
-    allowed = torch.cat([torch.ones(n, past, dtype=torch.bool), mask.cpu()], dim=1).to(device)
+    allowed = torch.cat([torch.ones(n, past, dtype=torch.bool, device=mask.device), mask], dim=1).to(device)
     additive = torch.zeros(allowed.shape, dtype=dtype, device=device)
     additive = additive.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
     ids = torch.tensor([list(tokens)], device=device)

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-import pr_specforge.serving.decode as decode_mod
-from pr_specforge.serving import SpeculativeDecoder, TreeConfig, autoregressive_decode, build_tree
+from pr_specforge.serving import TREE_BUILDERS, SpeculativeDecoder, TreeConfig, autoregressive_decode
 from tests.helpers import make_drafters
 from tests.serving.test_serving_tree import eager_gate, sharpen, strong_self_query, tiny_target
 
@@ -33,34 +32,40 @@ def test_greedy_output_equals_target_greedy_decode(setup):
     assert res.recon_rows > 0  # the PR drafter really reconsidered
 
 
-def oracle_tree(ref, prompt_len):
-    """Draft as usual, then write the target's greedy continuation along the deepest kept branch."""
+def oracle_draft(ref, prompt_len, real=SpeculativeDecoder.draft):
+    """`SpeculativeDecoder.draft` that drafts as usual, then writes the target's greedy
+    continuation along the deepest kept branch (either builder's tree)."""
 
-    def wrapped(rt, root_token, root_feature, cfg, reconsider, gen):
-        tree = build_tree(rt, root_token, root_feature, cfg, reconsider, gen)
-        i = rt.length - prompt_len  # the root is ref[i]
+    def wrapped(self, root_token, root_feature, gen):
+        tree = real(self, root_token, root_feature, gen)
+        i = self.rt.length - prompt_len  # the root is ref[i]
         assert ref[i] == root_token
-        u = max(tree.kept, key=lambda n: (tree.nodes[n].depth, -n))
+        depths, parents = tree.depths(), tree.parents()
+        u = max(range(len(depths)), key=lambda j: (depths[j], -j))
         chain = []
-        while u != 0:
+        while u > 0:
             chain.append(u)
-            u = tree.nodes[u].parent
-        for d, u in enumerate(reversed(chain), 1):
+            u = parents[u]
+        for d, j in enumerate(reversed(chain), 1):
             if i + d < len(ref):
-                tree.nodes[u].token = ref[i + d]
+                if hasattr(tree, "nodes"):
+                    tree.nodes[tree.kept[j]].token = ref[i + d]
+                else:
+                    tree.token_ids[j] = ref[i + d]
         return tree
 
     return wrapped
 
 
-def test_long_accepted_paths_keep_cache_and_drafter_context_consistent(setup, monkeypatch):
+@pytest.mark.parametrize("builder", TREE_BUILDERS)
+def test_long_accepted_paths_keep_cache_and_drafter_context_consistent(setup, monkeypatch, builder):
     """Deep acceptance through non-contiguous tree slots: the cache commit must stay exact."""
     target, eagle, pr = setup
     prompt = PROMPTS[0]
     ref, _ = autoregressive_decode(target, prompt, 60)
-    monkeypatch.setattr(decode_mod, "build_tree", oracle_tree(ref + [0] * 20, len(prompt)))
+    monkeypatch.setattr(SpeculativeDecoder, "draft", oracle_draft(ref + [0] * 20, len(prompt)))
     for drafter in (eagle, pr):
-        res = SpeculativeDecoder(target, drafter, TreeConfig(budget=24, gamma=6)).generate(prompt, 60)
+        res = SpeculativeDecoder(target, drafter, TreeConfig(budget=24, gamma=6), tree_builder=builder).generate(prompt, 60)
         assert res.tokens == ref
         assert res.tau > 4.0
 
