@@ -387,16 +387,3 @@ class TensorTreeBuilder:
             "cur_row": self.cur_row.clone(),
         }
 
-
-@torch.no_grad()
-def build_tensor_tree(
-    rt: DrafterRuntime,
-    root_token: int,
-    root_feature: torch.Tensor,
-    cfg: TreeConfig,
-    reconsider: bool = True,
-    generator: Optional[torch.Generator] = None,
-    coforward: bool = True,
-) -> TensorDraftTree:
-    """`tree.build_tree`'s round on the tensor builder (a fresh builder; reuse one across rounds)."""
-    return TensorTreeBuilder(rt, cfg, reconsider, coforward).build(root_token, root_feature, generator)

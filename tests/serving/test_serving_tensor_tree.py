@@ -8,7 +8,7 @@ from pr_specforge.eval.evaluator import EvalSettings
 from pr_specforge.serving import SpeculativeDecoder, TensorTreeBuilder, TreeConfig, build_tree
 from pr_specforge.serving.tensor_tree import DEPTH, PARENT, REPRICED, TOKEN, VALID, VIA
 from tests.helpers import make_drafters
-from tests.serving.test_serving_tree import eager_gate, primed_runtime, sharpen, strong_self_query, tiny_target
+from tests.serving.test_serving_tree import eager_gate, models, primed_runtime, tiny_target  # noqa: F401 (models: a fixture)
 
 SHAPES = [
     TreeConfig(budget=24),  # the paper's shape
@@ -16,15 +16,6 @@ SHAPES = [
     TreeConfig(budget=5, k=3, bw=6, gamma=4, m=1),  # a frontier smaller than B_w, a tight cut
     TreeConfig(budget=60, k=2, bw=2, gamma=3, m=3),  # a budget above the node count
 ]
-
-
-@pytest.fixture(scope="module")
-def models():
-    target = tiny_target()
-    eagle, pr, _ = make_drafters(max_depth=2)
-    sharpen(eagle, pr)
-    strong_self_query(pr)
-    return target, eagle.eval(), pr.eval()
 
 
 def both(drafter, target, cfg, seed, reconsider=True):
