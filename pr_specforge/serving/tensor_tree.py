@@ -237,10 +237,10 @@ class TensorTreeBuilder:
         """ONE call of `M` over the step's frontier and reconsidered rows."""
         rt, bw, m = self.rt, self.bw, self.m
         info = self.info[nodes]
-        adv_in = rt.embed(info[:bw, TOKEN])
-        hidden = self.row_feat[info[:, SRC]] if not m else torch.cat(
-            [self.row_feat[info[:bw, SRC]], self.row_feat[self.cur_row[nodes[bw:]]]])
-        emb = adv_in if not m else torch.cat([adv_in.to(hidden.dtype), rt.self_query(hidden[bw:])])
+        emb, hidden = rt.embed(info[:bw, TOKEN]), self.row_feat[info[:bw, SRC]]
+        if m:  # Eq. 3's input slots for the carried rows, from their current depth's feature
+            r_emb, r_hidden = rt.reconsideration_inputs(self.row_feat[self.cur_row[nodes[bw:]]])
+            emb, hidden = torch.cat([emb.to(r_emb.dtype), r_emb]), torch.cat([hidden, r_hidden])
         pos = self.root_pos + info[:, DEPTH]
         n = self.per_step
         self.mask[r0 : r0 + n, self.ctx :] = torch.where(
