@@ -1,28 +1,45 @@
-"""Cost of co-forwarding reconsideration rows (Appendix A.1, Table 9) on a SmolLM2-shaped drafter.
+"""Cost of one drafting round (Appendix A.1, Table 9) on SmolLM2-shaped drafters, both tree builders.
 
-    OMP_NUM_THREADS=2 TORCHDYNAMO_DISABLE=1 python benchmarks/draft_cost.py --json draft_cost.json
+    OMP_NUM_THREADS=2 TORCHDYNAMO_DISABLE=1 python benchmarks/draft_cost.py \
+        --json benchmarks/results/draft_cost.json --md benchmarks/results/draft_cost.md
 
-Times one drafting round (`pr_specforge.serving.build_tree`, from the root feature to
-the global cut) three ways, median of `--repeats`:
-  eagle        the plain EAGLE tree (B_w rows per step);
-  pr_coforward the PR tree, the m reconsideration rows in the SAME call of M (B_w + m rows);
+Times one drafting round (from the root feature to the global cut, the result on the host)
+with each builder, `tensor` (`serving.tensor_tree`, the default) and `object` (`serving.tree`,
+the reference), three ways, interleaved, median of `--repeats`:
+  eagle        the EAGLE tree of an EAGLE-3 drafter (B_w rows per step);
+  pr_coforward the PR drafter's tree, the m reconsideration rows in the SAME call of M;
   pr_serial    the same PR tree, the m rows in a separate call of M per step.
-The gate bias is set so every forwarded node enters the pool and m rows run every step.
-Random weights: hidden 576, 9 heads / 3 KV heads, intermediate 1536, vocab 49152,
-draft vocab 8192 (SmolLM2-135M's shape); a random committed context of `--context` rows.
+The top-level keys (`eagle_round_s`, `pr_coforward_round_s`, `coforward_over_eagle`,
+`serial_over_eagle`) are the tensor builder's; `builders` holds both builders' numbers and
+`over_object` each builder's round time relative to the object tree's. `forward_floor_s` is
+the round's calls of M and readouts alone (same rows, no tree logic): what no builder can beat.
+The PR gate bias is set so every forwarded node enters the pool and m rows run every step.
+Random weights: hidden 576, 9 heads / 3 KV heads, intermediate 1536, vocab 49152, draft vocab
+8192 (SmolLM2-135M's shape); the EAGLE-3 drafter has the PR drafter's EAGLE-3 weights; a
+random committed context of `--context` rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
 from transformers import LlamaConfig
 
+VARIANTS = {
+    "eagle": dict(drafter="eagle", reconsider=False, coforward=True),
+    "pr_coforward": dict(drafter="pr", reconsider=True, coforward=True),
+    "pr_serial": dict(drafter="pr", reconsider=True, coforward=False),
+}
+BUILDERS = ("tensor", "object")
 
-def smollm2_drafter(max_depth: int):
+
+def smollm2_drafters(max_depth: int):
+    """(EAGLE-3 drafter, PR drafter) with the same EAGLE-3 weights, SmolLM2-135M's shape."""
+    from pr_specforge._specforge import LlamaForCausalLMEagle3
     from pr_specforge.modeling import LlamaForCausalLMEagle3PR, PRDraftSettings, build_pr_config
 
     cfg = LlamaConfig(
@@ -31,10 +48,114 @@ def smollm2_drafter(max_depth: int):
         rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False, architectures=["LlamaForCausalLMEagle3"],
     )
     torch.manual_seed(0)
-    drafter = LlamaForCausalLMEagle3PR(build_pr_config(cfg, PRDraftSettings(max_depth=max_depth))).float().eval()
+    pr = LlamaForCausalLMEagle3PR(build_pr_config(cfg, PRDraftSettings(max_depth=max_depth))).float().eval()
     with torch.no_grad():
-        drafter.pr_halt_gate.linear.bias.fill_(-10.0)  # lambda ~ 0: every node pooled, m rows every step
-    return drafter
+        pr.pr_halt_gate.linear.bias.fill_(-10.0)  # lambda ~ 0: every node pooled, m rows every step
+    eagle = LlamaForCausalLMEagle3(cfg).float().eval()
+    eagle.load_state_dict({k: v for k, v in pr.state_dict().items() if not k.startswith("pr_")})
+    return eagle, pr
+
+
+def round_fn(builder: str, rt, cfg, reconsider: bool, coforward: bool, root_token: int, root_feature):
+    """A callable drafting one round with a fresh seed; the tensor builder is built once, as in decoding."""
+    from pr_specforge.serving import TensorTreeBuilder, build_tree
+
+    if builder == "tensor":
+        b = TensorTreeBuilder(rt, cfg, reconsider, coforward)
+        return lambda seed: b.build(root_token, root_feature, torch.Generator().manual_seed(seed))
+    return lambda seed: build_tree(rt, root_token, root_feature, cfg, reconsider, torch.Generator().manual_seed(seed), coforward)
+
+
+def forward_floor(rt, cfg, rows: int, root_feature):
+    """The round's compute alone: the root readout, then gamma - 1 calls of M over `rows` rows + readouts."""
+    n_rows = 1 + (cfg.gamma - 1) * rows
+    ctx = rt.length - 1
+    rt.reserve(ctx + n_rows)
+    mask = torch.zeros(rows, ctx + n_rows, device=rt.device, dtype=rt.dtype)
+    emb = torch.zeros(rows, root_feature.shape[-1], device=rt.device, dtype=rt.dtype)
+    pos = torch.full((rows,), ctx + 1, device=rt.device)
+
+    def run(_seed):
+        logp = rt.log_probs(root_feature[None], 0)
+        hidden = root_feature[None].expand(rows, -1)
+        for s in range(1, cfg.gamma):
+            feats = rt.forward_tree_rows(emb, hidden, pos, ctx + 1 + (s - 1) * rows, mask, ctx + cfg.gamma)
+            logp = rt.log_probs(feats, 0)
+            hidden = feats
+        return logp
+
+    return run
+
+
+def time_all(fns, warmup: int, repeats: int, sync, clock):
+    times = {name: [] for name in fns}
+    for rep in range(warmup + repeats):
+        for name, fn in fns.items():  # interleaved, so drift and neighbours' load hit all alike
+            sync()
+            t0 = clock()
+            fn(rep)
+            sync()
+            if rep >= warmup:
+                times[name].append(clock() - t0)
+    return times
+
+
+def summarise(times, recon_rows, args):
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    best = {name: min(ts) for name, ts in times.items()}
+    builders = {}
+    for b in BUILDERS:
+        row = {}
+        for stat, src in (("", med), ("_min", best)):
+            row.update({f"{v}_round_s{stat}": src[(b, v)] for v in VARIANTS})
+            row[f"coforward_over_eagle{stat}"] = src[(b, "pr_coforward")] / src[(b, "eagle")]
+            row[f"serial_over_eagle{stat}"] = src[(b, "pr_serial")] / src[(b, "eagle")]
+        row["recon_rows_per_round"] = recon_rows[b]
+        builders[b] = row
+    tensor = builders["tensor"]
+    return {
+        **{k: tensor[k] for k in ("eagle_round_s", "pr_coforward_round_s", "pr_serial_round_s",
+                                  "coforward_over_eagle", "serial_over_eagle")},
+        "builder": "tensor",
+        "builders": builders,
+        "over_object": {b: {v: med[(b, v)] / med[("object", v)] for v in VARIANTS} for b in BUILDERS},
+        "over_object_min": {b: {v: best[(b, v)] / best[("object", v)] for v in VARIANTS} for b in BUILDERS},
+        "forward_floor_s": {name[1]: med[name] for name in times if name[0] == "floor"},
+        "recon_rows_per_round": recon_rows["tensor"],
+        "batched_forwards_per_round": args.gamma - 1,
+        "shape": {"budget": args.budget, "k": args.k, "bw": args.bw, "gamma": args.gamma, "m": args.m,
+                  "max_depth": args.max_depth, "context": args.context},
+        "repeats": args.repeats,
+        "threads": torch.get_num_threads(),
+        "device": args.device,
+        "clock": args.clock,
+        "machine": args.machine,
+        "command": "python " + " ".join(sys.argv),
+    }
+
+
+def markdown(result) -> str:
+    s = result["shape"]
+    lines = [
+        f"One drafting round, B={s['budget']} k={s['k']} B_w={s['bw']} gamma={s['gamma']} m={s['m']} R={s['max_depth']}, "
+        f"context {s['context']}, median of {result['repeats']} ({result['device']}, {result['threads']} threads, "
+        f"{result['clock']} clock; "
+        f"{result['machine']}).",
+        "",
+        "| builder | variant | round ms | x eagle (same builder) | x object tree |",
+        "|---|---|---|---|---|",
+    ]
+    for b in BUILDERS:
+        row = result["builders"][b]
+        for v in VARIANTS:
+            lines.append(f"| {b} | {v} | {1e3 * row[f'{v}_round_s']:.2f} | "
+                         f"{row[f'{v}_round_s'] / row['eagle_round_s']:.3f} | {result['over_object'][b][v]:.3f} |")
+    floor = result["forward_floor_s"]
+    lines += ["", "Calls of M and readouts alone (no tree logic): " + ", ".join(
+        f"{name} rows {1e3 * t:.2f} ms" for name, t in floor.items()) + ".",
+        f"Reconsideration rows per round: {result['recon_rows_per_round']} over "
+        f"{result['batched_forwards_per_round']} batched forwards.", "", f"Command: `{result['command']}`", ""]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -48,60 +169,48 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="wall: perf_counter; cpu: the process's CPU time, which leaves out the time a busy "
+                        "machine's scheduler gives to others (use with --threads 1 on a CPU)")
+    p.add_argument("--machine", default="quiet machine", help="a label for the JSON, e.g. 'busy 2-core CPU'")
     p.add_argument("--json", default=None)
+    p.add_argument("--md", default=None)
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
-    from pr_specforge.serving import DrafterRuntime, TreeConfig, build_tree
+    from pr_specforge.serving import DrafterRuntime, TreeConfig
 
-    drafter = smollm2_drafter(args.max_depth).to(args.device)
-    rt = DrafterRuntime(drafter)
+    cfg = TreeConfig(budget=args.budget, k=args.k, bw=args.bw, gamma=args.gamma, m=args.m)
     g = torch.Generator().manual_seed(0)
     aux = torch.randn(args.context, 3 * 576, generator=g)
     toks = torch.randint(0, 49152, (args.context,), generator=g)
-    root_feature = rt.extend(aux, toks)[-1]
-    cfg = TreeConfig(budget=args.budget, k=args.k, bw=args.bw, gamma=args.gamma, m=args.m)
+    runtimes = {}
+    for name, drafter in zip(("eagle", "pr"), smollm2_drafters(args.max_depth)):
+        rt = DrafterRuntime(drafter.to(args.device))
+        runtimes[name] = (rt, rt.extend(aux, toks)[-1])
+    fns = {}
+    for b in BUILDERS:
+        for v, kw in VARIANTS.items():
+            rt, feat = runtimes[kw["drafter"]]
+            fns[(b, v)] = round_fn(b, rt, cfg, kw["reconsider"], kw["coforward"], int(toks[-1]), feat)
+    for name, rows in (("eagle", args.bw), ("pr", args.bw + args.m)):
+        rt, feat = runtimes[name]
+        fns[("floor", name)] = forward_floor(rt, cfg, rows, feat)
+    recon_rows = {b: fns[(b, "pr_coforward")](0).recon_rows for b in BUILDERS}
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    result = summarise(time_all(fns, args.warmup, args.repeats, sync, clock), recon_rows, args)
+    table = markdown(result)
+    print(table)
+    from pr_specforge.data.io import atomic_write_json, atomic_write_text
 
-    variants = {
-        "eagle": dict(reconsider=False, coforward=True),
-        "pr_coforward": dict(reconsider=True, coforward=True),
-        "pr_serial": dict(reconsider=True, coforward=False),
-    }
-    times = {name: [] for name in variants}
-    recon_rows = {}
-    for rep in range(args.warmup + args.repeats):
-        for name, kw in variants.items():  # interleaved, so drift hits all three alike
-            sync()
-            t0 = time.perf_counter()
-            tree = build_tree(rt, int(toks[-1]), root_feature, cfg, generator=torch.Generator().manual_seed(rep), **kw)
-            sync()
-            if rep >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
-            recon_rows[name] = tree.recon_rows
-    med = {name: statistics.median(ts) for name, ts in times.items()}
-    steps = args.gamma - 1
-    result = {
-        "eagle_round_s": med["eagle"],
-        "pr_coforward_round_s": med["pr_coforward"],
-        "pr_serial_round_s": med["pr_serial"],
-        "coforward_over_eagle": med["pr_coforward"] / med["eagle"],
-        "serial_over_eagle": med["pr_serial"] / med["eagle"],
-        "recon_rows_per_round": recon_rows["pr_coforward"],
-        "batched_forwards_per_round": steps,
-        "threads": torch.get_num_threads(),
-        "device": args.device,
-    }
-    print(f"one drafting round, B={args.budget} k={args.k} B_w={args.bw} gamma={args.gamma} m={args.m} R={args.max_depth}, "
-          f"context {args.context}, median of {args.repeats} ({args.device}, {torch.get_num_threads()} threads)")
-    print("| variant | round ms | x eagle |\n|---|---|---|")
-    for name in variants:
-        print(f"| {name} | {1e3 * med[name]:.2f} | {med[name] / med['eagle']:.3f} |")
-    print(f"reconsideration rows per round: {recon_rows['pr_coforward']} over {steps} batched forwards")
     if args.json:
-        from pr_specforge.data.io import atomic_write_json
-
         atomic_write_json(args.json, result)
+    if args.md:
+        atomic_write_text(args.md, table)
     return 0
 
 
