@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import specforge.algorithms.eagle3.model as _eagle3_model_mod
+import specforge.launch as launch_module  # noqa: F401  (online training's conversation store)
 import specforge.training.assembly as assembly_module  # noqa: F401  (metrics-sink hook)
 import specforge.training.trainer as trainer_module  # noqa: F401  (backend / checkpoint hooks)
 from specforge.algorithms.builtin import builtin_algorithm_registry  # noqa: F401
@@ -24,7 +25,12 @@ from specforge.algorithms.eagle3.model import (  # noqa: F401
     OnlineEagle3Model,
     _compute_target_p_padded,
 )
-from specforge.algorithms.model_providers import build_eagle3_draft, build_eagle3_model  # noqa: F401
+from specforge.algorithms.model_providers import (  # noqa: F401
+    build_eagle3_draft,
+    build_eagle3_model,
+    resolve_eagle_capture_layers,
+)
+from specforge.algorithms.registry import AlgorithmRegistry  # noqa: F401
 from specforge.application import bind_run, resolve_run  # noqa: F401
 from specforge.cli import _train as train_resolved_run  # noqa: F401
 from specforge.config import Config  # noqa: F401
@@ -43,6 +49,7 @@ from specforge.modeling.draft.llama3_eagle import (  # noqa: F401
 )
 from specforge.modeling.draft.registry import DRAFT_REGISTRY, register_draft  # noqa: F401
 from specforge.runtime.contracts import TrainBatch  # noqa: F401
+from specforge.runtime.data_plane.feature_store import LocalFeatureStore  # noqa: F401
 from specforge.runtime.data_plane.offline_reader import OfflineManifestReader  # noqa: F401
 from specforge.training.backend import FSDPTrainingBackend, ParallelConfig, TrainingBackend  # noqa: F401
 from specforge.training.checkpoint import STATE_FILE, CheckpointManager  # noqa: F401

@@ -16,6 +16,7 @@ recipe-carrying checkpoint manager and the JSONL metrics sink are hooked in from
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -45,6 +46,7 @@ class Recipe:
     raw: Dict[str, Any]
     path: str
     backend: BackendConfig = BackendConfig()
+    online: Any = None  # pr_specforge.online.OnlineSettings when data.online is true
 
 
 def _parse_value(text: str) -> Any:
@@ -115,8 +117,11 @@ def read_recipe_mapping(path: str, _chain: Tuple[str, ...] = ()) -> Dict[str, An
 
 def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
     """Read a recipe YAML/JSON; validate SpecForge's part, the `pr:` and `backend:` parts strictly."""
+    from pr_specforge.online import online_settings, pop_online_keys
+
     raw = read_recipe_mapping(path)
     spec_over, pr_over = split_overrides(overrides)
+    online_request, raw, spec_over = pop_online_keys(raw, spec_over, path)
     pr_raw = dict(raw.get(PR_SECTION) or {})
     pr_raw.update(pr_over)
     pr = PRConfig.from_mapping(pr_raw, where=f"{path}: pr")
@@ -144,10 +149,13 @@ def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
             f"recipe {path}: training.attention_backend={config.training.attention_backend!r} with the pr strategy; "
             "PR composes the attention of its co-forwarded rows itself: set training.attention_backend=sdpa (or leave it unset)"
         )
+    online = online_settings(config, online_request, path)
     resolved = copy.deepcopy(raw)
     resolved[PR_SECTION] = pr.to_dict()
     resolved[BACKEND_SECTION] = backend.to_dict()
-    return Recipe(config=config, pr=pr, raw=resolved, path=path, backend=backend)
+    if online is not None:
+        resolved.setdefault("data", {}).update(online.to_recipe())
+    return Recipe(config=config, pr=pr, raw=resolved, path=path, backend=backend, online=online)
 
 
 def _specforge_config(spec_raw: Dict[str, Any], overrides: Sequence[str], path: str):
@@ -240,7 +248,13 @@ def preflight(recipe: Recipe) -> None:
                 f"model.draft_model_config: {draft_path} has architectures[0]={arch!r}, which is not an EAGLE-3 "
                 f"drafter; the {cfg.training.strategy} strategy needs {EAGLE3_ARCHITECTURE!r}"
             )
+    if recipe.online is not None:
+        from pr_specforge.online import check_inputs
+
+        check_inputs(recipe.online)
     for field in ("hidden_states_path", "eval_hidden_states_path"):
+        if field == "hidden_states_path" and recipe.online is not None:
+            continue
         sample = check_feature_dir(f"data.{field}", getattr(cfg.data, field), draft, draft_path)
         if (field == "eval_hidden_states_path" and sample is not None and cfg.training.strategy == "eagle3"
                 and str(cfg.model.torch_dtype) == "float32" and str(sample["hidden_state"].dtype) != "torch.float32"):
@@ -289,13 +303,44 @@ def _run_worker(recipe: Recipe) -> int:
     if cfg.training.strategy != ALGORITHM_NAME:
         # eagle3 baselines run through the same entry point, with the same registry.
         log.info("training.strategy=%s (not pr): running SpecForge's own algorithm", cfg.training.strategy)
-    registry = build_registry(recipe.pr)
+    cfg, registry = run_config(recipe)
     resolved = resolve_run(cfg, registry)
     os.makedirs(cfg.output_dir, exist_ok=True)
     _write_resolved_recipe(recipe)
     _install_runtime_hooks(recipe)
     _train(bind_run(resolved.config, resolved.algorithm))  # returns the final step count, not a status
     return 0
+
+
+def run_config(recipe: Recipe):
+    """`(SpecForge config, registry)` a run trains with: `pr` registered, and for `data.online`
+    the vocab map, the online step and the conversation reader (`pr_specforge.online`)."""
+    from pr_specforge.integration import build_registry
+
+    registry = build_registry(recipe.pr)
+    if recipe.online is None:
+        return recipe.config, registry
+    from pr_specforge.online import prepare_online_run
+
+    return prepare_online_run(recipe.config, recipe.online, registry)
+
+
+@contextlib.contextmanager
+def assembled_run(recipe: Recipe):
+    """SpecForge's assembled trainer for `recipe` in this process (one rank), never fitted:
+    yields `(strategy, loader)` for tests and benchmarks that drive steps themselves."""
+    from pr_specforge import _specforge as sf
+
+    cfg, registry = run_config(recipe)
+    resolved = sf.resolve_run(cfg, registry)
+    os.environ["FSDP_SHARDING"] = cfg.training.fsdp_sharding  # as SpecForge's CLI does: the backend reads it
+    sf.bootstrap_single_process_env()
+    sf.init_distributed(timeout=cfg.training.dist_timeout)
+    try:
+        trainer = sf.build_training_run(resolved.config, algorithm=resolved.algorithm).trainer
+        yield sf.trainer_strategy(trainer), sf.trainer_loader(trainer)
+    finally:
+        sf.destroy_distributed()
 
 
 def _install_runtime_hooks(recipe: Recipe) -> None:
@@ -317,6 +362,8 @@ def resolved_payload(recipe: Recipe) -> Dict[str, Any]:
     if recipe.config.training.strategy == "pr":  # a `pr:` section on another strategy is refused on reload
         payload[PR_SECTION] = recipe.pr.to_dict()
     payload[BACKEND_SECTION] = recipe.backend.to_dict()
+    if recipe.online is not None:  # the user's form: conversations + data.online, not the JSONL as "features"
+        payload["data"].update(recipe.online.to_recipe())
     return payload
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from conftest import CONVERSATIONS, write_jsonl
 
@@ -16,6 +17,7 @@ from pr_specforge.data.io import read_jsonl_rows
 from pr_specforge.data.regenerate import SamplingConfig, TransformersBackend, regenerate_conversations
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", HF_HUB_OFFLINE="1")
+pytestmark = pytest.mark.slow  # launches torchrun
 ROWS = [dict(r, id=f"{r['id']}{k}") for k in range(4) for r in CONVERSATIONS]  # 20 rows, 5 lengths
 
 
