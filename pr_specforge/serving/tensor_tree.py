@@ -132,34 +132,36 @@ class TensorTreeBuilder:
         self.depth_r = torch.zeros(n, **i64)
         self.cur_row = torch.zeros(n, **i64)
         self.lambdas = torch.zeros(n, max(1, rt.max_depth), **f64)
-        self.halt_depth = torch.zeros(n, **i64)
-        self.q_halt = torch.zeros(n, **f64)
         self.counts = torch.zeros(3 + rt.max_depth, **i64)  # recon rows, steps, halts per depth 0..R
         self.arange_k = torch.arange(self.k, **i64)
         self.step_rows = torch.arange(self.per_step, **i64)
         self.own = torch.eye(r, device=dev, dtype=torch.bool)
         self.zero_depth = torch.zeros(self.bw, **i64)
+        self.via = torch.zeros(self.per_step, self.k, **i64)  # children of reconsidered rows: via_recon
+        self.via[self.bw :] = 1
+        self.true1 = torch.ones(1, device=dev, dtype=torch.bool)
 
     def _reset(self) -> None:
         for t in (self.score, self.info, self.vis, self.anc, self.forwarded, self.pooled, self.depth_r,
                   self.lambdas, self.counts):
             t.zero_()
-        self.halt_depth.fill_(-1)
         self.row_of.fill_(-1)
 
     # ------------------------------------------------------------- helpers
     def _new_nodes(self, start: int, parents: torch.Tensor, logps: torch.Tensor, draft: torch.Tensor,
-                   src_rows: torch.Tensor, valid: torch.Tensor, via: bool) -> None:
-        """Write `[P, k]` children of `parents [P]` into slots `start ..`: score, ids, masks."""
+                   src_rows: torch.Tensor, valid: torch.Tensor, via: torch.Tensor) -> None:
+        """Write the `[P, k]` children of `parents [P]` into slots `start ..` (score, ids, masks).
+
+        `via [P, k]` (0/1): proposed by a reconsidered feature; `src_rows [P]`: the row the
+        children continue from (the parent's one-pass row, or its halt-depth row)."""
         p, k = parents.shape[0], self.k
         sl = slice(start, start + p * k)
-        self.score[sl] = (self.score[parents][:, None] + logps.double()).reshape(-1)
+        self.score[sl] = (self.score[parents][:, None] + logps).reshape(-1)
         pinfo = self.info[parents]
         cols = [
             parents[:, None].expand(p, k), (pinfo[:, DEPTH] + 1)[:, None].expand(p, k), draft,
-            self.rt.to_target_ids(draft), src_rows[:, None].expand(p, k),
-            torch.full((p, k), int(via), dtype=torch.long, device=draft.device),
-            (pinfo[:, REPRICED] | int(via))[:, None].expand(p, k), valid.long()[:, None].expand(p, k),
+            self.rt.to_target_ids(draft), src_rows[:, None].expand(p, k), via,
+            pinfo[:, REPRICED][:, None] | via, valid.long(),
         ]
         self.info[sl] = torch.stack(cols, dim=-1).reshape(p * k, 8)
         vis = self.vis[parents] | self.own[src_rows]
@@ -167,20 +169,19 @@ class TensorTreeBuilder:
         self.anc[sl] = self.anc[parents][:, None].expand(p, k, self.n_nodes + 1).reshape(p * k, -1)
         self.anc[sl, sl].diagonal().fill_(1.0)
 
-    def _offer(self, start: int, nodes: torch.Tensor, rows: torch.Tensor, logp: torch.Tensor, valid: torch.Tensor):
-        """Forwarded nodes offer their one-pass top-k children; returns their top-1 probability."""
-        top = torch.topk(logp, self.k, dim=-1)
-        self._new_nodes(start, nodes, top.values, top.indices, rows, valid, via=False)
-        top1 = top.values[:, 0].double().exp()
+    def _forwarded(self, nodes: torch.Tensor, rows: torch.Tensor, first_child: int, top1_logp: torch.Tensor,
+                   valid: torch.Tensor) -> torch.Tensor:
+        """Record forwarded nodes (their row, children block, top-1); returns `max_t pi_one(t|u)`."""
+        top1 = top1_logp.double().exp()
         self.row_of[nodes] = rows
-        self.first_child[nodes] = start + self.k * torch.arange(nodes.shape[0], device=nodes.device)
+        self.first_child[nodes] = first_child + self.k * self.step_rows[: nodes.shape[0]]
         self.top1[nodes] = top1
         self.forwarded[nodes] = valid
         return top1
 
     def _admit(self, nodes, rows, top1, lam, u, valid) -> None:
         """Appendix C.1: a forwarded node enters the pool with probability `1 - lambda_0`."""
-        self.bid_base[nodes] = torch.where(top1 < 1.0, torch.log1p(-top1), torch.full_like(top1, NEG))
+        self.bid_base[nodes] = torch.where(top1 < 1.0, torch.log1p(-top1), NEG)
         self.lambdas[nodes, 0] = lam
         self.cur_row[nodes] = rows
         self.pooled[nodes] = valid & (u >= lam)
@@ -205,46 +206,49 @@ class TensorTreeBuilder:
         self.row_feat[0] = feat[0]
         logp = rt.log_probs(feat, 0)
         self.row_logp[0] = logp[0]
-        root = torch.zeros(1, dtype=torch.long, device=rt.device)  # node 0, row 0
-        top1 = self._offer(1, root, root, logp, torch.ones(1, dtype=torch.bool, device=rt.device))
+        root = self.step_rows[:1]  # node 0, row 0
+        ok = self.true1
+        top = torch.topk(logp, self.k, dim=-1)
+        top1 = self._forwarded(root, root, 1, top.values[:, 0], ok)
+        self._new_nodes(1, root, top.values.double(), top.indices, root, ok[:, None].expand(1, self.k), self.via[:1])
         if self.pool_on:
-            self._admit(root, root, top1, rt.halt_probability(feat).double(), u[:1], self.forwarded[:1])
+            self._admit(root, root, top1, rt.halt_probability(feat).double(), u[:1], ok)
 
     def _step(self, s: int, u: Optional[torch.Tensor]) -> None:
-        cfg, bw, m, k = self.cfg, self.bw, self.m, self.k
+        bw, m, k = self.bw, self.m, self.k
         prev = 1 if s == 1 else 1 + k + (s - 2) * self.per_step * k
         prev_n = k if s == 1 else self.per_step * k
         block = 1 + k + (s - 1) * self.per_step * k
         r0 = 1 + (s - 1) * self.per_step
-        valid = self.info[:, VALID].bool()
-        fvalid = valid[prev : prev + prev_n]
+        fvalid = self.info[prev : prev + prev_n, VALID].bool()
         adv, adv_ok = self._top(torch.where(fvalid, self.score[prev : prev + prev_n], NEG), fvalid, bw, prev)
         rows = r0 + self.step_rows
+        nodes, ok = adv, adv_ok
         if m:
-            bid = torch.where(self.pooled, self.score + self.bid_base, NEG)
-            rec, rec_ok = self._top(bid, self.pooled, m)
+            rec, rec_ok = self._top(torch.where(self.pooled, self.score + self.bid_base, NEG), self.pooled, m)
             nodes, ok = torch.cat([adv, rec]), torch.cat([adv_ok, rec_ok])
-        else:
-            nodes, ok = adv, adv_ok
-        feats, logp, lam = self._forward(s, nodes, r0)
-        top1 = self._offer(block, adv, rows[:bw], logp[:bw], adv_ok)
+        logp, lam = self._forward(nodes, r0)
+        top = torch.topk(logp[:bw], k, dim=-1)
+        top1 = self._forwarded(adv, rows[:bw], block, top.values[:, 0], adv_ok)
+        vals, ids, kids_ok = top.values.double(), top.indices, adv_ok[:, None].expand(bw, k)
         if m:
             self._admit(adv, rows[:bw], top1, lam[:bw], u[r0 : r0 + bw], adv_ok)
-            self._reconsider(block + bw * k, rec, rec_ok, rows[bw:], logp[bw:], lam[bw:], u[r0 + bw : r0 + bw + m])
+            r_vals, r_ids, r_ok = self._reconsider(rec, rec_ok, rows[bw:], logp[bw:], lam[bw:], u[r0 + bw : r0 + bw + m])
+            vals, ids, kids_ok = torch.cat([vals, r_vals]), torch.cat([ids, r_ids]), torch.cat([kids_ok, r_ok])
+        # created after Eq. 9's shifts, from their parents' repriced scores: as if shifted with them
+        self._new_nodes(block, nodes, vals, ids, rows, kids_ok, self.via)
         self.counts[1] += ok.any().long()
 
-    def _forward(self, s: int, nodes: torch.Tensor, r0: int):
-        """ONE call of `M` over the step's frontier and reconsidered rows."""
-        rt, bw, m = self.rt, self.bw, self.m
+    def _forward(self, nodes: torch.Tensor, r0: int):
+        """ONE call of `M` over the step's frontier and reconsidered rows; their readouts."""
+        rt, bw, m, n = self.rt, self.bw, self.m, self.per_step
         info = self.info[nodes]
         emb, hidden = rt.embed(info[:bw, TOKEN]), self.row_feat[info[:bw, SRC]]
         if m:  # Eq. 3's input slots for the carried rows, from their current depth's feature
             r_emb, r_hidden = rt.reconsideration_inputs(self.row_feat[self.cur_row[nodes[bw:]]])
             emb, hidden = torch.cat([emb.to(r_emb.dtype), r_emb]), torch.cat([hidden, r_hidden])
         pos = self.root_pos + info[:, DEPTH]
-        n = self.per_step
-        self.mask[r0 : r0 + n, self.ctx :] = torch.where(
-            self.vis[nodes] | self.own[r0 : r0 + n], 0.0, NEG).to(self.mask.dtype)
+        self.mask[r0 : r0 + n, self.ctx :] = torch.where(self.vis[nodes] | self.own[r0 : r0 + n], 0.0, NEG)
         mask = self.mask[r0 : r0 + n]
         col = self.ctx + r0
         if self.coforward or not m:
@@ -254,14 +258,17 @@ class TensorTreeBuilder:
                 rt.forward_tree_rows(emb[:bw], hidden[:bw], pos[:bw], col, mask[:bw], self.max_pos),
                 rt.forward_tree_rows(emb[bw:], hidden[bw:], pos[bw:], col + bw, mask[bw:], self.max_pos)])
         self.row_feat[r0 : r0 + n] = feats
+        lam = rt.halt_probability(feats).double() if m else None
         depth = 0 if not m else torch.cat([self.zero_depth, self.depth_r[nodes[bw:]] + 1])
         logp = rt.log_probs(feats, depth)
         self.row_logp[r0 : r0 + n] = logp
-        lam = rt.halt_probability(feats).double() if m else None
-        return feats, logp, lam
+        return logp, lam
 
-    def _reconsider(self, start, rec, rec_ok, rows, logp_d, lam, u) -> None:
-        """One depth deeper for the carried bids; halted ones are repriced (Eq. 9)."""
+    def _reconsider(self, rec, rec_ok, rows, logp_d, lam, u):
+        """One depth deeper for the carried bids; the halted ones are repriced (Eq. 9).
+
+        Returns the new children `(log pi_mix [m, k], draft ids, valid)`: the top-k of pi_mix
+        that are not children yet."""
         big_r = self.rt.max_depth
         d = self.depth_r[rec] + 1
         self.depth_r[rec] = d
@@ -273,26 +280,23 @@ class TensorTreeBuilder:
         self.pooled[rec] = rec_ok & ~halt
         self.counts[0] += rec_ok.long().sum()
         self.counts[2:].index_add_(0, d.clamp(max=big_r), halt.long())
-        q = halting_distribution(self.lambdas[rec]).gather(1, d.clamp(max=big_r)[:, None])[:, 0]
-        self.halt_depth[rec] = torch.where(halt, d, self.halt_depth[rec])
-        self.q_halt[rec] = torch.where(halt, q, self.q_halt[rec])
+        q = halting_distribution(self.lambdas[rec]).gather(1, d.clamp(max=big_r)[:, None])  # [m, 1]
         logp_one = self.row_logp[self.row_of[rec].clamp(min=0)]
         kids = self.first_child[rec][:, None] + self.arange_k  # v's one-pass children
         kid_draft = self.info[kids, DRAFT]
         # pi_mix's top-k in fp32 over the vocabulary, log pi_mix in float64 where it is read
-        new_ids = torch.topk(torch.lerp(logp_one.exp(), logp_d.exp(), q[:, None].float()), self.k, dim=-1).indices
+        new_ids = torch.topk(torch.lerp(logp_one.exp(), logp_d.exp(), q.float()), self.k, dim=-1).indices
         ids = torch.cat([kid_draft, new_ids], dim=1)
         one, deep = logp_one.gather(1, ids).double().exp(), logp_d.gather(1, ids).double().exp()
-        log_mix = torch.log(one + q[:, None] * (deep - one)).clamp(max=0.0)  # Eq. 9, [m, 2k]
-        self._shift_existing(rec, halt, kids.reshape(-1), log_mix[:, : self.k].reshape(-1))
+        log_mix = torch.log(one + q * (deep - one)).clamp(max=0.0)  # Eq. 9, [m, 2k]
+        self._shift_existing(rec, halt, kids.reshape(-1), log_mix[:, : self.k])
         exists = (new_ids[:, :, None] == kid_draft[:, None, :]).any(-1)
-        self._new_nodes(start, rec, log_mix[:, self.k :], new_ids, rows, halt, via=True)
-        self.info[start : start + self.m * self.k, VALID] &= (~exists).reshape(-1).long()
+        return log_mix[:, self.k :], new_ids, halt[:, None] & ~exists
 
     def _shift_existing(self, rec, halt, kids, log_mix) -> None:
         """Eq. 9 on the existing children: `s(c) = s(v) + log pi_mix(c|v)`, the same delta to every descendant."""
-        new = self.score[rec].repeat_interleave(self.k) + log_mix
-        delta = torch.where(halt.repeat_interleave(self.k), new - self.score[kids], 0.0)
+        new = self.score[rec][:, None] + log_mix
+        delta = torch.where(halt[:, None], new - self.score[kids].view(-1, self.k), 0.0).reshape(-1)
         moved = self.anc.index_select(1, kids) @ torch.stack([delta, (delta != 0).double()], dim=1)
         self.score += moved[:, 0]
         self.info[:, REPRICED] |= (moved[:, 1] > 0).long()
@@ -382,8 +386,7 @@ class TensorTreeBuilder:
     def state(self) -> Dict[str, torch.Tensor]:
         """The round's node tensors (copies), for tests and diagnostics."""
         return {
-            "score": self.score.clone(), "info": self.info.clone(), "halt_depth": self.halt_depth.clone(),
-            "q_halt": self.q_halt.clone(), "row_logp": self.row_logp.clone(), "row_of": self.row_of.clone(),
-            "cur_row": self.cur_row.clone(),
+            "score": self.score.clone(), "info": self.info.clone(), "row_logp": self.row_logp.clone(),
+            "row_of": self.row_of.clone(), "cur_row": self.cur_row.clone(), "depth_r": self.depth_r.clone(),
         }
 
