@@ -12,7 +12,8 @@ the reference), three ways, interleaved, median of `--repeats`:
 The top-level keys (`eagle_round_s`, `pr_coforward_round_s`, `coforward_over_eagle`,
 `serial_over_eagle`) are the tensor builder's; `builders` holds both builders' numbers and
 `over_object` each builder's round time relative to the object tree's. `forward_floor_s` is
-the round's calls of M and readouts alone (same rows, no tree logic): what no builder can beat.
+the round's model compute alone (the calls of M and readouts over the same rows, and for PR the
+self-query inputs and the gate; no tree logic): what no builder can beat.
 The PR gate bias is set so every forwarded node enters the pool and m rows run every step.
 Random weights: hidden 576, 9 heads / 3 KV heads, intermediate 1536, vocab 49152, draft vocab
 8192 (SmolLM2-135M's shape); the EAGLE-3 drafter has the PR drafter's EAGLE-3 weights; a
@@ -66,8 +67,10 @@ def round_fn(builder: str, rt, cfg, reconsider: bool, coforward: bool, root_toke
     return lambda seed: build_tree(rt, root_token, root_feature, cfg, reconsider, torch.Generator().manual_seed(seed), coforward)
 
 
-def forward_floor(rt, cfg, rows: int, root_feature):
-    """The round's compute alone: the root readout, then gamma - 1 calls of M over `rows` rows + readouts."""
+def forward_floor(rt, cfg, rows: int, root_feature, recon: int = 0):
+    """The round's model compute alone: the root readout, then gamma - 1 calls of M over `rows`
+    rows and their readouts; with `recon` reconsidered rows, also their self-query inputs (Eq. 3)
+    and the gate on every row."""
     n_rows = 1 + (cfg.gamma - 1) * rows
     ctx = rt.length - 1
     rt.reserve(ctx + n_rows)
@@ -79,7 +82,13 @@ def forward_floor(rt, cfg, rows: int, root_feature):
         logp = rt.log_probs(root_feature[None], 0)
         hidden = root_feature[None].expand(rows, -1)
         for s in range(1, cfg.gamma):
-            feats = rt.forward_tree_rows(emb, hidden, pos, ctx + 1 + (s - 1) * rows, mask, ctx + cfg.gamma)
+            inputs = emb
+            if recon:
+                q_emb, _ = rt.reconsideration_inputs(hidden[-recon:])
+                inputs = torch.cat([emb[:-recon], q_emb])
+            feats = rt.forward_tree_rows(inputs, hidden, pos, ctx + 1 + (s - 1) * rows, mask, ctx + cfg.gamma)
+            if recon:
+                rt.halt_probability(feats)
             logp = rt.log_probs(feats, 0)
             hidden = feats
         return logp
@@ -121,6 +130,7 @@ def summarise(times, recon_rows, args):
         "over_object": {b: {v: med[(b, v)] / med[("object", v)] for v in VARIANTS} for b in BUILDERS},
         "over_object_min": {b: {v: best[(b, v)] / best[("object", v)] for v in VARIANTS} for b in BUILDERS},
         "forward_floor_s": {name[1]: med[name] for name in times if name[0] == "floor"},
+        "floor_pr_over_eagle": med[("floor", "pr")] / med[("floor", "eagle")],
         "recon_rows_per_round": recon_rows["tensor"],
         "batched_forwards_per_round": args.gamma - 1,
         "shape": {"budget": args.budget, "k": args.k, "bw": args.bw, "gamma": args.gamma, "m": args.m,
@@ -151,8 +161,9 @@ def markdown(result) -> str:
             lines.append(f"| {b} | {v} | {1e3 * row[f'{v}_round_s']:.2f} | "
                          f"{row[f'{v}_round_s'] / row['eagle_round_s']:.3f} | {result['over_object'][b][v]:.3f} |")
     floor = result["forward_floor_s"]
-    lines += ["", "Calls of M and readouts alone (no tree logic): " + ", ".join(
-        f"{name} rows {1e3 * t:.2f} ms" for name, t in floor.items()) + ".",
+    lines += ["", "The model's compute alone (calls of M, readouts; self-query and gate for PR; no tree logic): "
+              + ", ".join(f"{name} {1e3 * t:.2f} ms" for name, t in floor.items())
+              + f", PR / EAGLE {result['floor_pr_over_eagle']:.3f}.",
         f"Reconsideration rows per round: {result['recon_rows_per_round']} over "
         f"{result['batched_forwards_per_round']} batched forwards.", "", f"Command: `{result['command']}`", ""]
     return "\n".join(lines)
@@ -196,9 +207,9 @@ def main(argv=None) -> int:
         for v, kw in VARIANTS.items():
             rt, feat = runtimes[kw["drafter"]]
             fns[(b, v)] = round_fn(b, rt, cfg, kw["reconsider"], kw["coforward"], int(toks[-1]), feat)
-    for name, rows in (("eagle", args.bw), ("pr", args.bw + args.m)):
+    for name, rows, recon in (("eagle", args.bw, 0), ("pr", args.bw + args.m, args.m)):
         rt, feat = runtimes[name]
-        fns[("floor", name)] = forward_floor(rt, cfg, rows, feat)
+        fns[("floor", name)] = forward_floor(rt, cfg, rows, feat, recon)
     recon_rows = {b: fns[(b, "pr_coforward")](0).recon_rows for b in BUILDERS}
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
