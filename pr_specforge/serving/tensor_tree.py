@@ -120,7 +120,7 @@ class TensorTreeBuilder:
         self.score = torch.zeros(n, **f64)
         self.info = torch.zeros(n, 8, **i64)
         self.vis = torch.zeros(n, r, device=dev, dtype=torch.bool)  # rows a node's forward may see
-        self.anc = torch.zeros(n, n, **f64)  # anc[x, a] = 1: a is x or one of its ancestors
+        self.anc = torch.zeros(n, n, device=dev, dtype=torch.bool)  # anc[x, a]: a is x or one of its ancestors
         self.row_of = torch.zeros(n, **i64)  # the node's one-pass row
         self.first_child = torch.zeros(n, **i64)  # first slot of its k one-pass children
         self.top1 = torch.zeros(n, **f64)  # max_t pi_one(t|u)
@@ -167,7 +167,7 @@ class TensorTreeBuilder:
         vis = self.vis[parents] | self.own[src_rows]
         self.vis[sl] = vis[:, None].expand(p, k, self.n_rows).reshape(p * k, self.n_rows)
         self.anc[sl] = self.anc[parents][:, None].expand(p, k, self.n_nodes + 1).reshape(p * k, -1)
-        self.anc[sl, sl].diagonal().fill_(1.0)
+        self.anc[sl, sl].diagonal().fill_(True)
 
     def _forwarded(self, nodes: torch.Tensor, rows: torch.Tensor, first_child: int, top1_logp: torch.Tensor,
                    valid: torch.Tensor) -> torch.Tensor:
@@ -201,7 +201,7 @@ class TensorTreeBuilder:
         rt = self.rt
         self.info[0, TOKEN] = int(root_token)
         self.info[0, VALID] = 1
-        self.anc[0, 0] = 1.0
+        self.anc[0, 0] = True
         feat = root_feature.reshape(1, -1).to(rt.dtype)
         self.row_feat[0] = feat[0]
         logp = rt.log_probs(feat, 0)
@@ -258,10 +258,11 @@ class TensorTreeBuilder:
                 rt.forward_tree_rows(emb[:bw], hidden[:bw], pos[:bw], col, mask[:bw], self.max_pos),
                 rt.forward_tree_rows(emb[bw:], hidden[bw:], pos[bw:], col + bw, mask[bw:], self.max_pos)])
         self.row_feat[r0 : r0 + n] = feats
-        lam = rt.halt_probability(feats).double() if m else None
-        depth = 0 if not m else torch.cat([self.zero_depth, self.depth_r[nodes[bw:]] + 1])
-        logp = rt.log_probs(feats, depth)
-        self.row_logp[r0 : r0 + n] = logp
+        if not m:
+            return rt.log_probs(feats, 0), None
+        lam = rt.halt_probability(feats).double()
+        logp = rt.log_probs(feats, torch.cat([self.zero_depth, self.depth_r[nodes[bw:]] + 1]))
+        self.row_logp[r0 : r0 + bw] = logp[:bw]  # pi_one of the frontier rows, read if they are repriced
         return logp, lam
 
     def _reconsider(self, rec, rec_ok, rows, logp_d, lam, u):
@@ -297,7 +298,7 @@ class TensorTreeBuilder:
         """Eq. 9 on the existing children: `s(c) = s(v) + log pi_mix(c|v)`, the same delta to every descendant."""
         new = self.score[rec][:, None] + log_mix
         delta = torch.where(halt[:, None], new - self.score[kids].view(-1, self.k), 0.0).reshape(-1)
-        moved = self.anc.index_select(1, kids) @ torch.stack([delta, (delta != 0).double()], dim=1)
+        moved = self.anc.index_select(1, kids).double() @ torch.stack([delta, (delta != 0).double()], dim=1)
         self.score += moved[:, 0]
         self.info[:, REPRICED] |= (moved[:, 1] > 0).long()
 
@@ -352,7 +353,7 @@ class TensorTreeBuilder:
         for s in range(1, cfg.gamma):
             self._step(s, u)
         kept, ok, where = self._cut()
-        mask = self.anc[kept][:, kept] > 0
+        mask = self.anc[kept][:, kept]
         host = self._pack(kept, ok, where).cpu()  # the round's one synchronisation
         tree = self._unpack(host, mask, rt.length)
         if keep_state:
