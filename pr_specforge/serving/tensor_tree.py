@@ -41,7 +41,6 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from pr_specforge.modeling.drafter import halting_distribution
 from pr_specforge.serving.drafter_runtime import DrafterRuntime
 from pr_specforge.serving.tree import TreeConfig, round_uniforms, uniform_count
 
@@ -131,8 +130,8 @@ class TensorTreeBuilder:
         self.bid_base = torch.zeros(n, **f64)  # log(1 - max_t pi_one(t|v)), Eq. 8 minus s(v)
         self.depth_r = torch.zeros(n, **i64)
         self.cur_row = torch.zeros(n, **i64)
-        self.lambdas = torch.zeros(n, max(1, rt.max_depth), **f64)
-        self.counts = torch.zeros(3 + rt.max_depth, **i64)  # recon rows, steps, halts per depth 0..R
+        self.survive = torch.zeros(n, **f64)  # prod_{s<r}(1 - lambda_s) over the depths walked so far
+        self.row_ok = torch.zeros(r, device=dev, dtype=torch.bool)  # the row held a node
         self.arange_k = torch.arange(self.k, **i64)
         self.step_rows = torch.arange(self.per_step, **i64)
         self.own = torch.eye(r, device=dev, dtype=torch.bool)
@@ -143,7 +142,7 @@ class TensorTreeBuilder:
 
     def _reset(self) -> None:
         for t in (self.score, self.info, self.vis, self.anc, self.forwarded, self.pooled, self.depth_r,
-                  self.lambdas, self.counts):
+                  self.row_ok):
             t.zero_()
         self.row_of.fill_(-1)
 
@@ -181,8 +180,8 @@ class TensorTreeBuilder:
 
     def _admit(self, nodes, rows, top1, lam, u, valid) -> None:
         """Appendix C.1: a forwarded node enters the pool with probability `1 - lambda_0`."""
-        self.bid_base[nodes] = torch.where(top1 < 1.0, torch.log1p(-top1), NEG)
-        self.lambdas[nodes, 0] = lam
+        self.bid_base[nodes] = torch.log1p(-top1)  # -inf when max_t pi_one = 1
+        self.survive[nodes] = 1.0 - lam
         self.cur_row[nodes] = rows
         self.pooled[nodes] = valid & (u >= lam)
 
@@ -194,7 +193,7 @@ class TensorTreeBuilder:
         if order.shape[0] < n:
             order = torch.cat([order, order.new_zeros(n - order.shape[0])])
             good = torch.cat([good, good.new_zeros(n - good.shape[0])])
-        return torch.where(good, order + offset, self.null), good
+        return torch.where(good, order + offset if offset else order, self.null), good
 
     # ---------------------------------------------------------------- round
     def _root(self, root_token: int, root_feature: torch.Tensor, u: Optional[torch.Tensor]) -> None:
@@ -227,19 +226,20 @@ class TensorTreeBuilder:
         if m:
             rec, rec_ok = self._top(torch.where(self.pooled, self.score + self.bid_base, NEG), self.pooled, m)
             nodes, ok = torch.cat([adv, rec]), torch.cat([adv_ok, rec_ok])
-        logp, lam = self._forward(nodes, r0)
+        depth = self.depth_r[rec] + 1 if m else None  # the carried rows' new depth
+        logp, lam = self._forward(nodes, r0, depth)
         top = torch.topk(logp[:bw], k, dim=-1)
         top1 = self._forwarded(adv, rows[:bw], block, top.values[:, 0], adv_ok)
         vals, ids, kids_ok = top.values.double(), top.indices, adv_ok[:, None].expand(bw, k)
         if m:
             self._admit(adv, rows[:bw], top1, lam[:bw], u[r0 : r0 + bw], adv_ok)
-            r_vals, r_ids, r_ok = self._reconsider(rec, rec_ok, rows[bw:], logp[bw:], lam[bw:], u[r0 + bw : r0 + bw + m])
+            r_vals, r_ids, r_ok = self._reconsider(rec, rec_ok, depth, rows[bw:], logp[bw:], lam[bw:], u[r0 + bw : r0 + bw + m])
             vals, ids, kids_ok = torch.cat([vals, r_vals]), torch.cat([ids, r_ids]), torch.cat([kids_ok, r_ok])
         # created after Eq. 9's shifts, from their parents' repriced scores: as if shifted with them
         self._new_nodes(block, nodes, vals, ids, rows, kids_ok, self.via)
-        self.counts[1] += ok.any().long()
+        self.row_ok[r0 : r0 + self.per_step] = ok
 
-    def _forward(self, nodes: torch.Tensor, r0: int):
+    def _forward(self, nodes: torch.Tensor, r0: int, depth: Optional[torch.Tensor]):
         """ONE call of `M` over the step's frontier and reconsidered rows; their readouts."""
         rt, bw, m, n = self.rt, self.bw, self.m, self.per_step
         info = self.info[nodes]
@@ -261,27 +261,24 @@ class TensorTreeBuilder:
         if not m:
             return rt.log_probs(feats, 0), None
         lam = rt.halt_probability(feats).double()
-        logp = rt.log_probs(feats, torch.cat([self.zero_depth, self.depth_r[nodes[bw:]] + 1]))
+        logp = rt.log_probs(feats, torch.cat([self.zero_depth, depth]))
         self.row_logp[r0 : r0 + bw] = logp[:bw]  # pi_one of the frontier rows, read if they are repriced
         return logp, lam
 
-    def _reconsider(self, rec, rec_ok, rows, logp_d, lam, u):
-        """One depth deeper for the carried bids; the halted ones are repriced (Eq. 9).
+    def _reconsider(self, rec, rec_ok, d, rows, logp_d, lam, u):
+        """One depth deeper (`d`) for the carried bids; the halted ones are repriced (Eq. 9).
 
         Returns the new children `(log pi_mix [m, k], draft ids, valid)`: the top-k of pi_mix
         that are not children yet."""
-        big_r = self.rt.max_depth
-        d = self.depth_r[rec] + 1
         self.depth_r[rec] = d
         self.cur_row[rec] = rows
-        cap = d >= big_r
-        at = d.clamp(max=big_r - 1)
-        self.lambdas[rec, at] = torch.where(cap, self.lambdas[rec, at], lam)
+        cap = d >= self.rt.max_depth
+        halt_here = torch.where(cap, 1.0, lam)
+        survive = self.survive[rec]
+        q = (survive * halt_here)[:, None]  # Eq. 4's q(d) = lambda_d prod_{s<d}(1 - lambda_s), prod alone at R
+        self.survive[rec] = survive * (1.0 - halt_here)
         halt = rec_ok & (cap | (u < lam))
         self.pooled[rec] = rec_ok & ~halt
-        self.counts[0] += rec_ok.long().sum()
-        self.counts[2:].index_add_(0, d.clamp(max=big_r), halt.long())
-        q = halting_distribution(self.lambdas[rec]).gather(1, d.clamp(max=big_r)[:, None])  # [m, 1]
         logp_one = self.row_logp[self.row_of[rec].clamp(min=0)]
         kids = self.first_child[rec][:, None] + self.arange_k  # v's one-pass children
         kid_draft = self.info[kids, DRAFT]
@@ -329,9 +326,17 @@ class TensorTreeBuilder:
         parts = [
             ok.long(), kept, info[:, TOKEN], info[:, DEPTH], parent, info[:, VIA], info[:, REPRICED], by_score,
             self.forwarded[kept].long(), self.top1[kept].view(torch.long), score.view(torch.long),
-            onepass.reshape(-1), self.counts,
+            onepass.reshape(-1), self._counts(),
         ]
         return torch.cat(parts)
+
+    def _counts(self) -> torch.Tensor:
+        """Reconsideration rows, steps that forwarded a row, halts per depth 0..R."""
+        rows = self.row_ok[1:].view(self.cfg.gamma - 1, self.per_step)
+        halted = (~self.pooled[: self.null]) & (self.depth_r[: self.null] > 0)
+        halts = torch.zeros(self.rt.max_depth + 1, dtype=torch.long, device=rows.device)
+        halts.index_add_(0, self.depth_r[: self.null], halted.long())
+        return torch.cat([rows[:, self.bw :].sum().view(1), rows.any(1).sum().view(1), halts])
 
     @torch.no_grad()
     def build(self, root_token: int, root_feature: torch.Tensor, generator: Optional[torch.Generator] = None,
