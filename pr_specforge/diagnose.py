@@ -55,6 +55,10 @@ def diagnose(run_dir: str, features: str, checkpoint: Optional[str] = None, limi
     raw = yaml.safe_load(recipe_path.read_text())
     if (raw.get("training") or {}).get("strategy") != "pr":
         raw.pop("pr", None)  # eagle3 runs trained before c2ad539 wrote a pr: section, which load_recipe refuses
+    data = raw.get("data") or {}
+    if data.pop("online", None):  # an online run: diagnose reads the held-out feature files instead
+        data.pop("online_dtype", None)
+        data["train_data_path"] = ""
     with tempfile.TemporaryDirectory(prefix="pr-diagnose-") as scratch:
         recipe_path = Path(scratch) / "resolved_recipe.yaml"
         recipe_path.write_text(yaml.safe_dump(raw, sort_keys=False))

@@ -55,9 +55,9 @@ DTYPES = ("bfloat16", "float32", "float16")
 SCHEME = "conv://"
 FEATURE_KEYS = ("input_ids", "loss_mask")
 
-#: abs conversations path -> {row index: (input_ids int32, loss_mask uint8)}; shared by the
-#: reader and the store of one process (the loader's prefetch workers are threads).
-_SAMPLES: Dict[str, Dict[int, Tuple[torch.Tensor, torch.Tensor]]] = {}
+#: abs conversations path -> (tokenisation key, {row index: (input_ids int32, loss_mask uint8)});
+#: shared by the reader and the store of one process (the loader's prefetch workers are threads).
+_SAMPLES: Dict[str, Tuple[tuple, Dict[int, Tuple[torch.Tensor, torch.Tensor]]]] = {}
 
 
 @dataclass(frozen=True)
@@ -131,8 +131,11 @@ def check_inputs(settings: OnlineSettings) -> None:
     """Preflight: the files an online run reads exist (instead of a features directory)."""
     if not os.path.isfile(settings.conversations):
         raise ConfigError(f"data.train_data_path: {settings.conversations!r} does not exist (a conversation JSONL)")
-    if not os.path.isfile(os.path.join(settings.target_path, "config.json")):
-        raise ConfigError(f"model.target_model_path: {settings.target_path!r} has no config.json; online training runs the target")
+    target = settings.target_path
+    hub_id = not os.path.exists(target) and target.count("/") == 1 and not target.startswith((".", "/"))
+    if not hub_id and not os.path.isfile(os.path.join(target, "config.json")):
+        raise ConfigError(f"model.target_model_path: {target!r} has no config.json; online training runs the target "
+                          "(build it first, e.g. `pr-specforge data smollm2-target`)")
 
 
 # ------------------------------------------------------------------ data
@@ -140,8 +143,10 @@ def check_inputs(settings: OnlineSettings) -> None:
 
 def conversation_samples(settings: OnlineSettings) -> Dict[int, Tuple[torch.Tensor, torch.Tensor]]:
     """Tokenise the conversations once per process (same rows, ids and masks as `data hidden-states`)."""
-    if settings.conversations in _SAMPLES:
-        return _SAMPLES[settings.conversations]
+    key = (settings.target_path, settings.chat_template, settings.max_length)
+    cached = _SAMPLES.get(settings.conversations)
+    if cached is not None and cached[0] == key:
+        return cached[1]
     from transformers import AutoConfig, AutoTokenizer
 
     from pr_specforge.data.hidden_states import HiddenStateStats, _text_config, tokenized_rows
@@ -157,7 +162,7 @@ def conversation_samples(settings: OnlineSettings) -> Dict[int, Tuple[torch.Tens
     if not rows:
         raise ConfigError(f"data.train_data_path: {settings.conversations}: no trainable conversation ({stats.as_dict()})")
     log.info("online: %d conversations tokenised, %d tokens (%s skipped)", len(rows), stats.tokens, dict(stats.skipped))
-    _SAMPLES[settings.conversations] = rows
+    _SAMPLES[settings.conversations] = (key, rows)
     return rows
 
 
@@ -223,7 +228,7 @@ class ConversationFeatureStore(LocalFeatureStore):
         if not uri.startswith(SCHEME):
             return super().get(sample_ref, device=device, names=names)
         path, row = uri[len(SCHEME):].rsplit("#", 1)
-        ids, mask = _SAMPLES[path][int(row)]
+        ids, mask = _SAMPLES[path][1][int(row)]
         tensors = {"input_ids": ids.long(), "loss_mask": mask.long()}
         tensors = {k: tensors[k].to(device) for k in (names or FEATURE_KEYS)}
         return tensors, self._register_file_lease(sample_ref)
