@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     disk = feature_bytes(feats)
     common = [f"model.target_model_path={target}", f"data.max_length={args.max_length}",
               f"model.vocab_mapping_path={os.path.join(feats, 'vocab_mapping', 'vocab_mapping.pt')}"]
-    res = {"label": args.label, "target": target, "samples": args.samples, "max_length": args.max_length,
+    res = {"label": args.label, "command": " ".join(["python", "benchmarks/online_train.py", *sys.argv[1:]]), "target": target, "samples": args.samples, "max_length": args.max_length,
            "steps": args.steps, "skip": args.skip, "threads": args.threads, "strategies": {}}
     for name in args.strategies:
         offline = train(RECIPES[name], os.path.join(work, f"{name}-offline"), args.steps,
