@@ -52,13 +52,14 @@ def build(args):
     from pr_specforge.integration import make_strategy
     from pr_specforge.modeling import LlamaForCausalLMEagle3PR, PRDraftSettings, build_pr_config
     from pr_specforge.objective.ttt import OnlinePRModel
-    from pr_specforge._specforge import Eagle3TrainStrategy
+    from pr_specforge._specforge import Eagle3TrainStrategy, install_cpu_loss
 
     cfg = LlamaConfig(
         **SHAPES[args.shape], num_hidden_layers=1, max_position_embeddings=max(2048, args.seq),
         rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False, fc_norm=True,
         architectures=["LlamaForCausalLMEagle3"],
     )
+    install_cpu_loss()  # SpecForge's loss is a Triton kernel: CPU runs take the same math in torch
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     eagle = LlamaForCausalLMEagle3(cfg)

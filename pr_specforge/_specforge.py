@@ -1,23 +1,36 @@
 """The one adapter between pr_specforge and SpecForge 0.2.0 internals.
 
-Every import of a SpecForge-internal symbol goes through this module, so a
-SpecForge upgrade touches one file. It also owns the single runtime patch we
-need: SpecForge's soft cross-entropy (`specforge.core.loss.LogSoftmaxLoss`) is a
-Triton kernel, which cannot run on CPU; we route CPU tensors to the same math in
-plain PyTorch and leave CUDA tensors on the original kernel.
+Every import of a SpecForge symbol goes through this module, and every use of a
+private SpecForge member (`_atomic_save`, `_init_rope`, `_rng_state`, the trainer's
+module-level factories), so a SpecForge upgrade touches one file.
+
+Runtime patches: importing this module changes nothing in SpecForge. The patches
+are explicit calls, made by training (`pr_specforge.train.install_training_runtime`)
+and by the few tools that run SpecForge's loss on CPU:
+  * `install_cpu_loss`: SpecForge's soft cross-entropy (`specforge.core.loss.LogSoftmaxLoss`)
+    is a Triton kernel, which cannot run on CPU; CPU tensors go to the same math in
+    plain PyTorch, CUDA tensors stay on the original kernel;
+  * `wrap_trainer_logger`, `use_checkpoint_manager`, `use_training_backend`, `use_feature_store`:
+    the factories SpecForge's assembly, trainer and launcher look up by module-level name (the
+    metrics sink, the recipe-carrying checkpoint manager, the DeepSpeed backend, online
+    training's conversation store); each remembers
+    SpecForge's original, so installing twice does not wrap twice and
+    `restore_training_backend` undoes the backend.
 
 It deliberately does not re-export anything it does not use.
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable, Dict, Tuple
+
 import torch
 import torch.nn.functional as F
 
 import specforge.algorithms.eagle3.model as _eagle3_model_mod
-import specforge.launch as launch_module  # noqa: F401  (online training's conversation store)
-import specforge.training.assembly as assembly_module  # noqa: F401  (metrics-sink hook)
-import specforge.training.trainer as trainer_module  # noqa: F401  (backend / checkpoint hooks)
+import specforge.launch as _launch_module
+import specforge.training.assembly as _assembly_module
+import specforge.training.trainer as _trainer_module
 from specforge.algorithms.builtin import builtin_algorithm_registry  # noqa: F401
 from specforge.algorithms.common.providers import make_registration  # noqa: F401
 from specforge.algorithms.eagle3 import providers as eagle3_providers  # noqa: F401
@@ -56,8 +69,6 @@ from specforge.training.checkpoint import STATE_FILE, CheckpointManager  # noqa:
 from specforge.training.strategies.base import Eagle3TrainStrategy, StepOutput  # noqa: F401
 from specforge.training.tracking import TrackerLogger, scalar_metrics, training_metric_names  # noqa: F401
 from specforge.utils import padding  # noqa: F401
-
-SPECFORGE_VERSION = "0.2.0"
 
 
 def simulated_acc_len(per_position_acc):
@@ -122,9 +133,87 @@ class CpuSafeLogSoftmaxLoss:
         return (rows * position_mask.squeeze(-1).to(rows.dtype)).mean()
 
 
+# ------------------------------------------------------------------ runtime patches
+_ORIGINALS: Dict[Tuple[str, str], Any] = {}
+
+
+def _original(module, name: str):
+    """SpecForge's own value of `module.name`, before any patch of ours."""
+    return _ORIGINALS.get((module.__name__, name), getattr(module, name))
+
+
+def _patch(module, name: str, value) -> None:
+    _ORIGINALS.setdefault((module.__name__, name), getattr(module, name))
+    setattr(module, name, value)
+
+
+def _restore(module, name: str) -> None:
+    original = _ORIGINALS.pop((module.__name__, name), None)
+    if original is not None:
+        setattr(module, name, original)
+
+
 def install_cpu_loss() -> None:
     """Route SpecForge's EAGLE-3 loss through `CpuSafeLogSoftmaxLoss` (idempotent)."""
-    _eagle3_model_mod.LogSoftmaxLoss = CpuSafeLogSoftmaxLoss
+    _patch(_eagle3_model_mod, "LogSoftmaxLoss", CpuSafeLogSoftmaxLoss)
 
 
-install_cpu_loss()
+def wrap_trainer_logger(wrap: Callable[[Any, Any], Any]) -> None:
+    """Every logger SpecForge's assembly builds becomes `wrap(logger, config)` (idempotent)."""
+    original = _original(_assembly_module, "_configured_logger")
+    _patch(_assembly_module, "_configured_logger", lambda cfg: wrap(original(cfg), cfg))
+
+
+def use_checkpoint_manager(cls) -> None:
+    """SpecForge's trainer builds its checkpoint manager from `cls` (a `checkpoint_manager_base()` subclass)."""
+    _patch(_trainer_module, "CheckpointManager", cls)
+
+
+def use_feature_store(cls) -> None:
+    """SpecForge's launcher builds its local feature store from `cls` (online training's conversation store)."""
+    _patch(_launch_module, "LocalFeatureStore", cls)
+
+
+def use_training_backend(cls) -> None:
+    """SpecForge's trainer builds its training backend from `cls` instead of `FSDPTrainingBackend`."""
+    _patch(_trainer_module, "FSDPTrainingBackend", cls)
+
+
+def restore_training_backend() -> None:
+    """Undo `use_training_backend` (tests; in-process reuse)."""
+    _restore(_trainer_module, "FSDPTrainingBackend")
+
+
+def checkpoint_manager_base():
+    """SpecForge's `CheckpointManager` with its per-file atomic write exposed as `write_file(obj, path)`.
+
+    SpecForge writes every checkpoint file through the private `_atomic_save`; a subclass of the
+    returned class overrides the public `write_file` instead (default: SpecForge's own write)."""
+
+    class CheckpointManagerBase(CheckpointManager):
+        def write_file(self, obj: Any, path: str) -> None:
+            CheckpointManager._atomic_save(obj, path)
+
+        def _atomic_save(self, obj: Any, path: str) -> None:
+            self.write_file(obj, path)
+
+    return CheckpointManagerBase
+
+
+def latest_checkpoint_dir(run_dir: str, run_id: str):
+    """SpecForge's newest complete checkpoint of run `run_id` under `run_dir`, or None."""
+    return CheckpointManager(run_dir, run_id).latest_dir()
+
+
+def rng_state() -> Dict[str, Any]:
+    """The RNG state SpecForge's backends checkpoint (python, numpy, torch, cuda)."""
+    return FSDPTrainingBackend._rng_state()
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    FSDPTrainingBackend._set_rng_state(state)
+
+
+def init_rope(attention) -> None:
+    """Rebuild a SpecForge drafter attention's rotary embedding from its config."""
+    attention._init_rope()

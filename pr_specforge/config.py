@@ -4,8 +4,12 @@ SpecForge's `Config` forbids extra keys, so PR settings live beside it in the
 recipe YAML under `pr:` and are parsed here. Every field where the paper leaves a
 choice open is a field, with the default we use and why (see METHOD.md).
 
-Owns: `PRConfig` (parse, validate, dotted overrides). Does not own SpecForge's
-own config (parsed by SpecForge) or recipe I/O (`pr_specforge.recipe`).
+Owns: `ConfigError`; `PRDraftSettings`, the architecture-level settings a drafter's
+config carries under `pr_config` (`max_depth`, the self-query width, what the gate
+reads), declared and validated once; `PRConfig`, the whole `pr:` section (those plus
+the objective's settings; parse, validate). Light: imports neither torch nor SpecForge.
+Does not own SpecForge's own config (parsed by SpecForge) or recipe loading and
+dotted overrides (`pr_specforge.train`).
 """
 
 from __future__ import annotations
@@ -13,22 +17,84 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, Mapping, Optional
 
-from pr_specforge.modeling.drafter import MAX_SUPPORTED_DEPTH, PRDraftSettings
-
-
 RECONSIDER_WEIGHTS = ("use", "uniform")
+#: the largest R a drafter may be built with
+MAX_SUPPORTED_DEPTH = 8
+#: the draft config (config.json) field holding a PR drafter's `PRDraftSettings`
+PR_CONFIG_KEY = "pr_config"
 
 
 class ConfigError(ValueError):
     """A recipe value is wrong; the message names the field and the fix."""
 
 
+def _check_types(settings: Any, types: Mapping[str, Any]) -> None:
+    for name, typ in types.items():
+        value = getattr(settings, name)
+        if isinstance(value, bool) and typ is not bool:
+            raise ConfigError(f"pr.{name}: expected a number, got {value!r}")
+        if not isinstance(value, typ):
+            raise ConfigError(f"pr.{name}: expected {getattr(typ, '__name__', 'a number')}, got {value!r}")
+
+
 @dataclass(frozen=True)
-class PRConfig:
-    """Parallel Reconsideration settings (`pr:` in a recipe).
+class PRDraftSettings:
+    """Architecture-level PR settings, stored in the draft config under `pr_config`.
 
     max_depth: R, reconsideration passes per position (paper: 2). R = 0 is
         plain EAGLE-3 (no gate, no second rollout).
+    self_query_hidden_size: width of the self-query MLP's hidden layer
+        (default: the drafter's hidden size).
+    gate_reads_normed: the gate reads `norm(f)` (the feature the head reads)
+        rather than the raw pre-norm feature; the raw feature's scale grows
+        with depth, the normed one does not. [choice; paper: `gate(f)`]
+    """
+
+    max_depth: int = 2
+    self_query_hidden_size: Optional[int] = None
+    gate_reads_normed: bool = True
+
+    def __post_init__(self) -> None:
+        _check_types(self, {"max_depth": int, "gate_reads_normed": bool})
+        if not 0 <= self.max_depth <= MAX_SUPPORTED_DEPTH:
+            raise ConfigError(
+                f"pr.max_depth: R must be in [0, {MAX_SUPPORTED_DEPTH}] (paper: 2), got {self.max_depth}; "
+                "set pr.max_depth=2"
+            )
+        if self.self_query_hidden_size is not None and (
+            isinstance(self.self_query_hidden_size, bool) or not isinstance(self.self_query_hidden_size, int)
+            or self.self_query_hidden_size < 1
+        ):
+            raise ConfigError(f"pr.self_query_hidden_size: expected null or an integer >= 1, got {self.self_query_hidden_size!r}")
+
+    @classmethod
+    def from_config(cls, config: Any) -> "PRDraftSettings":
+        """The settings a draft config (a transformers config) carries under `pr_config`."""
+        raw = getattr(config, PR_CONFIG_KEY, None) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"draft config field {PR_CONFIG_KEY!r} must be a mapping, got {type(raw).__name__}")
+        allowed = {f.name for f in fields(PRDraftSettings)}
+        unknown = set(raw) - allowed
+        if unknown:
+            raise ConfigError(f"draft config {PR_CONFIG_KEY}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+        try:
+            return PRDraftSettings(**raw)
+        except ConfigError as e:
+            raise ConfigError(f"draft config {PR_CONFIG_KEY}: {e}") from None
+
+    def draft_settings(self) -> "PRDraftSettings":
+        """The architecture-level part (itself for a `PRDraftSettings`)."""
+        return PRDraftSettings(**{f.name: getattr(self, f.name) for f in fields(PRDraftSettings)})
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PRConfig(PRDraftSettings):
+    """Parallel Reconsideration settings (`pr:` in a recipe): the drafter's `PRDraftSettings`
+    (`max_depth`, `self_query_hidden_size`, `gate_reads_normed`) plus the objective's.
+
     balance_coef: beta of the balance term `-beta H(mean_p q)` (paper: 0.01).
     gate_detach_input: [choice] the gate reads a detached feature, so the gate
         term of Eq. 6 trains the gate alone; with False it also sends gradient
@@ -49,8 +115,6 @@ class PRConfig:
     mixed_rollout_length: [choice] how many TTT steps the mixed-cache rollout
         runs (default None = the TTT length, so both rollouts cover the same
         positions). Smaller values trade fidelity for speed.
-    self_query_hidden_size: width of the self-query MLP (default: hidden size).
-    gate_reads_normed: the gate reads `norm(f)` (see `PRDraftSettings`).
     reconsider_weight: [choice] the weight of the reconsidered heads' losses
         `l^r` (r >= 1) in Eq. 6. "use" (default, the paper): `sg[q(r)]`, each
         depth's head is trained where the gate routes to it. "uniform": weight 1,
@@ -64,38 +128,23 @@ class PRConfig:
         costs one extra forward of M per call.
     """
 
-    max_depth: int = 2
     balance_coef: float = 0.01
     gate_detach_input: bool = True
     mix_context: bool = False
     one_pass_loss_on_mixed: bool = False
     mixed_rollout_length: Optional[int] = None
-    self_query_hidden_size: Optional[int] = None
-    gate_reads_normed: bool = True
     gradient_checkpointing: bool = False
     reconsider_weight: str = "use"
 
     def __post_init__(self) -> None:
-        types = {
-            "max_depth": int,
+        super().__post_init__()
+        _check_types(self, {
             "balance_coef": (int, float),
             "gate_detach_input": bool,
             "mix_context": bool,
             "one_pass_loss_on_mixed": bool,
-            "gate_reads_normed": bool,
             "gradient_checkpointing": bool,
-        }
-        for name, typ in types.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) and typ is not bool:
-                raise ConfigError(f"pr.{name}: expected a number, got {value!r}")
-            if not isinstance(value, typ):
-                raise ConfigError(f"pr.{name}: expected {getattr(typ, '__name__', 'a number')}, got {value!r}")
-        if not 0 <= self.max_depth <= MAX_SUPPORTED_DEPTH:
-            raise ConfigError(
-                f"pr.max_depth: R must be in [0, {MAX_SUPPORTED_DEPTH}] (paper: 2), got {self.max_depth}; "
-                "set pr.max_depth=2"
-            )
+        })
         if self.balance_coef < 0:
             raise ConfigError(
                 f"pr.balance_coef: beta must be >= 0 (paper: 0.01), got {self.balance_coef}; a negative "
@@ -108,10 +157,6 @@ class PRConfig:
             isinstance(self.mixed_rollout_length, bool) or not isinstance(self.mixed_rollout_length, int) or self.mixed_rollout_length < 1
         ):
             raise ConfigError(f"pr.mixed_rollout_length: expected null or an integer >= 1, got {self.mixed_rollout_length!r}")
-        if self.self_query_hidden_size is not None and (
-            not isinstance(self.self_query_hidden_size, int) or self.self_query_hidden_size < 1
-        ):
-            raise ConfigError(f"pr.self_query_hidden_size: expected null or an integer >= 1, got {self.self_query_hidden_size!r}")
 
     @classmethod
     def from_mapping(cls, raw: Optional[Mapping[str, Any]], where: str = "pr") -> "PRConfig":
@@ -124,13 +169,3 @@ class PRConfig:
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed keys: {sorted(allowed)}")
         return cls(**dict(raw))
-
-    def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
-
-    def draft_settings(self) -> PRDraftSettings:
-        return PRDraftSettings(
-            max_depth=self.max_depth,
-            self_query_hidden_size=self.self_query_hidden_size,
-            gate_reads_normed=self.gate_reads_normed,
-        )

@@ -79,6 +79,7 @@ def _diagnose(recipe_path: Path, scratch: str, run: Path, ckpt: str, features: s
         "training.eval_interval=0",
         "training.num_epochs=1", f"output_dir={scratch}", "tracking.report_to=none",
     ])
+    sf.install_cpu_loss()  # the objective's one-pass term is SpecForge's loss (a Triton kernel on GPU)
     cfg = recipe.config
     if cfg.training.resume_from or cfg.training.max_steps:  # the run's own schedule and resume point do not apply
         cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"resume_from": None, "max_steps": None})})

@@ -368,12 +368,12 @@ def resolve_aux_layers(config, settings: OnlineSettings) -> OnlineSettings:
 def prepare_online_run(config, settings: OnlineSettings, registry):
     """`(config, registry)` for an online run: vocab map (unless given), capture layers, the online
     registration, and the conversation store installed in SpecForge's launcher."""
-    from pr_specforge._specforge import launch_module
+    from pr_specforge._specforge import use_feature_store
 
     if not config.model.vocab_mapping_path:
         config = config.model_copy(update={"model": config.model.model_copy(
             update={"vocab_mapping_path": prepare_vocab_mapping(config, settings)})})
     settings = resolve_aux_layers(config, settings)
     conversation_samples(settings)  # tokenise before the trainer's clock starts
-    launch_module.LocalFeatureStore = ConversationFeatureStore
+    use_feature_store(ConversationFeatureStore)
     return config, online_registry(registry, settings, config.training.strategy)

@@ -105,11 +105,11 @@ def latest_checkpoint(run_dir: Path, required: bool = True) -> Optional[str]:
     the highest step whose `training_state.pt` exists), so a kill in the middle of a save resumes
     from the checkpoint before it. A directory holding several runs gives the highest step of any.
     """
-    from specforge.training.checkpoint import CheckpointManager
+    from pr_specforge._specforge import latest_checkpoint_dir
 
     steps = [p.name.rsplit("-step", 1) for p in Path(run_dir).glob("*-step*")]
     run_ids = sorted({run_id for run_id, step in steps if step.isdigit()})
-    ckpts = [d for d in (CheckpointManager(str(run_dir), run_id).latest_dir() for run_id in run_ids) if d]
+    ckpts = [d for d in (latest_checkpoint_dir(str(run_dir), run_id) for run_id in run_ids) if d]
     if not ckpts:
         if required:
             raise SystemExit(f"no checkpoint under {run_dir}; did training save one (training.save_interval)?")

@@ -4,7 +4,7 @@
     WANDB_MODE=offline pr-specforge train -c RECIPE tracking.report_to=wandb
 
 Owns: `MetricsSink`, which wraps the logger SpecForge's trainer calls
-(`logger(metrics, step)`, built by `specforge.training.assembly._configured_logger`):
+(`logger(metrics, step)`, built by SpecForge's assembly; `install_metrics_sink` wraps it):
 every logged step is appended (and flushed) to `<output_dir>/metrics.jsonl`
 under the names the strategy reports (`pr/loss_total`, `acc_0`, `lr`, ...); when a
 tracker is configured (wandb, tensorboard, ...), the PR metrics go to it under
@@ -137,22 +137,11 @@ class MetricsSink:
             close()
 
 
-_ORIGINAL_CONFIGURED_LOGGER = None
-
-
-def install_metrics_sink(config: Any = None) -> None:
+def install_metrics_sink() -> None:
     """Route every logger SpecForge's assembly builds through `MetricsSink` (idempotent)."""
-    global _ORIGINAL_CONFIGURED_LOGGER
-    from pr_specforge._specforge import assembly_module as assembly
+    from pr_specforge._specforge import wrap_trainer_logger
 
-    if _ORIGINAL_CONFIGURED_LOGGER is None:
-        _ORIGINAL_CONFIGURED_LOGGER = assembly._configured_logger
-    original = _ORIGINAL_CONFIGURED_LOGGER
-
-    def configured_logger(cfg):
-        return MetricsSink(original(cfg), cfg.output_dir)
-
-    assembly._configured_logger = configured_logger
+    wrap_trainer_logger(lambda logger, cfg: MetricsSink(logger, cfg.output_dir))
 
 
 # ------------------------------------------------------------------------------ reading

@@ -294,7 +294,6 @@ def check_feature_dir(field: str, feats: Optional[str], draft: Optional[dict], d
 
 
 def _run_worker(recipe: Recipe) -> int:
-    from pr_specforge import _specforge  # noqa: F401  (CPU-safe loss)
     from pr_specforge.integration import ALGORITHM_NAME, build_registry
     from pr_specforge._specforge import bind_run, resolve_run
     from pr_specforge._specforge import train_resolved_run as _train
@@ -307,7 +306,7 @@ def _run_worker(recipe: Recipe) -> int:
     resolved = resolve_run(cfg, registry)
     os.makedirs(cfg.output_dir, exist_ok=True)
     _write_resolved_recipe(recipe)
-    _install_runtime_hooks(recipe)
+    install_training_runtime(recipe)
     _train(bind_run(resolved.config, resolved.algorithm))  # returns the final step count, not a status
     return 0
 
@@ -331,6 +330,7 @@ def assembled_run(recipe: Recipe):
     yields `(strategy, loader)` for tests and benchmarks that drive steps themselves."""
     from pr_specforge import _specforge as sf
 
+    sf.install_cpu_loss()
     cfg, registry = run_config(recipe)
     resolved = sf.resolve_run(cfg, registry)
     os.environ["FSDP_SHARDING"] = cfg.training.fsdp_sharding  # as SpecForge's CLI does: the backend reads it
@@ -343,13 +343,17 @@ def assembled_run(recipe: Recipe):
         sf.destroy_distributed()
 
 
-def _install_runtime_hooks(recipe: Recipe) -> None:
-    """Recipe-carrying atomic checkpoints, the metrics JSONL sink, and the chosen backend."""
+def install_training_runtime(recipe: Recipe) -> None:
+    """Every runtime patch training needs, in one place (nothing is patched at import time):
+    SpecForge's loss on CPU, recipe-carrying atomic checkpoints, the metrics JSONL sink, and
+    the chosen backend."""
+    from pr_specforge._specforge import install_cpu_loss
     from pr_specforge.backends.checkpoint import install_checkpoint_manager
     from pr_specforge.telemetry import install_metrics_sink
 
+    install_cpu_loss()
     install_checkpoint_manager(resolved_payload(recipe))
-    install_metrics_sink(recipe.config)
+    install_metrics_sink()
     if recipe.backend.name == "deepspeed":
         from pr_specforge.backends.deepspeed import install_deepspeed_backend
 

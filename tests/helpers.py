@@ -15,10 +15,11 @@ def make_vocab_map(vocab: int, draft_vocab: int, seed: int = 0):
 
 
 def make_drafters(max_depth=2, seed=0, **cfg_overrides):
-    """An EAGLE-3 drafter and a PR drafter with identical EAGLE-3 weights."""
-    from pr_specforge._specforge import LlamaForCausalLMEagle3
+    """An EAGLE-3 drafter and a PR drafter with identical EAGLE-3 weights (and SpecForge's loss made CPU-safe)."""
+    from pr_specforge._specforge import LlamaForCausalLMEagle3, install_cpu_loss
     from pr_specforge.modeling import LlamaForCausalLMEagle3PR, PRDraftSettings, build_pr_config
 
+    install_cpu_loss()
     cfg = tiny_llama_config(**cfg_overrides)
     torch.manual_seed(seed)
     eagle = LlamaForCausalLMEagle3(cfg).float()

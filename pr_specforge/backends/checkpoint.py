@@ -50,9 +50,9 @@ def _fsync_dir(path: str) -> None:
 
 
 def _manager_class():
-    from pr_specforge._specforge import STATE_FILE, CheckpointManager
+    from pr_specforge._specforge import STATE_FILE, checkpoint_manager_base
 
-    class RecipeCheckpointManager(CheckpointManager):
+    class RecipeCheckpointManager(checkpoint_manager_base()):
         """SpecForge's manager plus the recipe in every checkpoint, fsync and rank ordering."""
 
         recipe: Optional[Dict[str, Any]] = None
@@ -63,7 +63,7 @@ def _manager_class():
             self._saving_step = step
             return super().save(state, step, rank_state=rank_state)
 
-        def _atomic_save(self, obj: Any, path: str) -> None:
+        def write_file(self, obj: Any, path: str) -> None:
             error = None
             try:
                 tmp = path + ".tmp"
@@ -117,8 +117,8 @@ def recipe_checkpoint_manager():
 
 def install_checkpoint_manager(resolved_recipe: Dict[str, Any]) -> None:
     """Make SpecForge's trainer build `RecipeCheckpointManager`s carrying `resolved_recipe`."""
-    from pr_specforge._specforge import trainer_module
+    from pr_specforge._specforge import use_checkpoint_manager
 
     cls = recipe_checkpoint_manager()
     cls.recipe = resolved_recipe
-    trainer_module.CheckpointManager = cls
+    use_checkpoint_manager(cls)

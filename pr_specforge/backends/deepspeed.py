@@ -41,11 +41,9 @@ from typing import Any, Dict, Optional
 import torch
 import torch.nn as nn
 
-from pr_specforge._specforge import FSDPTrainingBackend, ParallelConfig, TrainingBackend
+from pr_specforge._specforge import ParallelConfig, TrainingBackend, rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
-
-_ORIGINAL_BACKEND_CLASS = None
 
 
 def _config_error(message: str):
@@ -226,7 +224,7 @@ class DeepSpeedTrainingBackend(TrainingBackend):
                 "max_grad_norm": self.max_grad_norm,
                 "global_steps": int(self.engine.global_steps),
             },
-            "rng": FSDPTrainingBackend._rng_state(),
+            "rng": rng_state(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -255,33 +253,27 @@ class DeepSpeedTrainingBackend(TrainingBackend):
             self.engine.global_steps = int(opt.get("global_steps", 0))
             self.engine.global_samples = self.engine.global_steps * self.engine.train_batch_size()
         if state.get("rng") is not None:
-            FSDPTrainingBackend._set_rng_state(state["rng"])
+            set_rng_state(state["rng"])
 
 
 def install_deepspeed_backend(backend: Any, config: Any) -> None:
     """Make SpecForge's trainer build a DeepSpeedTrainingBackend (idempotent, per process)."""
-    global _ORIGINAL_BACKEND_CLASS
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         import deepspeed  # noqa: F401
     except ImportError as exc:  # pragma: no cover - deepspeed is a declared dependency here
         raise _config_error(f"backend.name=deepspeed needs the deepspeed package ({exc}); pip install deepspeed") from exc
-    from pr_specforge._specforge import trainer_module as trainer_mod
+    from pr_specforge._specforge import use_training_backend
 
     backend.validate_against(config)
-    if _ORIGINAL_BACKEND_CLASS is None:
-        _ORIGINAL_BACKEND_CLASS = trainer_mod.FSDPTrainingBackend
     bound = type("BoundDeepSpeedTrainingBackend", (DeepSpeedTrainingBackend,),
                  {"ds_json": backend.deepspeed_json(), "training_config": config})
-    trainer_mod.FSDPTrainingBackend = bound
+    use_training_backend(bound)
 
 
 def uninstall_deepspeed_backend() -> None:
     """Restore SpecForge's own backend factory (tests; in-process reuse)."""
-    global _ORIGINAL_BACKEND_CLASS
-    if _ORIGINAL_BACKEND_CLASS is not None:
-        from pr_specforge._specforge import trainer_module as trainer_mod
+    from pr_specforge._specforge import restore_training_backend
 
-        trainer_mod.FSDPTrainingBackend = _ORIGINAL_BACKEND_CLASS
-        _ORIGINAL_BACKEND_CLASS = None
+    restore_training_backend()

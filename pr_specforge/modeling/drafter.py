@@ -21,17 +21,18 @@ Does not own: the training objective (`pr_specforge.objective`), the serving tre
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from pr_specforge.config import PR_CONFIG_KEY, PRDraftSettings
 from pr_specforge._specforge import (
     LlamaForCausalLMEagle3,
     LlamaMutiRotaryEmbedding,
     apply_rotary_pos_emb,
+    init_rope,
     register_draft,
     repeat_kv,
 )
@@ -39,55 +40,6 @@ from pr_specforge._specforge import (
 PR_ARCHITECTURE = "LlamaForCausalLMEagle3PR"
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 PR_PARAM_PREFIXES = ("pr_self_query.", "pr_halt_gate.")
-PR_CONFIG_KEY = "pr_config"
-MAX_SUPPORTED_DEPTH = 8
-
-
-@dataclass(frozen=True)
-class PRDraftSettings:
-    """Architecture-level PR settings, stored in the draft config under `pr_config`.
-
-    max_depth: R, the cap on reconsideration passes per position (paper: 2).
-    self_query_hidden_size: width of the self-query MLP's hidden layer
-        (default: the drafter's hidden size).
-    gate_reads_normed: the gate reads `norm(f)` (the feature the head reads)
-        rather than the raw pre-norm feature; the raw feature's scale grows
-        with depth, the normed one does not. [choice; paper: `gate(f)`]
-    """
-
-    max_depth: int = 2
-    self_query_hidden_size: Optional[int] = None
-    gate_reads_normed: bool = True
-
-    @classmethod
-    def from_config(cls, config: Any) -> "PRDraftSettings":
-        raw = getattr(config, PR_CONFIG_KEY, None) or {}
-        if not isinstance(raw, dict):
-            raise ValueError(f"draft config field {PR_CONFIG_KEY!r} must be a mapping, got {type(raw).__name__}")
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(
-                f"draft config {PR_CONFIG_KEY}: unknown key(s) {sorted(unknown)}; "
-                f"allowed: {sorted(cls.__dataclass_fields__)}"
-            )
-        settings = cls(**raw)
-        settings.validate()
-        return settings
-
-    def validate(self) -> None:
-        if not isinstance(self.max_depth, int) or not 0 <= self.max_depth <= MAX_SUPPORTED_DEPTH:
-            raise ValueError(
-                f"pr max_depth (R) must be an integer in [0, {MAX_SUPPORTED_DEPTH}], got {self.max_depth!r}"
-            )
-        if self.self_query_hidden_size is not None and self.self_query_hidden_size < 1:
-            raise ValueError(f"pr self_query_hidden_size must be >= 1, got {self.self_query_hidden_size}")
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {
-            "max_depth": self.max_depth,
-            "self_query_hidden_size": self.self_query_hidden_size,
-            "gate_reads_normed": self.gate_reads_normed,
-        }
 
 
 class SelfQuery(nn.Module):
@@ -123,11 +75,12 @@ def rebuild_rope(draft: nn.Module) -> None:
 
     `from_pretrained` in transformers 5.8.1 leaves them uninitialised (garbage
     `inv_freq`, zero cos/sin caches): attention goes uniform and the drafter
-    silently accepts nothing. Every load path in this package calls this.
+    silently accepts nothing. Every load path in this package calls this once
+    (`load_drafter`, and the training registration's `build_draft`).
     """
     attn = draft.midlayer.self_attn
     device = next(draft.parameters()).device
-    attn._init_rope()
+    init_rope(attn)
     attn.rotary_emb.to(device)
 
 
@@ -172,22 +125,9 @@ class LlamaForCausalLMEagle3PR(LlamaForCausalLMEagle3):
         self.pr_halt_gate.linear.weight.zero_()
         self.pr_halt_gate.linear.bias.zero_()
 
-    # ----------------------------------------------------------------- loading
-    @classmethod
-    def from_pretrained(cls, *args, **kwargs):
-        model = super().from_pretrained(*args, **kwargs)
-        rebuild_rope(model)
-        return model
-
     @property
     def max_depth(self) -> int:
         return self.pr_settings.max_depth
-
-    def pr_parameters(self):
-        return [p for n, p in self.named_parameters() if n.startswith(PR_PARAM_PREFIXES)]
-
-    def eagle3_parameters(self):
-        return [p for n, p in self.named_parameters() if not n.startswith(PR_PARAM_PREFIXES)]
 
     # ------------------------------------------------------------- row-level M
     def self_query(self, feature: torch.Tensor) -> torch.Tensor:
@@ -251,7 +191,7 @@ def build_pr_config(eagle3_config, settings: Optional[PRDraftSettings] = None):
     """A PR draft config from an EAGLE-3 draft config (a copy; the input is untouched)."""
     cfg = eagle3_config.__class__.from_dict(eagle3_config.to_dict())
     cfg.architectures = [PR_ARCHITECTURE]
-    setattr(cfg, PR_CONFIG_KEY, (settings or PRDraftSettings()).to_dict())
+    setattr(cfg, PR_CONFIG_KEY, (settings or PRDraftSettings()).draft_settings().to_dict())
     return cfg
 
 
