@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, Mapping, Optional
 
 RECONSIDER_WEIGHTS = ("use", "uniform")
+RECON_HEADS = ("shared", "separate")
 #: the largest R a drafter may be built with
 MAX_SUPPORTED_DEPTH = 8
 #: the draft config (config.json) field holding a PR drafter's `PRDraftSettings`
@@ -48,14 +49,30 @@ class PRDraftSettings:
     gate_reads_normed: the gate reads `norm(f)` (the feature the head reads)
         rather than the raw pre-norm feature; the raw feature's scale grows
         with depth, the normed one does not. [choice; paper: `gate(f)`]
+    recon_head: [choice] the readout of depths >= 1. "shared" (default, the
+        equations' `head(f^r)`): the one-pass `norm` + `lm_head`, so the
+        reconsideration terms also train the one-pass readout. "separate" (the
+        prose's "second head and gate", App. I): their own final norm and lm_head
+        (`pr_recon_head.*`), copied from the one-pass head at init and when
+        warm-starting; the serving tree reads pi_{d_v} through it.
+    recon_adapter_rank: rank of a low-rank adapter on every linear map of M that
+        is active only on reconsideration rows (depth >= 1; `pr_recon_adapter.*`),
+        so depth >= 1 has capacity of its own when the one-pass path is isolated or
+        frozen; 0 = off (default). Every row of a step still runs in one batched call of M.
     """
 
     max_depth: int = 2
     self_query_hidden_size: Optional[int] = None
     gate_reads_normed: bool = True
+    recon_head: str = "shared"
+    recon_adapter_rank: int = 0
 
     def __post_init__(self) -> None:
-        _check_types(self, {"max_depth": int, "gate_reads_normed": bool})
+        _check_types(self, {"max_depth": int, "gate_reads_normed": bool, "recon_adapter_rank": int})
+        if self.recon_head not in RECON_HEADS:
+            raise ConfigError(f"pr.recon_head: expected one of {list(RECON_HEADS)}, got {self.recon_head!r}")
+        if self.recon_adapter_rank < 0:
+            raise ConfigError(f"pr.recon_adapter_rank: expected an integer >= 0 (0 = no adapter), got {self.recon_adapter_rank}")
         if not 0 <= self.max_depth <= MAX_SUPPORTED_DEPTH:
             raise ConfigError(
                 f"pr.max_depth: R must be in [0, {MAX_SUPPORTED_DEPTH}] (paper: 2), got {self.max_depth}; "
@@ -126,6 +143,19 @@ class PRConfig(PRDraftSettings):
         checkpointing). A PR step keeps ~4x the activations of an EAGLE-3 step,
         and the [rows x context] scores dominate at 4096 tokens. Same gradients;
         costs one extra forward of M per call.
+
+    Recipe options of issue 16 (defaults reproduce the earlier numerics bitwise):
+    gate_init_bias: the gate's initial bias b (weight zero): lambda = sigmoid(b)
+        everywhere at the start. 0.0 (default) gives q = (1/2, 1/4, 1/4) at R = 2;
+        a negative bias starts with more weight on the deeper depths.
+    init_from: start the one-pass drafter from a trained EAGLE-3 drafter: a
+        SpecForge checkpoint dir (or its training_state.pt, or a run dir: latest)
+        or an HF drafter directory (`config.json` + safetensors). Its EAGLE-3
+        tensors are loaded; the `pr_` tensors start fresh. Default None.
+    freeze_one_pass: keep every EAGLE-3 tensor of the drafter fixed (no gradient,
+        not in the optimiser): only the reconsideration-only parameters train.
+        Meant with `init_from` (adds reconsideration to an existing EAGLE-3
+        drafter). Default False.
     """
 
     balance_coef: float = 0.01
@@ -135,6 +165,9 @@ class PRConfig(PRDraftSettings):
     mixed_rollout_length: Optional[int] = None
     gradient_checkpointing: bool = False
     reconsider_weight: str = "use"
+    gate_init_bias: float = 0.0
+    init_from: Optional[str] = None
+    freeze_one_pass: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -144,6 +177,8 @@ class PRConfig(PRDraftSettings):
             "mix_context": bool,
             "one_pass_loss_on_mixed": bool,
             "gradient_checkpointing": bool,
+            "gate_init_bias": (int, float),
+            "freeze_one_pass": bool,
         })
         if self.balance_coef < 0:
             raise ConfigError(
@@ -153,6 +188,10 @@ class PRConfig(PRDraftSettings):
         if self.reconsider_weight not in RECONSIDER_WEIGHTS:
             raise ConfigError(f"pr.reconsider_weight: expected one of {list(RECONSIDER_WEIGHTS)} (paper: 'use'), "
                               f"got {self.reconsider_weight!r}")
+        if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
+            raise ConfigError(f"pr.init_from: expected null or a path to an EAGLE-3 drafter, got {self.init_from!r}")
+        if self.freeze_one_pass and self.max_depth == 0:
+            raise ConfigError("pr.freeze_one_pass: with pr.max_depth=0 nothing would train; set pr.max_depth >= 1")
         if self.mixed_rollout_length is not None and (
             isinstance(self.mixed_rollout_length, bool) or not isinstance(self.mixed_rollout_length, int) or self.mixed_rollout_length < 1
         ):

@@ -102,6 +102,20 @@ def pr_draft_config(draft_config, pr: PRConfig):
     return build_pr_config(draft_config, pr.draft_settings())
 
 
+def prepare_draft(draft, pr: PRConfig) -> None:
+    """The recipe's start for a freshly built drafter: gate bias, `init_from`, `freeze_one_pass`.
+
+    On resume SpecForge then loads the checkpoint over all of it (frozen tensors stay frozen)."""
+    from pr_specforge import warm_start
+
+    if pr.max_depth > 0 and pr.gate_init_bias != 0.0:
+        draft.set_gate_bias(pr.gate_init_bias)
+    if pr.init_from:
+        warm_start.init_one_pass_from(draft, pr.init_from)
+    if pr.freeze_one_pass:
+        warm_start.freeze_one_pass(draft)
+
+
 def build_registration(pr: PRConfig):
     """An `AlgorithmRegistration` for `pr`, bound to these PR settings."""
     import pr_specforge.modeling  # noqa: F401  (registers the draft architecture)
@@ -132,6 +146,7 @@ def build_registration(pr: PRConfig):
         from pr_specforge.modeling.drafter import rebuild_rope
 
         rebuild_rope(draft)
+        prepare_draft(draft, pr)
         if pr.max_depth == 0:
             # R = 0 is plain EAGLE-3: the PR parts are never used, so keep them out of DDP/optimiser.
             for name, p in draft.named_parameters():

@@ -36,10 +36,11 @@ from pr_specforge._specforge import (
     register_draft,
     repeat_kv,
 )
+from pr_specforge.modeling.recon_parts import ReconAdapter, ReconHead, row_mask
 
 PR_ARCHITECTURE = "LlamaForCausalLMEagle3PR"
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
-PR_PARAM_PREFIXES = ("pr_self_query.", "pr_halt_gate.")
+PR_PARAM_PREFIXES = ("pr_self_query.", "pr_halt_gate.", "pr_recon_head.", "pr_recon_adapter.")
 
 
 class SelfQuery(nn.Module):
@@ -112,6 +113,11 @@ class LlamaForCausalLMEagle3PR(LlamaForCausalLMEagle3):
         inner = self.pr_settings.self_query_hidden_size or d
         self.pr_self_query = SelfQuery(d, inner, config.rms_norm_eps)
         self.pr_halt_gate = HaltGate(d)
+        std = float(getattr(config, "initializer_range", 0.02))
+        if self.pr_settings.recon_head == "separate":
+            self.pr_recon_head = ReconHead(self.norm, self.lm_head)
+        if self.pr_settings.recon_adapter_rank:
+            self.pr_recon_adapter = ReconAdapter(self.midlayer, self.pr_settings.recon_adapter_rank, std)
         self._init_pr_parameters()
 
     @torch.no_grad()
@@ -124,6 +130,20 @@ class LlamaForCausalLMEagle3PR(LlamaForCausalLMEagle3):
         # so every depth is read and trained from the first step.
         self.pr_halt_gate.linear.weight.zero_()
         self.pr_halt_gate.linear.bias.zero_()
+        self.copy_one_pass_head()
+
+    @torch.no_grad()
+    def copy_one_pass_head(self) -> None:
+        """Start the second head (`recon_head: separate`) as a copy of the one-pass head; a no-op when shared.
+
+        Called at init and after one-pass weights are loaded into a fresh drafter (warm start)."""
+        if hasattr(self, "pr_recon_head"):
+            self.pr_recon_head.copy_from(self.norm, self.lm_head)
+
+    @torch.no_grad()
+    def set_gate_bias(self, bias: float) -> None:
+        """The gate's initial bias: `lambda = sigmoid(bias)` everywhere at the start (weight stays zero)."""
+        self.pr_halt_gate.linear.bias.fill_(float(bias))
 
     @property
     def max_depth(self) -> int:
@@ -142,6 +162,22 @@ class LlamaForCausalLMEagle3PR(LlamaForCausalLMEagle3):
         """
         return self.self_query(feature), feature
 
+    def depth_logits(self, feature: torch.Tensor, depth: int | torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits of features read out at reconsideration depth `depth` (the ONE readout
+        every caller uses: training, and both serving tree builders).
+
+        Depth 0 is the one-pass head (`compute_logits`). Depths >= 1 use the second head with
+        `recon_head: separate`, else the one-pass head too. `depth` is an int (every row at that
+        depth) or a per-row tensor `[N]` / `[N, T]` matching `feature`'s leading dims.
+        """
+        if not hasattr(self, "pr_recon_head"):
+            return self.compute_logits(feature)
+        if not torch.is_tensor(depth):
+            return self.compute_logits(feature) if depth == 0 else self.pr_recon_head(feature, self.norm_output)
+        deep = depth.to(feature.device) > 0  # both heads on every row: no host sync to ask which rows are deep
+        one, two = self.compute_logits(feature), self.pr_recon_head(feature, self.norm_output)
+        return torch.where(deep[..., None], two, one)
+
     def halt_probability(self, feature: torch.Tensor, detach_input: bool = False) -> torch.Tensor:
         """lambda for each row's feature (fp32)."""
         x = self.norm(feature) if self.pr_settings.gate_reads_normed else feature
@@ -155,12 +191,15 @@ class LlamaForCausalLMEagle3PR(LlamaForCausalLMEagle3):
         hidden: torch.Tensor,
         position_ids: torch.Tensor,
         max_position: Optional[int] = None,
+        recon_rows: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """First half of `M` for rows `[N, T, d]` at explicit positions `[N, T]`.
 
         Returns `q [N, H, T, Dh]` and RoPE'd `k, v [N, H, T, Dh]` (KV heads
         repeated to H, as SpecForge caches them). `max_position`, when the caller
         knows a bound on `position_ids`, saves reading it back from the device.
+        `recon_rows` (`[N]` or `[N, T]`, nonzero = a reconsideration row) switches the
+        adapter on for those rows only; without an adapter (or with None) it is ignored.
         """
         attn = self.midlayer.self_attn
         if isinstance(attn.rotary_emb, LlamaMutiRotaryEmbedding):
@@ -168,9 +207,14 @@ class LlamaForCausalLMEagle3PR(LlamaForCausalLMEagle3):
         layer = self.midlayer
         x = torch.cat((layer.input_layernorm(input_emb), layer.hidden_norm(hidden)), dim=-1)
         n, t, _ = x.shape
-        q = attn.q_proj(x).view(n, t, attn.num_heads, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(n, t, attn.num_key_value_heads, attn.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(n, t, attn.num_key_value_heads, attn.head_dim).transpose(1, 2)
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        rows = _adapter_rows(self, recon_rows, n, t, x.device)
+        if rows is not None:
+            ad = self.pr_recon_adapter
+            q, k, v = q + ad.delta("q", x, rows), k + ad.delta("k", x, rows), v + ad.delta("v", x, rows)
+        q = q.view(n, t, attn.num_heads, attn.head_dim).transpose(1, 2)
+        k = k.view(n, t, attn.num_key_value_heads, attn.head_dim).transpose(1, 2)
+        v = v.view(n, t, attn.num_key_value_heads, attn.head_dim).transpose(1, 2)
         seq_len = (int(position_ids.max()) if max_position is None else max_position) + 1
         cos, sin = attn.rotary_emb(q, seq_len=seq_len)
         q, k = apply_rotary_pos_emb(q, k, cos.to(q.device), sin.to(q.device), position_ids)
@@ -178,13 +222,33 @@ class LlamaForCausalLMEagle3PR(LlamaForCausalLMEagle3):
         v = repeat_kv(v, attn.num_key_value_groups)
         return q, k, v
 
-    def layer_finish(self, attn_out: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """Second half of `M`: `attn_out [N, H, T, Dh]` -> feature `[N, T, d]` (pre-norm)."""
+    def layer_finish(self, attn_out: torch.Tensor, hidden: torch.Tensor, recon_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Second half of `M`: `attn_out [N, H, T, Dh]` -> feature `[N, T, d]` (pre-norm).
+
+        `recon_rows` as in `layer_qkv` (the adapter's o and MLP deltas on those rows only)."""
         attn = self.midlayer.self_attn
         n, _, t, _ = attn_out.shape
-        out = attn.o_proj(attn_out.transpose(1, 2).reshape(n, t, attn.num_heads * attn.head_dim))
-        h = hidden + out
-        return h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
+        a = attn_out.transpose(1, 2).reshape(n, t, attn.num_heads * attn.head_dim)
+        rows = _adapter_rows(self, recon_rows, n, t, a.device)
+        if rows is None:
+            h = hidden + attn.o_proj(a)
+            return h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
+        ad, mlp = self.pr_recon_adapter, self.midlayer.mlp
+        h = hidden + attn.o_proj(a) + ad.delta("o", a, rows)
+        x = self.midlayer.post_attention_layernorm(h)
+        g = mlp.gate_proj(x) + ad.delta("mlp_in_g", x, rows)
+        u = mlp.up_proj(x) + ad.delta("mlp_in_u", x, rows)
+        inner = mlp.act_fn(g) * u
+        return h + mlp.down_proj(inner) + ad.delta("mlp_out", inner, rows)
+
+
+def _adapter_rows(model, recon_rows, n: int, t: int, device) -> Optional[torch.Tensor]:
+    """The adapter's row mask `[N, T, 1]`, or None when there is no adapter or no reconsideration row.
+
+    A function, not a method: the serving runtime calls the row API unbound on EAGLE-3 drafters too."""
+    if recon_rows is None or getattr(model, "pr_recon_adapter", None) is None:
+        return None
+    return row_mask(recon_rows, n, t, device)
 
 
 def build_pr_config(eagle3_config, settings: Optional[PRDraftSettings] = None):

@@ -144,8 +144,11 @@ class DrafterRuntime:
     def depth_logits(self, feature: torch.Tensor, depth: Union[int, torch.Tensor] = 0) -> torch.Tensor:
         """The readout of features reached at reconsideration depth `depth` (an int, or one per row).
 
-        Both tree builders read every row's proposals through this one method; today every
-        depth reads out through the one-pass `norm` + `lm_head` (a shared readout)."""
+        Both tree builders read every row's proposals through this one method; it is the drafter's
+        `depth_logits` (the second head for depths >= 1 with `pr.recon_head: separate`, else the
+        one-pass `norm` + `lm_head`), and `compute_logits` for an EAGLE-3 drafter."""
+        if self.is_pr:
+            return self.drafter.depth_logits(feature, depth)
         return self.drafter.compute_logits(feature)
 
     @torch.no_grad()
@@ -162,9 +165,10 @@ class DrafterRuntime:
         """The input slots of a reconsideration pass (Eq. 3), as training builds them."""
         return self.drafter.reconsideration_inputs(feature)
 
-    def _qkv(self, emb: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, max_position: Optional[int] = None):
+    def _qkv(self, emb: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, max_position: Optional[int] = None,
+             recon_rows: Optional[torch.Tensor] = None):
         # Unbound call: the row API only touches `midlayer`, so it serves EAGLE-3 drafters too.
-        return LlamaForCausalLMEagle3PR.layer_qkv(self.drafter, emb, hidden, pos, max_position)
+        return LlamaForCausalLMEagle3PR.layer_qkv(self.drafter, emb, hidden, pos, max_position, recon_rows)
 
     # --------------------------------------------------------------- forwards
     @torch.no_grad()
@@ -203,15 +207,17 @@ class DrafterRuntime:
         tree_k: torch.Tensor,
         tree_v: torch.Tensor,
         visible: Sequence[Sequence[int]],
+        recon_rows: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """N independent rows in one call of `M`.
 
         input_emb, hidden `[N, d]`; positions `[N]`; row `i` attends to context rows
         `< ctx_len`, the tree rows `visible[i]` (indices into `tree_k/tree_v [M, H, Dh]`)
-        and its own new key. Returns `(feature [N, d], k [N, H, Dh], v [N, H, Dh])`.
+        and its own new key. `recon_rows [N]` (bool) marks reconsideration rows (the PR
+        drafter's adapter acts on those only). Returns `(feature [N, d], k [N, H, Dh], v [N, H, Dh])`.
         """
         n = input_emb.shape[0]
-        q, k, v = self._qkv(input_emb[:, None].to(self.dtype), hidden[:, None].to(self.dtype), positions[:, None])
+        q, k, v = self._qkv(input_emb[:, None].to(self.dtype), hidden[:, None].to(self.dtype), positions[:, None], recon_rows=recon_rows)
         q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [N, H, Dh]
         m = tree_k.shape[0]
         ctx_scores = torch.einsum("nhd,hld->nhl", q, self.k_cache[:, :ctx_len]) * self.scale
@@ -228,7 +234,7 @@ class DrafterRuntime:
         if m:
             out = out + torch.einsum("nhm,mhd->nhd", w[..., ctx_len : ctx_len + m], tree_v)
         out = out + w[..., -1:] * v
-        feature = LlamaForCausalLMEagle3PR.layer_finish(self.drafter, out[:, :, None], hidden[:, None].to(self.dtype))[:, 0]
+        feature = LlamaForCausalLMEagle3PR.layer_finish(self.drafter, out[:, :, None], hidden[:, None].to(self.dtype), recon_rows)[:, 0]
         return feature, k, v
 
     @torch.no_grad()
@@ -240,20 +246,23 @@ class DrafterRuntime:
         first_col: int,
         mask: torch.Tensor,
         max_position: int,
+        recon_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """N tree rows in one call of `M`, against the preallocated KV buffer (no concatenation).
 
         The rows' keys/values are written to buffer columns `first_col .. first_col+N-1`
         before attention, so a row sees its own key through its column. `mask [N, L]` is
         additive (0 or -inf) over columns `0 .. L-1`: the committed context and the round's
-        tree rows (`reserve` them first). Returns the features `[N, d]`.
+        tree rows (`reserve` them first). `recon_rows [N]` (bool) marks reconsideration
+        rows, as in `forward_rows`. Returns the features `[N, d]`.
         """
         n, span = input_emb.shape[0], mask.shape[1]
-        q, k, v = self._qkv(input_emb[:, None].to(self.dtype), hidden[:, None].to(self.dtype), positions[:, None], max_position)
+        q, k, v = self._qkv(input_emb[:, None].to(self.dtype), hidden[:, None].to(self.dtype), positions[:, None], max_position,
+                            recon_rows)
         self.k_buf[:, first_col : first_col + n] = k[:, :, 0].transpose(0, 1)
         self.v_buf[:, first_col : first_col + n] = v[:, :, 0].transpose(0, 1)
         scores = torch.matmul(q[:, :, 0].transpose(0, 1), self.k_buf[:, :span].transpose(1, 2))  # [H, N, L]
         scores = scores * self.scale + mask[None].to(scores.dtype)
         w = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
         out = torch.matmul(w, self.v_buf[:, :span]).transpose(0, 1)  # [N, H, Dh]
-        return LlamaForCausalLMEagle3PR.layer_finish(self.drafter, out[:, :, None], hidden[:, None].to(self.dtype))[:, 0]
+        return LlamaForCausalLMEagle3PR.layer_finish(self.drafter, out[:, :, None], hidden[:, None].to(self.dtype), recon_rows)[:, 0]

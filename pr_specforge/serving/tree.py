@@ -315,17 +315,19 @@ class _Builder:
         tree_k, tree_v = torch.stack(self.row_k), torch.stack(self.row_v)
         pos_t = torch.tensor(pos, device=rt.device)
         emb_t, hidden_t = torch.stack(emb), torch.stack(hidden)
+        # each row's reconsideration depth: 0 for the frontier, the depth a pooled node is carried to
+        depths = torch.tensor([0] * len(advance) + [self.nodes[i].depth_r + 1 for i in recon], device=rt.device)
+        recon_rows = depths > 0 if recon else None
         if self.coforward or not recon or not advance:
-            feats, ks, vs = rt.forward_rows(emb_t, hidden_t, pos_t, self.ctx_len, tree_k, tree_v, visible)
+            feats, ks, vs = rt.forward_rows(emb_t, hidden_t, pos_t, self.ctx_len, tree_k, tree_v, visible, recon_rows)
         else:  # the serial baseline of Appendix A.1: reconsideration in its own call of M
             a = len(advance)
             parts = [
-                rt.forward_rows(emb_t[sl], hidden_t[sl], pos_t[sl], self.ctx_len, tree_k, tree_v, visible[sl])
+                rt.forward_rows(emb_t[sl], hidden_t[sl], pos_t[sl], self.ctx_len, tree_k, tree_v, visible[sl], recon_rows[sl])
                 for sl in (slice(0, a), slice(a, None))
             ]
             feats, ks, vs = (torch.cat(x) for x in zip(*parts))
-        depth = torch.tensor([0] * len(advance) + [self.nodes[i].depth_r + 1 for i in recon], device=rt.device)
-        logps = rt.log_probs(feats, depth)
+        logps = rt.log_probs(feats, depths)
         rows = [self.add_row(ks[j], vs[j]) for j in range(len(pos))]
         lams = rt.halt_probability(feats).tolist() if self.reconsider else None
 
