@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-builder", choices=["tensor", "object"], default="tensor",
                    help="draft-tree builder: tensor (default) or the object reference (same trees, slower)")
     p.add_argument("--also-one-pass", action="store_true", help="also serve each PR drafter as plain EAGLE (NAME/one-pass)")
+    p.add_argument("--decompose", action="store_true",
+                   help="diagnostic: per round, also build the m=0 tree from the same drafter state and count frontier "
+                        "slots taken by reconsidered branches, one-pass nodes displaced from the cut and accepted tokens "
+                        "only reconsideration put under the cut (timings then include the extra tree: not speed numbers)")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -73,6 +77,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             seed=args.seed,
             turns=args.turns,
             tree_builder=args.tree_builder,
+            decompose=args.decompose,
         )
         prompt_sets = {}
         for source in args.prompts:

@@ -47,6 +47,7 @@ class EvalSettings:
     seed: int = 0
     turns: str = "first"
     tree_builder: str = "tensor"  # "object": the reference builder (same trees, slower)
+    decompose: bool = False  # diagnostic: per-round counters against the m = 0 tree (`serving.decompose`)
 
     def __post_init__(self) -> None:
         if not self.budgets:
@@ -122,7 +123,8 @@ class Evaluator:
         for d in drafters:
             for b in settings.budgets:
                 self.decoders[(d.name, b)] = SpeculativeDecoder(
-                    target, d.model, settings.tree(b), d.reconsider, tree_builder=settings.tree_builder
+                    target, d.model, settings.tree(b), d.reconsider, tree_builder=settings.tree_builder,
+                    decompose=settings.decompose,
                 )
         self.drafters = list(drafters)
 
@@ -212,6 +214,7 @@ class Evaluator:
             "lossless": lossless,
             "conf_hist": hist,
             "recover": recover,
+            **({"decomposition": _sum_counts([r.decomposition for r in results])} if s.decompose else {}),
         }
 
     def run(self, prompt_sets: Dict[str, list]) -> dict:
@@ -249,6 +252,23 @@ class Evaluator:
                     "target's greedy decode at temperature 0"
                 )
         return summarize(read_jsonl_rows(self.results_path), s)
+
+
+def _sum_counts(counts: Iterable[Optional[Dict[str, int]]]) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for c in counts:
+        for key, value in (c or {}).items():
+            out[key] = out.get(key, 0) + value
+    return out
+
+
+def decomposition_per_round(rows: Sequence[dict], rounds: int) -> Optional[Dict[str, float]]:
+    """`serving.decompose`'s counters per round over rows that carry them (None when none does)."""
+    counted = [r["decomposition"] for r in rows if r.get("decomposition")]
+    if not counted:
+        return None
+    total = _sum_counts(counted)
+    return {f"{key}_per_round": value / max(1, rounds) for key, value in sorted(total.items())}
 
 
 def summarize(rows: Iterable[dict], settings: Optional[EvalSettings] = None) -> dict:
@@ -293,6 +313,9 @@ def summarize(rows: Iterable[dict], settings: Optional[EvalSettings] = None) -> 
                 "recover": recover,
             }
         )
+        decomposition = decomposition_per_round(rs, rounds)
+        if decomposition is not None:
+            entries[-1]["decomposition"] = decomposition
     out = {"results": entries}
     if settings is not None:
         out["settings"] = {
@@ -306,6 +329,7 @@ def summarize(rows: Iterable[dict], settings: Optional[EvalSettings] = None) -> 
             "seed": settings.seed,
             "turns": settings.turns,
             "tree_builder": settings.tree_builder,
+            "decompose": settings.decompose,
         }
     return out
 

@@ -64,6 +64,23 @@ def recovery_table(summary: dict) -> str:
     return "".join(parts)
 
 
+DECOMPOSITION_COLUMNS = ("frontier_slots", "frontier_recon", "frontier_repriced", "displaced", "accepted",
+                         "gained_proposal", "gained_repricing", "lost_lb")
+
+
+def decomposition_table(summary: dict) -> str:
+    """Per drafter x set x B x T: `serving.decompose`'s counters per round ('' when none was recorded)."""
+    entries = [e for e in summary["results"] if e.get("decomposition")]
+    if not entries:
+        return ""
+    head = "| drafter | set | B | T | " + " | ".join(DECOMPOSITION_COLUMNS) + " |\n|" + "---|" * (4 + len(DECOMPOSITION_COLUMNS)) + "\n"
+    lines = []
+    for e in entries:
+        cells = [f"{e['decomposition'].get(c + '_per_round', 0.0):.3f}" for c in DECOMPOSITION_COLUMNS]
+        lines.append(f"| {e['draft']} | {e['set']} | {e['budget']} | {e['temperature']:g} | " + " | ".join(cells) + " |")
+    return head + "\n".join(lines) + "\n"
+
+
 def write_report(summary: dict, out_dir: str) -> List[str]:
     """Write report.md and the plots into `out_dir`; returns the written paths."""
     import matplotlib
@@ -143,6 +160,10 @@ def write_report(summary: dict, out_dir: str) -> List[str]:
         "proposals; it is recovered when that token was accepted through a child proposed by reconsideration.\n\n"
     )
     md.append(recovery_table(summary))
+    decomposition = decomposition_table(summary)
+    if decomposition:
+        md.append("\n## Decomposition against the m = 0 tree (per round; `pr_specforge/serving/decompose.py`)\n\n")
+        md.append(decomposition)
     md.append("\n![tau](tau.png)\n![acceptance](acceptance_by_confidence.png)\n![recovered](recovered_by_bucket.png)\n")
     path = os.path.join(out_dir, "report.md")
     with open(path, "w") as f:

@@ -25,14 +25,15 @@ Does not own: the tree algorithm (`tree`), prompts and aggregation (`pr_specforg
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from pr_specforge.serving.decompose import COUNTERS, decompose_round
 from pr_specforge.serving.drafter_runtime import DrafterRuntime, aux_layer_ids
 from pr_specforge.serving.tensor_tree import TensorTreeBuilder
-from pr_specforge.serving.tree import TreeConfig, build_tree
+from pr_specforge.serving.tree import DraftTree, TreeConfig, build_tree
 from pr_specforge.serving.verify import (
     accept_greedy,
     accept_sampling,
@@ -64,6 +65,8 @@ class DecodeResult:
     tree_sizes: List[int] = field(default_factory=list)
     # per verified node: (c_d, c_t, top1_hit, onepass_hit, recovered)
     diagnostics: List[Tuple[float, float, bool, bool, bool]] = field(default_factory=list)
+    # with `decompose`: the counters of `serving.decompose`, summed over rounds (None otherwise)
+    decomposition: Optional[Dict[str, int]] = None
 
     @property
     def rounds(self) -> int:
@@ -96,10 +99,15 @@ class SpeculativeDecoder:
     """Target + drafter + tree shape. `reconsider=False` serves a PR drafter as plain EAGLE.
 
     `tree_builder`: "tensor" (`tensor_tree`, one host sync per round) or "object" (`tree`,
-    the reference); they draft the same trees."""
+    the reference); they draft the same trees.
+    `decompose=True` (diagnostic): each round also builds the m = 0 tree from the same drafter
+    state and records `serving.decompose`'s counters. It drafts with the object builder (whose
+    trees it reads); the decode itself is unchanged (the counterfactual consumes no random
+    numbers); the counterfactual's time is not in `draft_s` but is in `total_s`: take no speed
+    from a decomposing run."""
 
     def __init__(self, target, drafter, tree_config: TreeConfig, reconsider: bool = True, lazy_logits: bool = True,
-                 tree_builder: str = "tensor") -> None:
+                 tree_builder: str = "tensor", decompose: bool = False) -> None:
         if tree_builder not in TREE_BUILDERS:
             raise ValueError(f"tree_builder must be one of {TREE_BUILDERS}, got {tree_builder!r}")
         self.target = target.eval()
@@ -110,8 +118,10 @@ class SpeculativeDecoder:
         self.reconsider = reconsider
         self.lazy_logits = lazy_logits  # the target's vocabulary projection only for the nodes acceptance reads
         self.layer_ids = aux_layer_ids(drafter, int(target.config.num_hidden_layers))
+        self.decompose = decompose
         self.device = target.get_input_embeddings().weight.device
-        self.tensor_builder = TensorTreeBuilder(self.rt, tree_config, reconsider) if tree_builder == "tensor" else None
+        use_tensor = tree_builder == "tensor" and not decompose
+        self.tensor_builder = TensorTreeBuilder(self.rt, tree_config, reconsider) if use_tensor else None
 
     def draft(self, root_token: int, root_feature: torch.Tensor, generator: torch.Generator):
         if self.tensor_builder is not None:
@@ -136,6 +146,8 @@ class SpeculativeDecoder:
         verify_gen = torch.Generator().manual_seed(seed)
         draft_gen = torch.Generator().manual_seed(seed + 1)
         res = DecodeResult(tokens=[])
+        if self.decompose:
+            res.decomposition = {c: 0 for c in COUNTERS}
         self.trees: list = []  # DraftTree or TensorDraftTree, with keep_trees
         t_start = time.perf_counter()
 
@@ -157,6 +169,7 @@ class SpeculativeDecoder:
             t0 = time.perf_counter()
             tree = self.draft(root_token, root_feature, draft_gen)
             t1 = time.perf_counter()
+            counterfactual = self._counterfactual(tree, root_token, root_feature) if self.decompose else None
             tokens, depths = tree.tokens(), tree.depths()
             children = tree.children()
             logits, aux = target_forward_tree(
@@ -173,6 +186,10 @@ class SpeculativeDecoder:
             t2 = time.perf_counter()
             res.draft_s += t1 - t0
             res.verify_s += t2 - t1
+            if counterfactual is not None:
+                counts = decompose_round(tree, counterfactual, path, bonus, greedy=temperature <= 0).to_dict()
+                for key, value in counts.items():
+                    res.decomposition[key] += value
             res.accept_lengths.append(len(path))
             res.recon_rows += tree.recon_rows
             res.recon_kept += tree.recon_kept
@@ -184,6 +201,15 @@ class SpeculativeDecoder:
             done = _emit(res.tokens, accepted + [bonus], max_new_tokens, eos)
         res.total_s = time.perf_counter() - t_start
         return res
+
+    def _counterfactual(self, tree: DraftTree, root_token: int, root_feature: torch.Tensor) -> DraftTree:
+        """The m = 0 tree of this round from the same drafter state (no reconsideration, no coins).
+
+        Without reconsideration (an EAGLE-3 drafter, `reconsider=False`, R = 0 or m = 0) the round's
+        own tree is that tree (`test_pr_tree_with_m0_is_the_eagle_tree`), so it is not rebuilt."""
+        if not (self.reconsider and self.rt.is_pr and self.rt.max_depth > 0 and self.cfg.m > 0):
+            return tree
+        return build_tree(self.rt, root_token, root_feature, replace(self.cfg, m=0), reconsider=False)
 
     def _diagnose(self, tree, path: List[int], bonus: int, logits, res: DecodeResult) -> None:
         tokens = tree.tokens()

@@ -117,3 +117,21 @@ def test_help_answers():
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0
+
+
+def test_decomposition_counters_are_summarised_per_round_and_tabled():
+    from pr_specforge.eval.evaluator import summarize
+    from pr_specforge.eval.report import decomposition_table
+
+    def row(prompt, decomposition):
+        r = {"draft": "pr", "budget": 48, "temperature": 0.0, "set": "s", "prompt": prompt, "accepted": 6, "rounds": 2,
+             "tokens": 8, "draft_s": 0.1, "verify_s": 0.1, "total_s": 0.3, "ar_tokens": 8, "ar_s": 0.4, "recon_rows": 3,
+             "lossless": True, "tau": 3.0, "conf_hist": [[0, 0]] * 10, "recover": [[[0, 0]] * 3] * 3}
+        return {**r, "decomposition": decomposition} if decomposition else r
+
+    counts = {"frontier_slots": 10, "frontier_recon": 4, "displaced": 2, "gained_proposal": 1}
+    entry = summarize([row("a", counts), row("b", {**counts, "displaced": 6})])["results"][0]
+    assert entry["decomposition"]["displaced_per_round"] == 2.0 and entry["decomposition"]["frontier_slots_per_round"] == 5.0
+    assert "| pr | s | 48 | 0 | 5.000 | 2.000 |" in decomposition_table({"results": [entry]})
+    plain = summarize([row("a", None)])
+    assert "decomposition" not in plain["results"][0] and decomposition_table(plain) == ""
