@@ -23,6 +23,8 @@ RECON_HEADS = ("shared", "separate")
 MAX_SUPPORTED_DEPTH = 8
 #: the draft config (config.json) field holding a PR drafter's `PRDraftSettings`
 PR_CONFIG_KEY = "pr_config"
+RECON_GRADS = ("full", "isolated")
+BALANCE_NORMS = ("per_minibatch", "per_position")
 
 
 class ConfigError(ValueError):
@@ -145,9 +147,21 @@ class PRConfig(PRDraftSettings):
         costs one extra forward of M per call.
 
     Recipe options of issue 16 (defaults reproduce the earlier numerics bitwise):
+    recon_grad: [choice] "full" (default, the paper's design): the reconsideration
+        and gate terms reach every shared parameter through rollout B. "isolated":
+        they update only the reconsideration-only parameters (Q, the gate, the
+        second head, the adapter); rollout B runs M, fc and the one-pass head with
+        detached weights on detached one-pass inputs, so the one-pass drafter gets
+        only `l^0`'s gradient and trains exactly as EAGLE-3.
     gate_init_bias: the gate's initial bias b (weight zero): lambda = sigmoid(b)
         everywhere at the start. 0.0 (default) gives q = (1/2, 1/4, 1/4) at R = 2;
         a negative bias starts with more weight on the deeper depths.
+    balance_norm: [choice] the balance term's normalisation. "per_minibatch"
+        (default, as before): `-beta H(q_bar)` once per minibatch, against head and
+        gate terms summed over the TTT steps and averaged over all B*T rows (issue
+        16 estimates an effective beta of ~0.004 at beta 0.01, TTT 7). "per_position" (Eq. 6 read
+        per position): the term gets the head terms' normalisation, i.e. it is
+        multiplied by `sum_j w_j * (scored rows at step j) / (B*T)`.
     init_from: start the one-pass drafter from a trained EAGLE-3 drafter: a
         SpecForge checkpoint dir (or its training_state.pt, or a run dir: latest)
         or an HF drafter directory (`config.json` + safetensors). Its EAGLE-3
@@ -165,7 +179,9 @@ class PRConfig(PRDraftSettings):
     mixed_rollout_length: Optional[int] = None
     gradient_checkpointing: bool = False
     reconsider_weight: str = "use"
+    recon_grad: str = "full"
     gate_init_bias: float = 0.0
+    balance_norm: str = "per_minibatch"
     init_from: Optional[str] = None
     freeze_one_pass: bool = False
 
@@ -188,6 +204,9 @@ class PRConfig(PRDraftSettings):
         if self.reconsider_weight not in RECONSIDER_WEIGHTS:
             raise ConfigError(f"pr.reconsider_weight: expected one of {list(RECONSIDER_WEIGHTS)} (paper: 'use'), "
                               f"got {self.reconsider_weight!r}")
+        for name, allowed in (("recon_grad", RECON_GRADS), ("balance_norm", BALANCE_NORMS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"pr.{name}: expected one of {list(allowed)}, got {getattr(self, name)!r}")
         if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
             raise ConfigError(f"pr.init_from: expected null or a path to an EAGLE-3 drafter, got {self.init_from!r}")
         if self.freeze_one_pass and self.max_depth == 0:

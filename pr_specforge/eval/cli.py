@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", nargs="+", type=float, default=[0.0])
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, default=None, help="prompts per set")
+    p.add_argument("--skip", type=int, default=0,
+                   help="skip the first N prompts of each set (e.g. 40: a pilot check disjoint from a 40-prompt evaluation)")
     p.add_argument("--json", default=None, help="write the summary JSON here")
     p.add_argument("--out-dir", default="eval_out", help="per-prompt JSONL, report.md and plots")
     p.add_argument("--device", default="cpu")
@@ -48,11 +50,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def select_prompts(source: str, skip: int, limit: Optional[int], turns: str) -> list:
+    """Prompts `skip .. skip + limit - 1` of a set (all after `skip` without a limit)."""
+    from pr_specforge.data.prompts import load_prompts
+
+    prompts = load_prompts(source, limit=None if limit is None else skip + limit, turns=turns)[skip:]
+    if not prompts:
+        raise ValueError(f"prompts {source!r}: no usable prompt" + (f" after --skip {skip}" if skip else ""))
+    return prompts
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
-    from pr_specforge.data.prompts import load_prompts
     from pr_specforge.eval.evaluator import (
         EvalSettings,
         Evaluator,
@@ -66,6 +77,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.limit is not None and args.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {args.limit}")
+        if args.skip < 0:
+            raise ValueError(f"--skip must be >= 0, got {args.skip}")
         settings = EvalSettings(
             budgets=args.budget,
             temperatures=args.temperature,
@@ -82,9 +95,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         prompt_sets = {}
         for source in args.prompts:
             name = os.path.splitext(os.path.basename(source))[0] if os.path.exists(source) else source.lower()
-            prompts = load_prompts(source, limit=args.limit, turns=args.turns)
-            if not prompts:
-                raise ValueError(f"prompts {source!r}: no usable prompt")
+            prompts = select_prompts(source, args.skip, args.limit, args.turns)
             prompt_sets[name] = prompts
         target, tokenizer = load_target(args.target, args.device, dtype)
         drafts = load_draft_entries(args.draft, args.device, dtype, args.also_one_pass)

@@ -21,6 +21,7 @@ Does not own: the training objective (`pr_specforge.objective`), the serving tre
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from typing import Optional, Tuple
 
 import torch
@@ -148,6 +149,25 @@ class LlamaForCausalLMEagle3PR(LlamaForCausalLMEagle3):
     @property
     def max_depth(self) -> int:
         return self.pr_settings.max_depth
+
+    @contextmanager
+    def one_pass_detached(self):
+        """Inside, every one-pass (EAGLE-3) parameter reads as a detached tensor of the same value,
+        so whatever runs there sends gradient only to the reconsideration-only parameters
+        (`pr.recon_grad: isolated`). Re-entered by gradient checkpointing's recomputation."""
+        saved = []
+        for name, p in list(self.named_parameters()):
+            if name.startswith(PR_PARAM_PREFIXES):
+                continue
+            owner, _, leaf = name.rpartition(".")
+            module = self.get_submodule(owner) if owner else self
+            saved.append((module, leaf, module._parameters[leaf]))
+            module._parameters[leaf] = p.detach()
+        try:
+            yield
+        finally:
+            for module, leaf, p in saved:
+                module._parameters[leaf] = p
 
     # ------------------------------------------------------------- row-level M
     def self_query(self, feature: torch.Tensor) -> torch.Tensor:

@@ -103,4 +103,12 @@ def pr_objective(plosses: List[torch.Tensor], steps: List[MixedStep], weights: L
     entropy, _ = marginal_entropy(torch.stack([s.q for s in steps]), torch.stack([s.position_mask for s in steps]))
     terms.reconsider, terms.gate, terms.one_pass_mixed = head, gate, mixed_one_pass
     terms.balance, terms.entropy = -pr.balance_coef * entropy, entropy
+    if pr.balance_norm == "per_position":
+        terms.balance = terms.balance * balance_scale(steps, weights, rows)
     return terms
+
+
+def balance_scale(steps: List[MixedStep], weights: List[float], rows: int) -> torch.Tensor:
+    """`pr.balance_norm: per_position`: Eq. 6's `-beta H` inside its sum over positions, normalised as
+    the head terms are: `sum_j w_j * (scored rows of step j) / rows` (`per_minibatch` applies it once)."""
+    return sum(weights[j] * step.position_mask.sum() for j, step in enumerate(steps)) / rows

@@ -35,6 +35,7 @@ Does not own: the drafter's parameters (`pr_specforge.modeling`), the telemetry
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -94,6 +95,7 @@ class _Group:
     step: int
     chain: List[KV]
     ctx: KV
+    recon: bool = False  # a reconsideration row (Eq. 3): the drafter's adapter, if any, acts on it
 
 
 @dataclass
@@ -137,7 +139,7 @@ def reconsideration_row(draft: LlamaForCausalLMEagle3PR, prev: torch.Tensor, ste
     """Eq. 3: the rows of `f^r = M(f^{r-1}, Q(f^{r-1}))` at TTT step `step`: the same position,
     attending to the context, the rollout's chain and their own new key."""
     emb, hidden = draft.reconsideration_inputs(prev)
-    return _Group(emb, hidden, step, list(chain), ctx)
+    return _Group(emb, hidden, step, list(chain), ctx, recon=True)
 
 
 def continuation_row(emb: torch.Tensor, halted: torch.Tensor, step: int, chain: List[KV], ctx: KV) -> _Group:
@@ -291,7 +293,9 @@ class OnlinePRModel(OnlineEagle3Model):
         emb = torch.cat([gr.emb for gr in groups], dim=0)
         hidden = torch.cat([gr.hidden for gr in groups], dim=0)
         positions = torch.cat([(pos + gr.step).expand(b, t) for gr in groups], dim=0)
-        q, k, v = draft.layer_qkv(emb, hidden, positions)
+        recon = (torch.tensor([gr.recon for gr in groups for _ in range(b)], device=positions.device)
+                 if any(gr.recon for gr in groups) else None)
+        q, k, v = draft.layer_qkv(emb, hidden, positions, recon_rows=recon)
         split = lambda x: x.view(g, b, *x.shape[1:])  # noqa: E731
         q, k, v = split(q), split(k), split(v)
         same_ctx = all(gr.ctx[0] is groups[0].ctx[0] for gr in groups)
@@ -300,7 +304,7 @@ class OnlinePRModel(OnlineEagle3Model):
         else:
             ctx = (torch.stack([gr.ctx[0] for gr in groups]), torch.stack([gr.ctx[1] for gr in groups]))
         out = chain_attention(q, (k, v), ctx, ctx_mask, [gr.chain for gr in groups], start_mask)
-        feats = draft.layer_finish(out.reshape(g * b, *out.shape[2:]), hidden).view(g, b, t, -1)
+        feats = draft.layer_finish(out.reshape(g * b, *out.shape[2:]), hidden, recon).view(g, b, t, -1)
         return [(feats[i], (k[i], v[i])) for i in range(g)]
 
     def _first_call(self, emb, hidden, pos, ctx_mask, start_mask) -> Tuple[torch.Tensor, KV]:
@@ -319,9 +323,19 @@ class OnlinePRModel(OnlineEagle3Model):
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
 
+    def _run_mixed(self, groups: List[_Group], pos: torch.Tensor, ctx_mask, start_mask) -> List[Tuple[torch.Tensor, KV]]:
+        """`_run` for the mixed rollout's rows: with `pr.recon_grad: isolated` the one-pass weights read
+        detached, so these rows train only the reconsideration-only parameters."""
+        with self._isolated():
+            return self._run(groups, pos, ctx_mask, start_mask)
+
+    def _isolated(self):
+        return self.draft_model.one_pass_detached() if self.pr.recon_grad == "isolated" else nullcontext()
+
     def readout(self, feature: torch.Tensor, depth: int) -> torch.Tensor:
-        """The logits of a feature at reconsideration depth `depth` (every depth reads `head(f^r)`)."""
-        return self.draft_model.compute_logits(feature)
+        """The logits of a feature at reconsideration depth `depth`: the drafter's one per-depth
+        readout (`depth_logits`: the second head for `r >= 1` with `pr.recon_head: separate`)."""
+        return self.draft_model.depth_logits(feature, depth)
 
     # ----------------------------------------------------------------- forward
     def forward(
@@ -351,6 +365,8 @@ class OnlinePRModel(OnlineEagle3Model):
         depth = self.pr.max_depth
         mixed_len = 0 if depth == 0 else min(self.length, self.pr.mixed_rollout_length or self.length)
         rows = self._rows(inp, mixed_len, return_logits)
+        if self.pr.recon_grad == "isolated":  # the branch point: rollout B sends no gradient into step 0
+            f0, kv0 = f0.detach(), (kv0[0].detach(), kv0[1].detach())
         mixed = _Mixed([rows.cut(f0)], [(kv0[0][..., rows.lo:rows.hi, :], kv0[1][..., rows.lo:rows.hi, :])],
                        chain=[], ctx=kv0, continuation=rows.cut(f0))
         for call in coforward_schedule(self.length, mixed_len, depth):
@@ -423,8 +439,11 @@ class OnlinePRModel(OnlineEagle3Model):
         if call.mixed is not None:
             groups.append(self._mixed_row(call.mixed, inp, rows, mixed))
         n_a = int(call.one_pass_step is not None)
-        batches = [(groups, inp.masks)] if rows.whole else [(groups[:n_a], inp.masks), (groups[n_a:], rows.masks)]
-        results = [res for gs, masks in batches if gs for res in self._checkpointed(self._run, gs, *masks)]
+        if rows.whole and self.pr.recon_grad == "full":
+            batches = [(self._run, groups, inp.masks)]
+        else:  # isolated: rollout B reads detached one-pass weights, so it needs its own call of M
+            batches = [(self._run, groups[:n_a], inp.masks), (self._run_mixed, groups[n_a:], rows.masks)]
+        results = [res for fn, gs, masks in batches if gs for res in self._checkpointed(fn, gs, *masks)]
         if call.one_pass_step is not None:
             feat, kv = results.pop(0)
             one_pass.feature = feat
@@ -435,13 +454,21 @@ class OnlinePRModel(OnlineEagle3Model):
 
     def _mixed_row(self, stage: MixedStage, inp: _Inputs, rows: _Rows, mixed: _Mixed) -> _Group:
         if stage.depth == 0:
-            return continuation_row(rows.cut(inp.embs[stage.step]), mixed.continuation, stage.step, mixed.chain, mixed.ctx)
+            emb = rows.cut(inp.embs[stage.step])
+            if self.pr.recon_grad == "isolated":  # the token embedding is a one-pass parameter too (frozen in SpecForge)
+                emb = emb.detach()
+            return continuation_row(emb, mixed.continuation, stage.step, mixed.chain, mixed.ctx)
         return reconsideration_row(self.draft_model, mixed.depth_feats[stage.depth - 1], stage.step, mixed.chain, mixed.ctx)
 
     def _advance_mixed(self, stage: MixedStage, feat: torch.Tensor, kv: KV, rows: _Rows, one_pass: _OnePass,
                        mixed: _Mixed, return_logits: bool) -> None:
         """Store depth `r` of step `j`; once all depths of step `j` are in, close the step: gate, `q`,
         halt depth, the mixed cache (Eq. 7) the next step continues from (Eq. 12), and its losses."""
+        with self._isolated():  # the gate's norm and the readouts of the mixed rollout
+            self._store_or_close(stage, feat, kv, rows, one_pass, mixed, return_logits)
+
+    def _store_or_close(self, stage: MixedStage, feat: torch.Tensor, kv: KV, rows: _Rows, one_pass: _OnePass,
+                        mixed: _Mixed, return_logits: bool) -> None:
         if stage.depth == 0:
             mixed.depth_feats, mixed.depth_kv = [feat], [kv]
         else:
@@ -461,6 +488,8 @@ class OnlinePRModel(OnlineEagle3Model):
         if j == 0 and self.pr.mix_context:
             mixed.ctx = kv_d
         logits_0 = rows.cut(one_pass.logits[0]) if j == 0 else None  # step 0's depth 0 is the one-pass row
+        if logits_0 is not None and self.pr.recon_grad == "isolated":
+            logits_0 = logits_0.detach()
         mixed.steps.append(self._score_depths(mixed.depth_feats, rows.views[j], logits_0, q, lambdas, d, return_logits))
 
     def _score_depths(self, depth_feats, view: _RowView, logits_0, q, lambdas, d, return_logits: bool) -> MixedStep:

@@ -135,3 +135,14 @@ def test_decomposition_counters_are_summarised_per_round_and_tabled():
     assert "| pr | s | 48 | 0 | 5.000 | 2.000 |" in decomposition_table({"results": [entry]})
     plain = summarize([row("a", None)])
     assert "decomposition" not in plain["results"][0] and decomposition_table(plain) == ""
+
+
+def test_skip_selects_the_prompts_after_the_first_n(dirs):
+    from pr_specforge.eval.cli import select_prompts
+
+    path = str(dirs / "prompts.jsonl")
+    assert [p.id for p in select_prompts(path, 1, None, "first")] == ["p1", "p2"]
+    assert [p.id for p in select_prompts(path, 1, 1, "first")] == ["p1"]
+    assert [p.id for p in select_prompts(path, 0, 2, "first")] == ["p0", "p1"]
+    with pytest.raises(ValueError, match="after --skip 3"):
+        select_prompts(path, 3, 5, "first")

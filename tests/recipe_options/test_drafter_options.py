@@ -58,7 +58,7 @@ def _rows(pr, n=4, t=3, seed=0):
 
 
 def _layer(pr, emb, hidden, pos, recon_rows):
-    q, k, v = pr.layer_qkv(emb, hidden, pos, recon_rows)
+    q, k, v = pr.layer_qkv(emb, hidden, pos, recon_rows=recon_rows)
     return q, k, v, pr.layer_finish(q, hidden, recon_rows)  # attention replaced by q: enough to reach o and the MLP
 
 
@@ -142,3 +142,20 @@ def test_serving_tree_reads_reconsidered_depths_through_the_second_head():
     assert all(not torch.allclose(n.recon_logp, uniform) for n in trees["shared"].nodes if n.halt_depth > 0)
     sig = lambda t: [(n.token, n.parent, n.score) for n in t.nodes]  # noqa: E731
     assert sig(trees["separate_m0"]) == sig(trees["shared_m0"])
+
+
+def test_both_tree_builders_agree_for_a_drafter_with_second_head_and_adapter():
+    """The tensor builder reads out and adapts reconsideration rows as the object builder does."""
+    from tests.serving.test_serving_tensor_tree import assert_same_tree, both
+
+    target = tiny_target()
+    eagle, pr = pr_drafter(recon_head="separate", recon_adapter_rank=3)
+    sharpen(eagle, pr)
+    strong_self_query(pr)
+    randomise(pr.pr_recon_head, 0.5, seed=7)
+    randomise(pr.pr_recon_adapter, 0.1, seed=8)
+    with torch.no_grad():
+        pr.pr_halt_gate.linear.bias.fill_(-2.0)
+    ref, got = both(pr.eval(), target, TreeConfig(budget=24), seed=0)
+    assert ref.recon_rows > 0
+    assert_same_tree(ref, got)

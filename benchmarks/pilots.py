@@ -1,0 +1,175 @@
+"""Pilot screening of PR recipe options (issue 16, part C) on an existing `pr-specforge experiment` workdir.
+
+    python benchmarks/pilots.py --workdir work/experiment --steps 2000                 # every variant
+    python benchmarks/pilots.py --workdir work/experiment --variants eagle3 isolated-separate --dry-run
+
+For each variant: a short training on the experiment's features (`--steps`, same recipe, data, lr
+and seed as the experiment otherwise), `pr-specforge diagnose` on the held-out features, an HF
+export, and a short served check (`--limit` prompts per set from item `--skip` on, B = 48, T = 0,
+with the PR drafter also served at m = 0) on prompts DISJOINT from the final evaluation's first
+40. Every stage is resumable (rerun the same command); the table goes to
+`benchmarks/results/smollm2-cpu-pilots.md` (and `.json`), ranked by mean served tau.
+
+Warm-start variants (`warm-*`) start from the EAGLE-3 pilot's weights, so `eagle3` runs first;
+they train `--steps` more steps with a fresh optimiser, and their baseline is the EAGLE-3 pilot
+trained on for as many steps the same way (`eagle3-long`, SpecForge's `model.draft_checkpoint_path`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from pr_specforge.pipeline import Stage, call_stage, latest_checkpoint, run_stages  # noqa: E402
+
+EAGLE3 = "eagle3"
+#: variant -> (recipe, `pr.` overrides). Warm starts read the `eagle3` pilot's checkpoint (filled in at run time).
+VARIANTS: Dict[str, tuple] = {
+    "eagle3": ("smollm2-135m-cpu-eagle3.yaml", []),
+    "baseline": ("smollm2-135m-cpu.yaml", []),
+    "separate": ("smollm2-135m-cpu.yaml", ["pr.recon_head=separate"]),
+    "per-position": ("smollm2-135m-cpu.yaml", ["pr.balance_norm=per_position"]),
+    "separate-bias-1": ("smollm2-135m-cpu.yaml", ["pr.recon_head=separate", "pr.gate_init_bias=-1.0"]),
+    "isolated-separate": ("smollm2-135m-cpu.yaml", ["pr.recon_grad=isolated", "pr.recon_head=separate"]),
+    "isolated-separate-adapter16": ("smollm2-135m-cpu.yaml", ["pr.recon_grad=isolated", "pr.recon_head=separate",
+                                                               "pr.recon_adapter_rank=16"]),
+    "warm-frozen-separate-adapter16": ("smollm2-135m-cpu.yaml", ["pr.freeze_one_pass=true", "pr.recon_head=separate",
+                                                                  "pr.recon_adapter_rank=16"]),
+    "eagle3-long": ("smollm2-135m-cpu-eagle3.yaml", []),
+}
+WARM = ("warm-frozen-separate-adapter16", "eagle3-long")
+SETS = ("mtbench", "gsm8k", "humaneval")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", default="work/experiment", help="a `pr-specforge experiment` workdir (its data stages done)")
+    p.add_argument("--out", default=None, help="pilot dir (default WORKDIR/pilots)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--skip", type=int, default=40, help="served check starts after the final evaluation's prompts")
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--report", default=str(REPO_ROOT / "benchmarks" / "results" / "smollm2-cpu-pilots"))
+    p.add_argument("--dry-run", action="store_true", help="print the stage commands, run nothing")
+    return p
+
+
+def train_overrides(args, work: Path, name: str, run: Path) -> List[str]:
+    feats = work / "features"
+    out = [f"model.target_model_path={work / 'target'}", f"model.vocab_mapping_path={feats / 'vocab_mapping' / 'vocab_mapping.pt'}",
+           f"data.hidden_states_path={feats}", f"data.max_length={args.max_length}", f"output_dir={run}",
+           f"training.max_steps={args.steps}", f"training.learning_rate={args.lr}", f"training.seed={args.seed}",
+           f"training.save_interval={args.steps}", *VARIANTS[name][1]]
+    if name in WARM:  # continue from the EAGLE-3 pilot's weights for `--steps` more steps (fresh optimiser, both)
+        ckpt = latest_checkpoint(Path(args.out) / "runs" / EAGLE3, required=not args.dry_run) or "<eagle3 pilot checkpoint>"
+        out.append(f"model.draft_checkpoint_path={ckpt}" if name == "eagle3-long" else f"pr.init_from={ckpt}")
+    return out
+
+
+def train_stage(args, work: Path, name: str, run: Path, recipe: str, log_file: Path):
+    def go() -> None:
+        from pr_specforge.pipeline import log_command, train_command
+        from pr_specforge.train import run_train
+
+        overrides = train_overrides(args, work, name, run)  # here, not earlier: warm starts need the eagle3 pilot
+        ckpt = latest_checkpoint(run, required=False)
+        if ckpt:
+            overrides.append(f"training.resume_from={ckpt}")
+        log_command(train_command(recipe, overrides), log_file)
+        if run_train(recipe, overrides):
+            raise SystemExit(f"pilot {name}: training failed")
+        (run / "train.done").write_text("ok\n")
+    return go
+
+
+def stages(args, work: Path, name: str) -> List[Stage]:
+    pilots = Path(args.out)
+    run, export, ev = pilots / "runs" / name, pilots / "export" / name, pilots / "eval" / name
+    recipe = str(REPO_ROOT / "recipes" / VARIANTS[name][0])
+    is_pr = VARIANTS[name][0] != VARIANTS[EAGLE3][0]
+
+    (pilots / "diagnose").mkdir(parents=True, exist_ok=True)
+
+    def call(module: str, argv: List[str]):
+        return lambda: call_stage(module, argv, pilots / "commands.log")
+
+    serve = ["--target", str(work / "target"), "--draft", f"{name}={export}", "--prompts", *SETS, "--skip", str(args.skip),
+             "--limit", str(args.limit), "--budget", "48", "--temperature", "0", "--seed", str(args.seed),
+             "--out-dir", str(ev), "--json", str(ev / "summary.json"), "--no-progress", *(["--also-one-pass"] if is_pr else [])]
+    diag = ["--features", str(work / "heldout" / "features"), "--json", str(pilots / "diagnose" / f"{name}.json"),
+            "--seed", str(args.seed), "--no-progress"]
+    return [
+        Stage(f"{name}: train", run / "train.done", train_stage(args, work, name, run, recipe, pilots / "commands.log")),
+        Stage(f"{name}: diagnose", pilots / "diagnose" / f"{name}.json", lambda: call("pr_specforge.diagnose", [str(run), *diag])()),
+        Stage(f"{name}: export", export / "config.json", lambda: call("pr_specforge.export", [
+            latest_checkpoint(run), str(export), "--to", "hf", "--target", str(work / "target"), "--overwrite"])()),
+        Stage(f"{name}: serve", ev / "summary.json", call("pr_specforge.eval.cli", serve)),
+    ]
+
+
+def row(name: str, diag: Optional[dict], summary: Optional[dict]) -> dict:
+    """One table row: held-out diagnostics and served tau (per set and mean; m = 0 for PR)."""
+    out: dict = {"variant": name}
+    if diag:
+        acc = diag.get("one_pass_acc") or []
+        out["one_pass_acc0"] = acc[0] if acc else None
+        out["sim_acc_len"] = diag.get("simulated_acc_len")
+        pr = diag.get("pr") or {}
+        for key in ("pr/acc_depth_0", "pr/acc_depth_1", "pr/acc_depth_2", "pr/recovered_share", "pr/recovered_outside_topk"):
+            out[key.split("/", 1)[1]] = pr.get(key)
+    for entry in (summary or {}).get("results", []):
+        suffix = "_m0" if entry["draft"].endswith("/one-pass") else ""
+        out[f"tau_{entry['set']}{suffix}"] = entry["tau"]
+    for suffix in ("", "_m0"):
+        taus = [out[f"tau_{s}{suffix}"] for s in SETS if f"tau_{s}{suffix}" in out]
+        out[f"tau_mean{suffix}"] = sum(taus) / len(taus) if taus else None
+    return out
+
+
+def render(rows: Sequence[dict], args) -> str:
+    cols = ["variant", "tau_mean", "tau_mean_m0", *[f"tau_{s}" for s in SETS], "one_pass_acc0", "sim_acc_len",
+            "acc_depth_0", "acc_depth_1", "acc_depth_2", "recovered_share", "recovered_outside_topk"]
+    ranked = sorted(rows, key=lambda r: -(r.get("tau_mean") or 0.0))
+    fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
+    lines = ["# SmolLM2 pilots (issue 16, part C)", "",
+             f"{args.steps} steps per pilot (warm starts: {args.steps} more on the EAGLE-3 pilot; their baseline is "
+             f"`eagle3-long`). Served: B = 48, T = 0, prompts {args.skip}..{args.skip + args.limit - 1} of each set "
+             "(disjoint from the final evaluation's first 40); `tau_mean_m0` serves the PR drafter with m = 0. "
+             "Held-out: `pr-specforge diagnose`. Ranked by served mean tau.", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in ranked]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    work = Path(args.workdir)
+    args.out = args.out or str(work / "pilots")
+    order = sorted(args.variants, key=lambda n: (n in WARM, n != EAGLE3))  # eagle3 first, warm starts last
+    if args.dry_run:
+        for name in order:
+            print(f"{name}: pr-specforge train -c recipes/{VARIANTS[name][0]} " + " ".join(train_overrides(args, work, name, Path(args.out) / "runs" / name)))
+        return 0
+    run_stages([s for name in order for s in stages(args, work, name)], Path(args.out) / "stage_times.json")
+    rows = []
+    for name in order:
+        diag_path, summ_path = Path(args.out) / "diagnose" / f"{name}.json", Path(args.out) / "eval" / name / "summary.json"
+        rows.append(row(name, json.loads(diag_path.read_text()) if diag_path.exists() else None,
+                        json.loads(summ_path.read_text()) if summ_path.exists() else None))
+    Path(args.report + ".json").write_text(json.dumps({"steps": args.steps, "rows": rows}, indent=1) + "\n")
+    Path(args.report + ".md").write_text(render(rows, args))
+    print(render(rows, args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

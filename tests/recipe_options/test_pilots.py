@@ -1,0 +1,49 @@
+"""`benchmarks/pilots.py`: every variant's overrides load into a valid recipe; the table ranks by served tau."""
+
+import importlib.util
+import os
+
+import pytest
+
+from pr_specforge.train import load_recipe
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def _pilots():
+    spec = importlib.util.spec_from_file_location("pilots", os.path.join(ROOT, "benchmarks", "pilots.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def pilots():
+    return _pilots()
+
+
+def test_every_variant_loads_as_a_recipe_with_its_options(pilots, tmp_path):
+    args = pilots._parser().parse_args(["--workdir", str(tmp_path), "--steps", "7", "--dry-run"])
+    args.out = str(tmp_path / "pilots")
+    for name, (recipe, options) in pilots.VARIANTS.items():
+        overrides = pilots.train_overrides(args, tmp_path, name, tmp_path / "runs" / name)
+        loaded = load_recipe(os.path.join(ROOT, "recipes", recipe), overrides)
+        assert loaded.config.training.max_steps == 7, name
+        for option in options:
+            key, value = option[len("pr."):].split("=")
+            assert str(getattr(loaded.pr, key)).lower() == value.lower(), (name, option)
+        if name == "warm-frozen-separate-adapter16":
+            assert loaded.pr.init_from == "<eagle3 pilot checkpoint>" and loaded.pr.freeze_one_pass
+
+
+def test_rows_and_table_rank_by_served_tau(pilots):
+    diag = {"one_pass_acc": [0.7, 0.5], "simulated_acc_len": 2.5, "pr": {"pr/acc_depth_1": 0.6, "pr/recovered_share": 0.1}}
+    summary = {"results": [{"draft": "a", "set": s, "tau": t} for s, t in zip(pilots.SETS, (3.0, 3.3, 3.6))]
+               + [{"draft": "a/one-pass", "set": s, "tau": 3.0} for s in pilots.SETS]}
+    a = pilots.row("a", diag, summary)
+    assert a["tau_mean"] == pytest.approx(3.3) and a["tau_mean_m0"] == pytest.approx(3.0) and a["acc_depth_1"] == 0.6
+    b = pilots.row("b", None, {"results": [{"draft": "b", "set": "gsm8k", "tau": 3.1}]})
+    args = pilots._parser().parse_args(["--steps", "100"])
+    table = pilots.render([b, a], args)
+    assert table.index("| a |") < table.index("| b |") and "| 3.300 | 3.000 |" in table
