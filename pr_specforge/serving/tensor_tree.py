@@ -140,7 +140,7 @@ class TensorTreeBuilder:
         self.via[self.bw :] = 1
         self.true1 = torch.ones(1, device=dev, dtype=torch.bool)
         # the step's rows: bw frontier rows, then m reconsideration rows (the PR drafter's adapter acts on these)
-        self.recon_rows = torch.arange(self.per_step, device=dev) >= self.bw
+        self.recon_row_mask = torch.arange(self.per_step, device=dev) >= self.bw
 
     def _reset(self) -> None:
         for t in (self.score, self.info, self.vis, self.anc, self.forwarded, self.pooled, self.depth_r,
@@ -253,7 +253,7 @@ class TensorTreeBuilder:
         self.mask[r0 : r0 + n, self.ctx :] = torch.where(self.vis[nodes] | self.own[r0 : r0 + n], 0.0, NEG)
         mask = self.mask[r0 : r0 + n]
         col = self.ctx + r0
-        recon = self.recon_rows if m else None
+        recon = self.recon_row_mask if m else None
         if self.coforward or not m:
             feats = rt.forward_tree_rows(emb, hidden, pos, col, mask, self.max_pos, recon)
         else:  # the serial baseline of Appendix A.1: the reconsideration rows in their own call of M
