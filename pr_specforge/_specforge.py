@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import specforge.algorithms.eagle3.model as _eagle3_model_mod
+import specforge.distributed as _distributed_module
 import specforge.launch as _launch_module
 import specforge.training.assembly as _assembly_module
 import specforge.training.trainer as _trainer_module
@@ -182,6 +183,16 @@ def use_training_backend(cls) -> None:
 def restore_training_backend() -> None:
     """Undo `use_training_backend` (tests; in-process reuse)."""
     _restore(_trainer_module, "FSDPTrainingBackend")
+
+
+def wrap_destroy_distributed(wrap: Callable[[Any], Any]) -> None:
+    """SpecForge's CLI tears its process groups down with `wrap(original destroy_distributed)`."""
+    _patch(_distributed_module, "destroy_distributed", wrap(_original(_distributed_module, "destroy_distributed")))
+
+
+def restore_destroy_distributed() -> None:
+    """Undo `wrap_destroy_distributed`."""
+    _restore(_distributed_module, "destroy_distributed")
 
 
 def checkpoint_manager_base():

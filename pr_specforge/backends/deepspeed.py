@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import weakref
 from typing import Any, Dict, Optional
 
 import torch
@@ -44,6 +45,9 @@ import torch.nn as nn
 from pr_specforge._specforge import ParallelConfig, TrainingBackend, rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
+
+#: engines this process built, for the teardown (see `release_deepspeed_groups`)
+_ENGINES: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def _config_error(message: str):
@@ -161,6 +165,7 @@ class DeepSpeedTrainingBackend(TrainingBackend):
             config=self.resolved_config, dist_init_required=False,
         )
         self.engine = engine
+        _ENGINES.add(engine)
         self.module = engine
         self.zero_optimizer = optimizer
         self.scheduler = scheduler
@@ -256,6 +261,79 @@ class DeepSpeedTrainingBackend(TrainingBackend):
             set_rng_state(state["rng"])
 
 
+def release_deepspeed_groups() -> int:
+    """Destroy this process's engines and drop DeepSpeed's process-group handles; returns how many handles.
+
+    ZeRO communicates over DeepSpeed's own clone of the world group (`groups._WORLD_GROUP`,
+    made by `dist.new_group`), a gloo group with its own TCP connections, event-loop thread
+    and two worker threads. Two references kept it alive after SpecForge's
+    `destroy_distributed`: that module global, and the ZeRO optimizer itself, which its
+    gradient hooks (closures held by autograd's C++ nodes, invisible to `gc`) never let
+    go. So the group's native threads were still running while the interpreter shut down,
+    and a rank whose peer had already exited could abort ("terminate called without an
+    active exception", tests/training/test_deepspeed.py on a busy machine). With the hooks
+    removed (`engine.destroy()`) and the global dropped, the group is destroyed, its
+    threads joined, inside `destroy_process_group`, while every rank is still alive.
+    """
+    import gc
+
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    for engine in list(_ENGINES):
+        engine.destroy()
+    _ENGINES.clear()
+    released = 0
+    for name, value in list(vars(groups).items()):
+        if isinstance(value, dist.ProcessGroup):
+            setattr(groups, name, None)
+            released += 1
+        elif isinstance(value, dict) and any(isinstance(v, dist.ProcessGroup) for v in value.values()):
+            value.clear()
+            released += 1
+    gc.collect()  # the engine and its ZeRO optimizer (which hold the group too) sit in reference cycles
+    return released
+
+
+def _ordered_teardown(destroy):
+    """SpecForge's `destroy_distributed`, preceded by a barrier (on success) and the release of DeepSpeed's groups."""
+    import sys
+
+    def destroy_distributed():
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size() > 1 and sys.exc_info()[0] is None:
+            dist.barrier()  # no rank closes its connections while a peer still has a collective in flight
+        if dist.is_initialized():
+            release_deepspeed_groups()
+        destroy()
+        import gc
+
+        gc.collect()  # DeviceMesh objects hold their groups in reference cycles
+        left = _gloo_threads()
+        if left is not None:
+            log.info("distributed teardown: %d gloo threads left", left)
+
+    destroy_distributed.__wrapped__ = destroy
+    return destroy_distributed
+
+
+def _gloo_threads() -> Optional[int]:
+    """Live gloo worker threads of this process (Linux: thread names in /proc), or None elsewhere."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    count = 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().strip() == "pt_gloo_runloop"
+        except OSError:
+            continue
+    return count
+
+
 def install_deepspeed_backend(backend: Any, config: Any) -> None:
     """Make SpecForge's trainer build a DeepSpeedTrainingBackend (idempotent, per process)."""
     if not torch.cuda.is_available():
@@ -264,16 +342,18 @@ def install_deepspeed_backend(backend: Any, config: Any) -> None:
         import deepspeed  # noqa: F401
     except ImportError as exc:  # pragma: no cover - deepspeed is a declared dependency here
         raise _config_error(f"backend.name=deepspeed needs the deepspeed package ({exc}); pip install deepspeed") from exc
-    from pr_specforge._specforge import use_training_backend
+    from pr_specforge._specforge import use_training_backend, wrap_destroy_distributed
 
     backend.validate_against(config)
     bound = type("BoundDeepSpeedTrainingBackend", (DeepSpeedTrainingBackend,),
                  {"ds_json": backend.deepspeed_json(), "training_config": config})
     use_training_backend(bound)
+    wrap_destroy_distributed(_ordered_teardown)
 
 
 def uninstall_deepspeed_backend() -> None:
     """Restore SpecForge's own backend factory (tests; in-process reuse)."""
-    from pr_specforge._specforge import restore_training_backend
+    from pr_specforge._specforge import restore_destroy_distributed, restore_training_backend
 
     restore_training_backend()
+    restore_destroy_distributed()
