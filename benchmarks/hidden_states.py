@@ -31,7 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--max-length", type=int, default=512)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="auto: bf16 on a CPU with native bf16 (AMX/AVX512-BF16), else fp32")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None)
@@ -57,6 +58,9 @@ def main(argv=None) -> int:
             out.write(row)
 
     tok = AutoTokenizer.from_pretrained(args.target)
+    from pr_specforge.dtypes import resolve_dtype
+
+    args.dtype = resolve_dtype(args.dtype)
     capture = TransformersCapture.from_pretrained(args.target, None, dtype=args.dtype)
     model = capture.model
     items = [(i, tokenize_conversation(tok, r["conversations"], args.chat_template, args.max_length).input_ids, None)

@@ -129,11 +129,15 @@ def main(argv=None) -> int:
     parser.add_argument("--ttt", type=int, default=7)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="auto: bf16 on CUDA or a CPU with native bf16 (AMX/AVX512-BF16), else fp32")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda[:N] (CUDA uses SpecForge's Triton loss kernel)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    from pr_specforge.dtypes import resolve_dtype
+
+    args.dtype = resolve_dtype(args.dtype, args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     import pr_specforge._specforge  # noqa: F401  (CPU-safe loss)

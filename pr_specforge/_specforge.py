@@ -67,6 +67,7 @@ from specforge.runtime.data_plane.feature_store import LocalFeatureStore  # noqa
 from specforge.runtime.data_plane.offline_reader import OfflineManifestReader  # noqa: F401
 from specforge.training.backend import FSDPTrainingBackend, ParallelConfig, TrainingBackend  # noqa: F401
 from specforge.training.checkpoint import STATE_FILE, CheckpointManager  # noqa: F401
+from specforge.training.controller import TrainerController  # noqa: F401  (progress hook)
 from specforge.training.strategies.base import Eagle3TrainStrategy, StepOutput  # noqa: F401
 from specforge.training.tracking import TrackerLogger, scalar_metrics, training_metric_names  # noqa: F401
 from specforge.utils import padding  # noqa: F401
@@ -228,3 +229,35 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 def init_rope(attention) -> None:
     """Rebuild a SpecForge drafter attention's rotary embedding from its config."""
     attention._init_rope()
+
+
+def install_feature_file_errors() -> None:
+    """A feature file that fails to load mid-run raises one error naming it and the fix (idempotent).
+
+    SpecForge's loader reads files lazily (`feature_store.load_feature_file`); torch's own error
+    ("failed finding central directory") does not say which file."""
+    import specforge.runtime.data_plane.feature_store as feature_store
+    import specforge.runtime.data_plane.offline_reader as offline_reader
+
+    original = _original(feature_store, "load_feature_file")
+
+    def load_feature_file(path: str):
+        try:
+            return original(path)
+        except Exception as e:
+            from pr_specforge.config import ConfigError
+            from pr_specforge.data.io import brief
+
+            raise ConfigError(
+                f"feature file {path}: does not load ({brief(e)}); delete it and rerun the "
+                "`pr-specforge data hidden-states` command that wrote it (`pr-specforge data validate DIR` lists every bad file)"
+            ) from None
+
+    _patch(feature_store, "load_feature_file", load_feature_file)
+    _patch(offline_reader, "load_feature_file", load_feature_file)
+
+
+def wrap_progress_bar(wrap: Callable[[Any, Any], Any]) -> None:
+    """SpecForge's controller starts fitting with `wrap(controller, its own step bar or None)` (idempotent)."""
+    original = _original(TrainerController, "_make_progress_bar")
+    _patch(TrainerController, "_make_progress_bar", lambda controller: wrap(controller, original(controller)))

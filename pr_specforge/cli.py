@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import List, Optional
 
@@ -29,12 +30,18 @@ _DELEGATED = {
 }
 
 
+_TRAIN_FLAGS = ("--dry-run", "--start-over")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pr-specforge", description="Parallel Reconsideration drafters on SpecForge")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a drafter from a recipe (SpecForge config + pr: section)")
     train.add_argument("-c", "--config", required=True, help="recipe YAML")
     train.add_argument("--dry-run", action="store_true", help="load and validate the recipe, then stop")
+    train.add_argument("--start-over", action="store_true",
+                       help="discard the checkpoints and metrics already in output_dir and train from step 0 "
+                            "(without it, a run directory holding checkpoints is resumed from the newest)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. training.max_steps=20 pr.max_depth=2")
     for name, (_, help_text) in _DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -61,6 +68,14 @@ def _configure_compile() -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before a command's own handler (e.g. while importing): nothing was written
+        print(f"pr-specforge {argv[0] if argv else ''}: interrupted".replace("  ", " "), file=sys.stderr)
+        return 130
+
+
+def _main(argv: List[str]) -> int:
     if not {"-h", "--help"} & set(argv):
         _configure_compile()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -69,16 +84,23 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         module = importlib.import_module(_DELEGATED[argv[0]][0])
         return int(module.main(argv[1:]) or 0)
+    if argv and argv[0] == "train":  # flags may follow the overrides (`train -c R x.y=1 --start-over`)
+        flags = [a for a in argv[1:] if a in _TRAIN_FLAGS]
+        argv = [argv[0], *flags, *(a for a in argv[1:] if a not in _TRAIN_FLAGS)]
     args = _parser().parse_args(argv)
     if args.command == "train":
         from pr_specforge.config import ConfigError
-        from pr_specforge.train import run_train
+        from pr_specforge.train import TrainingInterrupted, run_train
 
         try:
-            return run_train(args.config, args.overrides, dry_run=args.dry_run)
+            return run_train(args.config, args.overrides, dry_run=args.dry_run, start_over=args.start_over)
         except ConfigError as e:
             print(f"pr-specforge train: {e}", file=sys.stderr)
             return 2
+        except TrainingInterrupted as e:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"pr-specforge train: {e}", file=sys.stderr)
+            return 130
     return 2
 
 

@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from pr_specforge.data.io import read_jsonl_rows
-from pr_specforge.pipeline import REPO_ROOT, Stage, check_settings, latest_checkpoint, log_command, run_stages, train_command
+from pr_specforge.pipeline import (REPO_ROOT, Stage, check_settings, features_done, latest_checkpoint, log_command,
+                                   run_stages, train_command)
 from pr_specforge.pipeline import call_stage as _call_stage
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         Stage("regenerate", work / "regenerated.done", regenerate(convs, regen, work / "regenerated.done")),
         Stage("features", feats / "manifest.json", lambda: (
             hidden_states(regen, feats),
-            call_stage("pr_specforge.data.cli", ["validate", str(feats), "--target", str(target)]))),
+            call_stage("pr_specforge.data.cli", ["validate", str(feats), "--target", str(target)])),
+            done=lambda: features_done(feats)),
         *([
             Stage("heldout-conversations", held / "conversations.jsonl", lambda: call_stage("pr_specforge.data.cli", [
                 "conversations", "--source", "sharegpt-package", "--output", str(held / "conversations.jsonl"),
@@ -172,7 +174,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             Stage("heldout-regenerate", held / "regenerated.done",
                   regenerate(held / "conversations.jsonl", held / "regenerated.jsonl", held / "regenerated.done")),
             Stage("heldout-features", held / "features" / "manifest.json",
-                  lambda: hidden_states(held / "regenerated.jsonl", held / "features")),
+                  lambda: hidden_states(held / "regenerated.jsonl", held / "features"),
+                  done=lambda: features_done(held / "features")),
         ] if args.heldout else []),
     ]
     seeded = [

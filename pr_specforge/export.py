@@ -72,6 +72,11 @@ def read_checkpoint(path: str) -> Dict[str, Any]:
         return resolve_training_state(path)
     except (FileNotFoundError, ValueError) as e:
         raise ExportError(f"{path}: {e}") from None
+    except Exception as e:  # truncated or not a torch file: torch's error does not name it
+        from pr_specforge.data.io import brief
+
+        raise ExportError(f"{path}: the training state does not load ({brief(e)}); it is damaged, export an "
+                          "earlier checkpoint (the run directory holds one per training.save_interval)") from None
 
 
 def stored_recipe(state: Dict[str, Any], checkpoint: str) -> Optional[Dict[str, Any]]:
@@ -114,9 +119,12 @@ def _pick(what: str, given: Optional[str], candidates: Sequence[Tuple[str, Optio
 
 
 def _load_vocab_mapping(path: str) -> Dict[str, torch.Tensor]:
-    mapping = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(mapping, dict) or "t2d" not in mapping or "d2t" not in mapping:
-        raise ExportError(f"{path}: a vocab mapping is a dict with 't2d' and 'd2t' tensors")
+    from pr_specforge.data.vocab import read_vocab_mapping
+
+    try:
+        mapping = read_vocab_mapping(path)
+    except ValueError as e:
+        raise ExportError(f"{e}; a vocab mapping is a dict with 't2d' and 'd2t' tensors") from None
     return {"t2d": mapping["t2d"], "d2t": mapping["d2t"]}
 
 

@@ -1,6 +1,6 @@
 """`pr-specforge run`: the embedded default, end to end on a CPU.
 
-    pr-specforge run                       # small scale, ~15 minutes on 2 cores
+    pr-specforge run                       # small scale; see README.md for its measured time on 2 cores
     pr-specforge run --conversations 4000 --max-steps 8000 --eval-limit 80 --workdir work/smollm2
 
 Stages (each skipped when its output exists, so a rerun resumes where it stopped):
@@ -52,10 +52,23 @@ def _parser() -> argparse.ArgumentParser:
 
 
 class Stage:
-    """A pipeline stage: skipped when `output` exists (a stage writes it last)."""
+    """A pipeline stage: skipped once `done()` (by default: `output` exists; a stage writes it last)."""
 
-    def __init__(self, name: str, output: Path, run: Callable[[], None]):
+    def __init__(self, name: str, output: Path, run: Callable[[], None], done: Optional[Callable[[], bool]] = None):
         self.name, self.output, self.run = name, output, run
+        self.done = done or output.exists
+
+
+def features_done(feats: Path) -> bool:
+    """A features stage finished: its `manifest.json` says complete (`data hidden-states` writes it
+    `in_progress` at the start, so its mere existence is no sign of a finished stage)."""
+    manifest = feats / "manifest.json"
+    if not manifest.exists():
+        return False
+    try:
+        return json.loads(manifest.read_text()).get("status") == "complete"
+    except json.JSONDecodeError:
+        return False
 
 
 #: module -> the `pr-specforge` sub-command that runs it (for logged command lines)
@@ -158,7 +171,7 @@ def run_stages(stages: List[Stage], times_path: Optional[Path] = None, heartbeat
                 atomic_write_json(times_path, timings)
 
     for stage in stages:
-        if stage.output.exists():
+        if stage.done():
             log.info("stage %-13s skipped (%s exists)", stage.name, stage.output)
             timings.setdefault(stage.name, 0.0)
             continue
@@ -231,7 +244,10 @@ def main(argv: Optional[List[str]] = None) -> int:
               lambda: (call_stage("pr_specforge.data.cli", ["hidden-states", "--target", str(target), "--input", str(regen),
                                                        "--output", str(feats), "--max-length", str(args.max_length),
                                                        "--draft-vocab-size", str(args.draft_vocab_size)]),
-                       call_stage("pr_specforge.data.cli", ["validate", str(feats), "--target", str(target)]))),
+                       call_stage("pr_specforge.data.cli", ["validate", str(feats), "--target", str(target)])),
+              done=lambda: features_done(feats)),
+        # an interrupted training resumes from its newest checkpoint (`pr-specforge train` resumes a run directory
+        # that holds checkpoints by default)
         Stage("train", run_dir / "train.done", lambda: (train(), (run_dir / "train.done").write_text("ok\n"))),
         Stage("export", export_hf / "config.json",
               lambda: (call_stage("pr_specforge.export", [latest_checkpoint(run_dir), str(export_sglang), "--to", "sglang",

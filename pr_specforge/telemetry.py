@@ -87,13 +87,14 @@ class MetricsSink:
     """Wraps the trainer's logger: JSONL row per logged step (rank 0), panel names for the tracker."""
 
     def __init__(self, inner: Callable[[Dict[str, Any], int], None], output_dir: str) -> None:
-        self.inner = inner
+        self.inner = inner  # SpecForge's console printer (the whole dict) or a TrackerLogger: its tracker only
+        self.console = ConsoleLine()
         self.path = os.path.join(output_dir, METRICS_FILE)
         self._defined = False
         self._file = None
 
     def __call__(self, metrics: Mapping[str, Any], step: int) -> None:
-        from pr_specforge._specforge import TrackerLogger, scalar_metrics, training_metric_names
+        from pr_specforge._specforge import TrackerLogger, scalar_metrics
 
         scalars = scalar_metrics(metrics)
         if "tokens_per_sample" in scalars and "perf/global_samples_per_second" in scalars:
@@ -101,13 +102,10 @@ class MetricsSink:
                 scalars["tokens_per_sample"] * scalars["perf/global_samples_per_second"])
         if _rank() == 0:
             self._append({"step": int(step), "time": time.time(), **scalars})
+            self.console.line(scalars, int(step))
         if isinstance(self.inner, TrackerLogger):
-            if self.inner.console_logger is not None:
-                self.inner.console_logger(training_metric_names(scalars), step)
             self._define_wandb_metrics()
             self.inner.tracker.log(tracker_values(scalars), step=step)
-        else:
-            self.inner(dict(metrics), step)
 
     def _append(self, row: Dict[str, Any]) -> None:
         if self._file is None:
@@ -137,11 +135,80 @@ class MetricsSink:
             close()
 
 
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
+class ConsoleLine:
+    """One short line per logged step (the full dict goes to metrics.jsonl and the tracker):
+
+        step 120/300  loss 3.412  acc0 0.352  q 0.81/0.12/0.07  halt>0 0.19  1.52 s/step  ETA 4m33s
+
+    `q` is PR's depth marginal (share of rows halting at depth 0, 1, ...), `halt>0` the share
+    that reconsiders past depth 0; s/step and ETA average over this run since its first step.
+    Printed through tqdm (below SpecForge's progress bar when it draws one)."""
+
+    def __init__(self) -> None:
+        self.total: Optional[int] = None
+        self.bar = None
+        self._start: Optional[Tuple[int, float]] = None
+
+    def started(self, step: int, total: Optional[int], bar: Any) -> None:
+        self.total, self.bar, self._start = total, bar, (step, time.perf_counter())
+
+    def format(self, scalars: Mapping[str, float], step: int) -> str:
+        if not any(k == "loss" or k.startswith(("ploss_", "pr/loss")) for k in scalars):
+            shown = {k: v for k, v in scalars.items() if k.startswith("eval/")}
+            return f"eval at step {step}: " + "  ".join(f"{k[5:]} {v:.4g}" for k, v in sorted(shown.items())[:6])
+        parts = [f"step {step}/{self.total}" if self.total else f"step {step}"]
+        loss = scalars.get("pr/loss_total", scalars.get("loss"))
+        if loss is not None:
+            parts.append(f"loss {loss:.4f}")
+        if "acc_0" in scalars:
+            parts.append(f"acc0 {scalars['acc_0']:.3f}")
+        q = [scalars[k] for k in sorted((k for k in scalars if re.fullmatch(r"pr/depth_marginal_\d+", k)),
+                                        key=lambda k: int(k.rsplit("_", 1)[1]))]
+        if q:
+            parts.append("q " + "/".join(f"{x:.2f}" for x in q))
+        if "pr/halt_past_0" in scalars:
+            parts.append(f"halt>0 {scalars['pr/halt_past_0']:.2f}")
+        if self._start is not None and step > self._start[0]:
+            per_step = (time.perf_counter() - self._start[1]) / (step - self._start[0])
+            parts.append(f"{per_step:.2f} s/step")
+            if self.total:
+                parts.append(f"ETA {_duration(per_step * max(0, self.total - step))}")
+        return "  ".join(parts)
+
+    def line(self, scalars: Mapping[str, float], step: int) -> None:
+        text = self.format(scalars, step)
+        if self.bar is not None:
+            from tqdm import tqdm
+
+            tqdm.write(text)
+        else:
+            print(text, flush=True)
+
+
 def install_metrics_sink() -> None:
     """Route every logger SpecForge's assembly builds through `MetricsSink` (idempotent)."""
-    from pr_specforge._specforge import wrap_trainer_logger
+    from pr_specforge._specforge import wrap_progress_bar, wrap_trainer_logger
 
     wrap_trainer_logger(lambda logger, cfg: MetricsSink(logger, cfg.output_dir))
+    wrap_progress_bar(_progress_started)
+
+
+def _progress_started(controller, bar):
+    """When SpecForge's controller starts fitting: tell the sink the run's first step and horizon.
+
+    SpecForge draws its own step/total bar (with s/step and ETA) on a terminal; the sink's one
+    line per logged step carries the same numbers into a log file."""
+    sink = controller.logger
+    if isinstance(sink, MetricsSink):
+        total = controller.max_steps if controller.max_steps is not None else controller.total_steps
+        sink.console.started(controller.global_step, total, bar)
+    return bar
 
 
 # ------------------------------------------------------------------------------ reading

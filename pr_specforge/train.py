@@ -131,6 +131,7 @@ def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
         backend_raw = {**(backend_raw or {}), **backend_over}
     backend = BackendConfig.from_mapping(backend_raw, where=f"{path}: {BACKEND_SECTION}", recipe_dir=os.path.dirname(path) or ".")
     spec_raw = {k: v for k, v in raw.items() if k not in (PR_SECTION, BACKEND_SECTION)}
+    spec_raw, spec_over = _resolve_auto_dtype(spec_raw, spec_over)
     config = _specforge_config(spec_raw, spec_over, path)
     backend_given = "attention_backend" in (spec_raw.get("training") or {}) or any(
         o.split("=", 1)[0] == "training.attention_backend" for o in spec_over)
@@ -158,6 +159,24 @@ def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
     return Recipe(config=config, pr=pr, raw=resolved, path=path, backend=backend, online=online)
 
 
+def _resolve_auto_dtype(spec_raw: Dict[str, Any], overrides: List[str]):
+    """`model.torch_dtype: auto` (recipe or override) -> the dtype this machine computes fast (`pr_specforge.dtypes`)."""
+    from pr_specforge.dtypes import resolve_dtype
+
+    device = "cpu"
+    if (spec_raw.get("model") or {}).get("torch_dtype") == "auto" or "model.torch_dtype=auto" in overrides:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = dict(spec_raw.get("model") or {})
+    if model.get("torch_dtype") == "auto":
+        model["torch_dtype"] = resolve_dtype("auto", device)
+        spec_raw = {**spec_raw, "model": model}
+    overrides = [f"model.torch_dtype={resolve_dtype('auto', device)}" if o == "model.torch_dtype=auto" else o
+                 for o in overrides]
+    return spec_raw, overrides
+
+
 def _specforge_config(spec_raw: Dict[str, Any], overrides: Sequence[str], path: str):
     from pydantic import ValidationError
     from pr_specforge._specforge import Config
@@ -166,6 +185,7 @@ def _specforge_config(spec_raw: Dict[str, Any], overrides: Sequence[str], path: 
     try:
         config = Config.model_validate(migrate_legacy_config(copy.deepcopy(spec_raw)))
         if overrides:
+            _check_override_paths(config, overrides)
             config = apply_overrides(config, list(overrides))
     except ValidationError as e:
         lines = []
@@ -174,6 +194,28 @@ def _specforge_config(spec_raw: Dict[str, Any], overrides: Sequence[str], path: 
             lines.append(f"  {loc or '<root>'}: {err.get('msg')}{_fix_hint(err)}")
         raise ConfigError(f"recipe {path}: invalid SpecForge config:\n" + "\n".join(lines)) from None
     return config
+
+
+def _check_override_paths(config, overrides: Sequence[str]) -> None:
+    """An override of a field SpecForge's config does not have: one line naming it and the near names."""
+    import difflib
+
+    raw = config.model_dump()
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form section.field=value")
+        path = item.split("=", 1)[0]
+        node, walked = raw, []
+        for key in path.split("."):
+            if not isinstance(node, dict) or key not in node:
+                names = sorted(node) if isinstance(node, dict) else []
+                near = difflib.get_close_matches(key, names, n=3)
+                where = ".".join(walked) or "the recipe's top level"
+                hint = f"; did you mean {', '.join('.'.join([*walked, n]) for n in near)}?" if near else \
+                    f"; {where} has: {', '.join(names)}" if names else ""
+                raise ConfigError(f"override {item!r}: {where} has no field {key!r}{hint}")
+            node = node[key]
+            walked.append(key)
 
 
 def _fix_hint(err: Dict[str, Any]) -> str:
@@ -195,8 +237,12 @@ def _in_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def run_train(recipe_path: str, overrides: Sequence[str], dry_run: bool = False) -> int:
+def run_train(recipe_path: str, overrides: Sequence[str], dry_run: bool = False, start_over: bool = False) -> int:
     recipe = load_recipe(recipe_path, overrides)
+    preflight(recipe)
+    if dry_run:
+        return 0
+    recipe, overrides = _resume_by_default(recipe, recipe_path, list(overrides), start_over)
     cfg = recipe.config
     world = cfg.deployment.trainer.nnodes * cfg.deployment.trainer.nproc_per_node
     if not _in_torchrun() and world > 1:
@@ -209,11 +255,76 @@ def run_train(recipe_path: str, overrides: Sequence[str], dry_run: bool = False)
                f"--nproc_per_node={cfg.deployment.trainer.nproc_per_node}",
                "-m", "pr_specforge.cli", "train", "-c", recipe_path, *overrides]
         log.info("self-launching %d ranks: %s", world, " ".join(cmd))
-        return subprocess.call(cmd)
-    preflight(recipe)
-    if dry_run:
-        return 0
+        return _self_launch(cmd, cfg.output_dir)
     return _run_worker(recipe)
+
+
+#: set in the ranks `pr-specforge train` launches itself: an interrupted rank exits quietly, the launcher reports.
+SELF_LAUNCHED_ENV = "PR_SPECFORGE_SELF_LAUNCHED"
+
+
+class TrainingInterrupted(Exception):
+    """Ctrl-C: the message says what was kept and how to resume."""
+
+
+def interrupted_message(output_dir: str) -> str:
+    from pr_specforge.preflight import run_checkpoints
+
+    latest = run_checkpoints(output_dir)
+    if latest is None:
+        return (f"interrupted before the first checkpoint; {output_dir} holds none (training.save_interval sets how "
+                "often one is written); rerun the same command to train from step 0")
+    return (f"interrupted; checkpoints kept in {output_dir} (newest: {os.path.basename(latest)}); "
+            "rerun the same command to resume from it")
+
+
+def _self_launch(cmd: List[str], output_dir: str) -> int:
+    """torchrun in its own session: Ctrl-C reaches this process only, which interrupts the ranks
+    (they stop quietly) and reports in one line, instead of torchrun's and every rank's tracebacks."""
+    import signal
+
+    proc = subprocess.Popen(cmd, env={**os.environ, SELF_LAUNCHED_ENV: "1"}, start_new_session=True)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        for pid in _children(proc.pid):
+            try:
+                os.kill(pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+        while True:
+            try:
+                proc.wait()
+                break
+            except KeyboardInterrupt:
+                continue
+        raise TrainingInterrupted(interrupted_message(output_dir)) from None
+
+
+def _children(pid: int) -> List[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def _resume_by_default(recipe: Recipe, recipe_path: str, overrides: List[str], start_over: bool):
+    """A run directory holding checkpoints is resumed unless the user said `--start-over` (which discards them)."""
+    from pr_specforge.preflight import resume_or_start_over
+
+    cfg = recipe.config
+    if start_over and int(os.environ.get("RANK", "0")) != 0:
+        return recipe, overrides  # rank 0 discards the old checkpoints; no rank resumes
+    resume = resume_or_start_over(cfg.output_dir, cfg.training.resume_from, start_over)
+    if start_over:
+        log.info("--start-over: discarded the checkpoints and metrics in %s; training from step 0", cfg.output_dir)
+    if resume is None or resume == cfg.training.resume_from:
+        return recipe, overrides
+    log.info("%s holds checkpoints: resuming from the newest (pass --start-over to discard them and train from step 0)",
+             cfg.output_dir)
+    overrides = [*overrides, f"training.resume_from={resume}"]
+    return load_recipe(recipe_path, overrides), overrides
 
 
 def _first_feature_file(root: str) -> Optional[str]:
@@ -248,10 +359,15 @@ def preflight(recipe: Recipe) -> None:
                 f"model.draft_model_config: {draft_path} has architectures[0]={arch!r}, which is not an EAGLE-3 "
                 f"drafter; the {cfg.training.strategy} strategy needs {EAGLE3_ARCHITECTURE!r}"
             )
+    from pr_specforge.preflight import check_target, check_vocab_map
+
+    check_target(cfg.model.target_model_path)
     if recipe.online is not None:
         from pr_specforge.online import check_inputs
 
-        check_inputs(recipe.online)
+        check_inputs(recipe.online)  # the online run builds its own vocab map
+    else:
+        check_vocab_map(cfg.model.vocab_mapping_path, draft, cfg.data.hidden_states_path)
     for field in ("hidden_states_path", "eval_hidden_states_path"):
         if field == "hidden_states_path" and recipe.online is not None:
             continue
@@ -263,8 +379,24 @@ def preflight(recipe: Recipe) -> None:
             raise ConfigError(
                 f"data.eval_hidden_states_path: features are {sample['hidden_state'].dtype} but model.torch_dtype is "
                 "float32, and SpecForge's eagle3 eval loop does not cast them; set model.torch_dtype=bfloat16 "
-                "(as the SmolLM2 recipes do) or train without held-out eval"
+                "or train without held-out eval"
             )
+
+
+def _check_manifest_status(field: str, feats: str) -> None:
+    import json
+
+    path = os.path.join(feats, "manifest.json")
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            status = json.load(f).get("status", "complete")
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{field}: {path} is not valid JSON ({e})") from None
+    if status != "complete":
+        raise ConfigError(f"{field}: {path} has status {status!r}: the `pr-specforge data hidden-states` run writing "
+                          f"{feats} did not finish; rerun the same command to complete it")
 
 
 def check_feature_dir(field: str, feats: Optional[str], draft: Optional[dict], draft_path: Optional[str]):
@@ -276,9 +408,18 @@ def check_feature_dir(field: str, feats: Optional[str], draft: Optional[dict], d
     first = _first_feature_file(feats)
     if first is None:
         raise ConfigError(f"{field}: no .ckpt feature files under {feats}")
+    _check_manifest_status(field, feats)
     import torch
 
-    sample = torch.load(first, map_location="cpu", weights_only=True)
+    from pr_specforge.data.io import brief
+
+    try:
+        sample = torch.load(first, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, not a torch file, pickled objects
+        raise ConfigError(f"feature file {first}: does not load ({brief(e)}); "
+                          f"delete it and rerun the `pr-specforge data hidden-states` command that wrote {feats}") from None
+    if not isinstance(sample, dict):
+        raise ConfigError(f"feature file {first}: holds a {type(sample).__name__}, not a SpecForge EAGLE-3 feature dict")
     missing = [k for k in ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state") if k not in sample]
     if missing:
         raise ConfigError(f"feature file {first}: missing key(s) {missing}; not a SpecForge EAGLE-3 feature file")
@@ -307,7 +448,17 @@ def _run_worker(recipe: Recipe) -> int:
     os.makedirs(cfg.output_dir, exist_ok=True)
     _write_resolved_recipe(recipe)
     install_training_runtime(recipe)
-    _train(bind_run(resolved.config, resolved.algorithm))  # returns the final step count, not a status
+    interrupted: List[bool] = []
+    with _watch_sigint(interrupted):
+        try:
+            _train(bind_run(resolved.config, resolved.algorithm))  # returns the final step count, not a status
+        except BaseException:
+            # After Ctrl-C a rank may fail with its peer's closed connection rather than KeyboardInterrupt.
+            if not interrupted:
+                raise
+            if os.environ.get(SELF_LAUNCHED_ENV) == "1":
+                return 0  # the launcher reports, once
+            raise TrainingInterrupted(interrupted_message(cfg.output_dir)) from None
     return 0
 
 
@@ -343,15 +494,37 @@ def assembled_run(recipe: Recipe):
         sf.destroy_distributed()
 
 
+@contextlib.contextmanager
+def _watch_sigint(seen: List[bool]):
+    """Append to `seen` when SIGINT arrives (which still raises KeyboardInterrupt); restore the handler after."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        seen.append(True)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def install_training_runtime(recipe: Recipe) -> None:
     """Every runtime patch training needs, in one place (nothing is patched at import time):
     SpecForge's loss on CPU, recipe-carrying atomic checkpoints, the metrics JSONL sink, and
     the chosen backend."""
-    from pr_specforge._specforge import install_cpu_loss
+    from pr_specforge._specforge import install_cpu_loss, install_feature_file_errors
     from pr_specforge.backends.checkpoint import install_checkpoint_manager
     from pr_specforge.telemetry import install_metrics_sink
 
     install_cpu_loss()
+    install_feature_file_errors()
     install_checkpoint_manager(resolved_payload(recipe))
     install_metrics_sink()
     if recipe.backend.name == "deepspeed":

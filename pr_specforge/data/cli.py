@@ -31,6 +31,16 @@ def _layers(text: str) -> list[int]:
     return layers
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pr-specforge data", description="Data preparation for PR/EAGLE-3 drafters.")
     p.add_argument("--log-level", default="INFO")
@@ -41,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ultrachat | sharegpt | sharegpt-package | a .jsonl/.json/.parquet file | a hub dataset id (repeatable)")
     c.add_argument("--output", required=True)
     c.add_argument("--split", default=None, help="hub split (default: train_sft for ultrachat, train otherwise)")
-    c.add_argument("--limit", type=int, default=None, help="max rows in the output")
-    c.add_argument("--max-turns", type=int, default=None, help="max user turns kept per conversation")
+    c.add_argument("--limit", type=_positive, default=None, help="max rows in the output")
+    c.add_argument("--max-turns", type=_positive, default=None, help="max user turns kept per conversation")
     c.add_argument("--holdout-prompts", action="append", default=[],
                    help="mtbench | gsm8k | humaneval | prompts .jsonl: drop conversations whose first user prompt is in it")
     c.add_argument("--exclude-ids", action="append", default=[], metavar="JSONL",
@@ -56,18 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target", help="HF model directory (in-process transformers backend)")
     g.add_argument("--server", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:30000")
     r.add_argument("--model", default="default", help="model name sent to the server")
-    r.add_argument("--concurrency", type=int, default=8)
+    r.add_argument("--concurrency", type=_positive, default=8)
     r.add_argument("--timeout", type=float, default=120.0)
     r.add_argument("--max-retries", type=int, default=5)
     r.add_argument("--turns", choices=["first", "all"], default="first")
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--top-p", type=float, default=1.0)
-    r.add_argument("--max-new-tokens", type=int, default=512)
-    r.add_argument("--batch-size", type=int, default=8)
-    r.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto")
+    r.add_argument("--max-new-tokens", type=_positive, default=512)
+    r.add_argument("--batch-size", type=_positive, default=8)
+    r.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",
+                   help="compute dtype; auto: bf16 on CUDA or on a CPU with native bf16 (AMX/AVX512-BF16), else fp32")
     r.add_argument("--device", default="cpu")
-    r.add_argument("--limit", type=int, default=None)
-    r.add_argument("--max-prompt-chars", type=int, default=None,
+    r.add_argument("--limit", type=_positive, default=None)
+    r.add_argument("--max-prompt-chars", type=_positive, default=None,
                    help="skip (and count) conversations whose user turns are longer than this")
 
     h = sub.add_parser("hidden-states", help="write SpecForge offline EAGLE-3 feature files")
@@ -78,13 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SpecForge template name (default: from pr_specforge_target.json, e.g. smollm2)")
     h.add_argument("--backend", choices=["transformers", "sglang"], default="transformers")
     h.add_argument("--aux-layers", type=_layers, default=None, help="3 layer indices (outputs), default 1,L//2-1,L-4")
-    h.add_argument("--max-length", type=int, default=2048)
-    h.add_argument("--draft-vocab-size", type=int, default=32000)
-    h.add_argument("--batch-size", type=int, default=8)
-    h.add_argument("--max-batch-tokens", type=int, default=16384)
-    h.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16")
+    h.add_argument("--max-length", type=_positive, default=2048)
+    h.add_argument("--draft-vocab-size", type=_positive, default=32000)
+    h.add_argument("--batch-size", type=_positive, default=8)
+    h.add_argument("--max-batch-tokens", type=_positive, default=16384)
+    h.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",
+                   help="compute (and stored) dtype of the target's hidden states; auto: bf16 on CUDA or on a CPU "
+                        "with native bf16 (AMX/AVX512-BF16), else fp32")
     h.add_argument("--device", default="cpu")
-    h.add_argument("--limit", type=int, default=None)
+    h.add_argument("--limit", type=_positive, default=None)
 
     s = sub.add_parser("smollm2-target", help="convert the packaged SmolLM2-135M-Instruct GGUF into an HF target")
     s.add_argument("--output", required=True)
@@ -95,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="check a features directory")
     v.add_argument("features")
     v.add_argument("--target", default=None, help="HF model directory to check shapes against (default: manifest)")
-    v.add_argument("--max-files", type=int, default=None)
+    v.add_argument("--max-files", type=_positive, default=None)
     return p
 
 
@@ -167,12 +180,14 @@ def _main(argv: list[str] | None, shard) -> int:
 
         if args.command == "hidden-states":
             from pr_specforge.data.hidden_states import prepare_hidden_states
+            from pr_specforge.dtypes import resolve_dtype
 
             stats = prepare_hidden_states(
                 args.input, args.output, args.target, args.chat_template or _chat_template_for(args.target),
                 backend=args.backend, aux_layers=args.aux_layers, max_length=args.max_length,
                 draft_vocab_size=args.draft_vocab_size, batch_size=args.batch_size,
-                max_batch_tokens=args.max_batch_tokens, dtype=args.dtype, device=args.device, limit=args.limit)
+                max_batch_tokens=args.max_batch_tokens, dtype=resolve_dtype(args.dtype, args.device), device=args.device,
+                limit=args.limit)
             _print(shard, json.dumps(stats.as_dict()))
             return 0
 
@@ -193,10 +208,25 @@ def _main(argv: list[str] | None, shard) -> int:
                 print(f"BAD {problem}")
             print(f"{report.files} files checked, {len(report.bad)} bad, {len(report.problems)} directory problems")
             return 0 if report.ok else 1
-    except (DataFormatError, FileNotFoundError, ValueError, RuntimeError) as e:
+    except (DataFormatError, FileNotFoundError, FileExistsError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"pr-specforge data {args.command}: interrupted; {_KEPT.get(args.command, 'nothing was kept')}",
+              file=sys.stderr)
+        return 130
     return 2
+
+
+#: what an interrupted command leaves behind, and how to go on
+_KEPT = {
+    "conversations": "the rows written so far are kept in --output; rerun the same command to continue after them",
+    "regenerate": "the replies written so far are kept in --output; rerun the same command to regenerate the rest",
+    "hidden-states": "every feature file written so far is kept in --output; rerun the same command to write the "
+                     "rest (it skips the files already there)",
+    "smollm2-target": "nothing was written to --output (the conversion writes beside it, then renames); rerun it",
+    "validate": "nothing was changed; rerun it",
+}
 
 
 if __name__ == "__main__":

@@ -290,5 +290,10 @@ def prepare_conversations(
                 stats.written += 1
                 total += 1
                 bar.update(1)
+    if total == 0:
+        if os.path.exists(output) and os.path.getsize(output) == 0:
+            os.unlink(output)  # an empty file would read as a finished stage
+        raise DataFormatError(f"{', '.join(map(str, sources))}: no usable conversation "
+                              f"(read {stats.read} rows, skipped {dict(stats.skipped)}); check the --source files")
     logger.info("conversations: %s", stats.as_dict())
     return stats

@@ -34,8 +34,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pr_specforge.data.io import atomic_torch_save, atomic_write_json, iter_jsonl
-from pr_specforge.data.vocab import build_vocab_mapping, count_loss_tokens, save_vocab_mapping
+from pr_specforge.data.io import DataFormatError, atomic_torch_save, atomic_write_json, iter_jsonl
+from pr_specforge.data.vocab import build_vocab_mapping, count_loss_tokens, save_vocab_mapping, vocab_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -333,6 +333,8 @@ def prepare_hidden_states(
         aux_layers = list(getattr(capture, "aux_layers", None) or default_aux_layers(tcfg.num_hidden_layers))
     target = target_fingerprint(config, aux_layers, target_path)
     check_output_dir(out_dir, target)
+    if draft_vocab_size < 1:
+        raise ValueError(f"draft_vocab_size must be at least 1, got {draft_vocab_size}")
     if draft_vocab_size > target["vocab_size"]:
         raise ValueError(f"draft_vocab_size {draft_vocab_size} exceeds the target vocab size {target['vocab_size']}")
 
@@ -355,6 +357,9 @@ def prepare_hidden_states(
         if done < len(batch):
             todo.append(batch)  # whole: a row's features never depend on how far a killed run got
 
+    if not items:  # every rank reads every row, so all refuse together
+        raise DataFormatError(f"{input_path}: no usable conversation (read {stats.rows} rows, "
+                              f"skipped {dict(stats.skipped)}); nothing written")
     manifest = {
         "format": FORMAT,
         "status": "in_progress",
@@ -398,8 +403,10 @@ def prepare_hidden_states(
     if nan:
         stats.skipped["nan"] = nan
     written_dtype = next((d for *_, d in per_rank if d), dtype)  # what was stored, e.g. a float32 capture
-    save_vocab_mapping(build_vocab_mapping(counts, draft_vocab_size, target["vocab_size"]), out_dir)
-    atomic_write_json(out_dir / MANIFEST, {**manifest, "status": "complete", "dtype": written_dtype, "counts": stats.as_dict()})
+    mapping = build_vocab_mapping(counts, draft_vocab_size, target["vocab_size"])
+    save_vocab_mapping(mapping, out_dir)
+    atomic_write_json(out_dir / MANIFEST, {**manifest, "status": "complete", "dtype": written_dtype,
+                                           "vocab_fingerprint": vocab_fingerprint(mapping), "counts": stats.as_dict()})
     logger.info("hidden states: %s", stats.as_dict())
     return stats
 

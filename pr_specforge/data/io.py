@@ -23,6 +23,12 @@ from typing import Any, Callable, Iterator
 logger = logging.getLogger(__name__)
 
 
+def brief(error: BaseException) -> str:
+    """`Type: first sentence` of an exception, for a one-line message."""
+    text = str(error).strip().split("\n")[0].split(". ")[0]
+    return f"{type(error).__name__}: {text[:140]}"
+
+
 class DataFormatError(ValueError):
     """Input data that cannot be parsed; the message names the file and line."""
 

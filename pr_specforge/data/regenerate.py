@@ -32,7 +32,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from pr_specforge.data.io import JsonlAppender, StageStats, iter_jsonl, read_done_ids
+from pr_specforge.data.io import DataFormatError, JsonlAppender, StageStats, iter_jsonl, read_done_ids
 
 logger = logging.getLogger(__name__)
 
@@ -133,9 +133,9 @@ class TransformersBackend:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if dtype == "auto":
-            bf16_ok = device == "cpu" or (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-            dtype = "bfloat16" if bf16_ok else "float32"
+        from pr_specforge.dtypes import resolve_dtype
+
+        dtype = resolve_dtype(dtype, device)
         torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
         return cls(model, AutoTokenizer.from_pretrained(path), device=device, name=os.path.basename(path.rstrip("/")))
@@ -264,8 +264,12 @@ def regenerate_conversations(
         out.write({"id": row["id"], "conversations": conv, "regenerated_by": backend.name})
         stats.written += 1
 
+    if next(iter_jsonl(input_path), None) is None:  # every rank sees the same file: all refuse together
+        raise DataFormatError(f"{input_path}: no rows to regenerate (an empty file)")
+    todo = list(pending())
     desc = "regenerate" if shard.world == 1 else f"regenerate (rank {shard.rank}/{shard.world})"
-    with JsonlAppender(output_path) as out, tqdm(desc=desc, unit="conv", disable=not progress, position=shard.local_rank) as bar:
+    with JsonlAppender(output_path) as out, tqdm(total=len(todo), desc=desc, unit="conv", disable=not progress,
+                                                 position=shard.local_rank) as bar:
         concurrency = getattr(backend, "concurrency", None)
         if concurrency:
             with ThreadPoolExecutor(max_workers=concurrency) as pool:
@@ -281,13 +285,13 @@ def regenerate_conversations(
                             stats.skipped["failed"] += 1
                         bar.update(1)
 
-                for row in pending():
+                for row in todo:
                     window.append((row, pool.submit(regenerate_batch, backend, [row], turns, sampling)))
                     drain(2 * concurrency)
                 drain(0)
         else:
             batch: list = []
-            rows = sorted(pending(), key=lambda r: _prompt_chars(r["conversations"]))
+            rows = sorted(todo, key=lambda r: _prompt_chars(r["conversations"]))
             for row in rows + [None]:
                 if row is not None:
                     batch.append(row)

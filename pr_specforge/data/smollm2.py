@@ -83,6 +83,26 @@ def write_index_json(model_dir: str | os.PathLike) -> Path:
     return index_path
 
 
+def check_replaceable(output_dir: Path, overwrite: bool) -> None:
+    """Refuse to replace a directory that is not empty unless the user said --overwrite,
+    and even then only one that looks like a model directory (a mistaken `--output .`
+    must never wipe a tree)."""
+    if not output_dir.exists():
+        return
+    if not output_dir.is_dir():
+        raise FileExistsError(f"--output {output_dir}: exists and is not a directory; choose another path")
+    if not any(output_dir.iterdir()):
+        return
+    if not overwrite:
+        raise FileExistsError(
+            f"--output {output_dir}: exists, is not empty and holds no finished target; "
+            "choose a new directory, or pass --overwrite to replace it")
+    if not any((output_dir / name).exists() for name in ("config.json", "pr_specforge_target.json")):
+        raise FileExistsError(
+            f"--output {output_dir}: holds no config.json, so it is not a model directory; refusing to "
+            "replace it even with --overwrite (choose a new directory)")
+
+
 def convert_smollm2_gguf(
     output_dir: str | os.PathLike,
     gguf_path: str | os.PathLike | None = None,
@@ -102,6 +122,7 @@ def convert_smollm2_gguf(
     if (output_dir / "model.safetensors.index.json").exists() and not overwrite:
         logger.info("%s already holds a converted target; reusing it", output_dir)
         return output_dir
+    check_replaceable(output_dir, overwrite)
     gguf_path = Path(gguf_path) if gguf_path else smollm2_gguf_path()
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
 

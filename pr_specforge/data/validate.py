@@ -71,33 +71,22 @@ def _check_file(path: Path, hidden: int, vocab: int) -> str | None:
     return None
 
 
-def _check_vocab(features_dir: Path, vocab: int, draft_vocab_size: int | None) -> list[str]:
-    import torch
-
-    from pr_specforge.data.vocab import VOCAB_MAPPING_RELPATH
+def _check_vocab(features_dir: Path, vocab: int, manifest: dict) -> list[str]:
+    from pr_specforge.data.vocab import (VOCAB_MAPPING_RELPATH, read_vocab_mapping, vocab_fingerprint,
+                                         vocab_mapping_problems)
 
     path = features_dir / VOCAB_MAPPING_RELPATH
     if not path.exists():
         return [f"{path}: missing vocab mapping"]
     try:
-        m = torch.load(path, map_location="cpu", weights_only=True)
-        t2d, d2t = m["t2d"], m["d2t"]
-    except Exception as e:
-        return [f"{path}: unreadable vocab mapping ({type(e).__name__}: {e})"]
-    out = []
-    if t2d.dtype != torch.bool or tuple(t2d.shape) != (vocab,):
-        out.append(f"{path}: t2d must be bool[{vocab}], got {t2d.dtype}{list(t2d.shape)}")
-    if d2t.dtype != torch.long or d2t.dim() != 1:
-        out.append(f"{path}: d2t must be 1-D int64, got {d2t.dtype}{list(d2t.shape)}")
-    if out:
-        return out
-    if draft_vocab_size is not None and len(d2t) != draft_vocab_size:
-        out.append(f"{path}: d2t has {len(d2t)} entries but the manifest says draft_vocab_size {draft_vocab_size}")
-    targets = torch.arange(len(d2t)) + d2t
-    if len(targets) and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
-        out.append(f"{path}: draft ids map outside the target vocab")
-    elif int(t2d.sum()) != len(d2t) or not bool(t2d[targets].all()):
-        out.append(f"{path}: t2d does not mark exactly the {len(d2t)} draft tokens of d2t")
+        m = read_vocab_mapping(path)
+    except ValueError as e:
+        return [str(e)]
+    out = vocab_mapping_problems(path, m, vocab, manifest.get("draft_vocab_size"))
+    recorded = manifest.get("vocab_fingerprint")
+    if not out and recorded is not None and recorded != vocab_fingerprint(m):
+        out.append(f"{path}: not the map these features were made with (fingerprint {vocab_fingerprint(m)}, "
+                   f"manifest.json records {recorded})")
     return out
 
 
@@ -113,6 +102,9 @@ def validate_features(features_dir: str | os.PathLike, target_path: str | None =
     manifest = {}
     if (features_dir / MANIFEST).exists():
         manifest = json.loads((features_dir / MANIFEST).read_text())
+    if manifest.get("status", "complete") != "complete":
+        report.problems.append(f"{features_dir / MANIFEST}: status is {manifest.get('status')!r}: the hidden-states "
+                               "run that writes this directory did not finish; rerun the same command to complete it")
     if target_path is not None:
         from transformers import AutoConfig
 
@@ -139,7 +131,7 @@ def validate_features(features_dir: str | os.PathLike, target_path: str | None =
         reason = _check_file(path, hidden, vocab)
         if reason:
             report.bad[str(path)] = reason
-    report.problems.extend(_check_vocab(features_dir, vocab, manifest.get("draft_vocab_size")))
+    report.problems.extend(_check_vocab(features_dir, vocab, manifest))
     if report.bad:
         logger.error("%d of %d feature files are bad", len(report.bad), report.files)
     return report

@@ -18,7 +18,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
-from pr_specforge.data.io import atomic_torch_save
+from pr_specforge.data.io import atomic_torch_save, brief
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ def count_loss_tokens(counter: Counter, input_ids, loss_mask) -> None:
 def build_vocab_mapping(counts: Counter, draft_vocab_size: int, target_vocab_size: int) -> dict:
     import torch
 
+    if draft_vocab_size < 1:
+        raise ValueError(f"draft_vocab_size must be at least 1, got {draft_vocab_size}")
     if draft_vocab_size > target_vocab_size:
         raise ValueError(f"draft_vocab_size {draft_vocab_size} exceeds the target vocab size {target_vocab_size}")
     bad = [t for t in counts if not 0 <= t < target_vocab_size]
@@ -68,6 +70,56 @@ def load_vocab_mapping(features_dir: str | os.PathLike) -> dict:
     import torch
 
     return torch.load(Path(features_dir) / VOCAB_MAPPING_RELPATH, map_location="cpu", weights_only=True)
+
+
+def vocab_fingerprint(mapping: dict) -> str:
+    """A short content hash of a vocab map (`t2d` and `d2t`), recorded in the features' manifest."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for key in ("t2d", "d2t"):
+        t = mapping[key].contiguous().cpu()
+        h.update(f"{key}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def read_vocab_mapping(path: str | os.PathLike) -> dict:
+    """Load a vocab map file; a file that is not one raises ValueError naming it."""
+    import torch
+
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no such vocab map file")
+    try:
+        m = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, not a torch file, pickled objects
+        raise ValueError(f"{path}: not a readable vocab map ({brief(e)})") from None
+    if not isinstance(m, dict) or "t2d" not in m or "d2t" not in m:
+        raise ValueError(f"{path}: not a vocab map (expected a dict with 't2d' and 'd2t')")
+    return m
+
+
+def vocab_mapping_problems(path, m: dict, vocab: int, draft_vocab_size: int | None) -> list[str]:
+    """What is wrong with vocab map `m` for a target of `vocab` tokens (empty when it is good)."""
+    import torch
+
+    t2d, d2t = m["t2d"], m["d2t"]
+    if not isinstance(t2d, torch.Tensor) or t2d.dtype != torch.bool or tuple(t2d.shape) != (vocab,):
+        return [f"{path}: t2d must be bool[{vocab}] (the target's vocab), got "
+                f"{getattr(t2d, 'dtype', type(t2d).__name__)}{list(getattr(t2d, 'shape', []))}"]
+    if not isinstance(d2t, torch.Tensor) or d2t.dtype != torch.long or d2t.dim() != 1:
+        return [f"{path}: d2t must be 1-D int64, got {getattr(d2t, 'dtype', type(d2t).__name__)}{list(getattr(d2t, 'shape', []))}"]
+    if len(d2t) == 0:
+        return [f"{path}: empty vocab map (0 draft tokens); rebuild the features with --draft-vocab-size >= 1"]
+    out = []
+    if draft_vocab_size is not None and len(d2t) != draft_vocab_size:
+        out.append(f"{path}: d2t has {len(d2t)} entries but the draft vocab size is {draft_vocab_size}")
+    targets = torch.arange(len(d2t)) + d2t
+    if int(targets.min()) < 0 or int(targets.max()) >= vocab:
+        out.append(f"{path}: draft ids map outside the target vocab")
+    elif int(t2d.sum()) != len(d2t) or not bool(t2d[targets].all()):
+        out.append(f"{path}: t2d does not mark exactly the {len(d2t)} draft tokens of d2t")
+    return out
 
 
 def draft_to_target(mapping: dict):

@@ -6,7 +6,13 @@
 
 Per-prompt rows go to OUT_DIR/results.jsonl (a rerun skips prompts already there);
 the summary, report.md and plots are rewritten from all rows at the end.
-Exit codes: 0 ok, 2 bad arguments or inputs, 3 a temperature-0 output was not lossless.
+Exit codes: 0 ok, 2 bad arguments or inputs, 3 a temperature-0 output was not lossless, 130 interrupted.
+
+speedup = tokens/s of speculative decoding over the target's own autoregressive decoding, on the
+device used. Below 1x means drafting plus tree verification cost more time than the accepted tokens
+save: expected on a CPU, where verifying a B-node tree costs several times one decode step (a GPU
+verifies it in about the time of one step). tau (tokens accepted per round) is the
+device-independent measure.
 """
 
 from __future__ import annotations
@@ -19,26 +25,36 @@ from typing import List, Optional
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pr-specforge eval", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="pr-specforge eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="target model directory (transformers layout, with tokenizer)")
     p.add_argument("--draft", action="append", required=True, metavar="NAME=DIR", help="a drafter (repeatable)")
     p.add_argument("--prompts", nargs="+", required=True, help="mtbench | gsm8k | humaneval | PATH.jsonl (several allowed)")
-    p.add_argument("--budget", nargs="+", type=int, default=[24, 48], help="global-cut budgets B")
-    p.add_argument("--temperature", nargs="+", type=float, default=[0.0])
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--budget", nargs="+", type=int, default=[24, 48],
+                   help="global-cut budgets B: the B highest-scoring draft nodes the target verifies per round")
+    p.add_argument("--temperature", nargs="+", type=float, default=[0.0],
+                   help="sampling temperatures T; at T = 0 every output is checked token for token against "
+                        "the target's own greedy decode (exit 3 if one differs)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per user turn")
     p.add_argument("--limit", type=int, default=None, help="prompts per set")
     p.add_argument("--skip", type=int, default=0,
                    help="skip the first N prompts of each set (e.g. 40: a pilot check disjoint from a 40-prompt evaluation)")
     p.add_argument("--json", default=None, help="write the summary JSON here")
     p.add_argument("--out-dir", default="eval_out", help="per-prompt JSONL, report.md and plots")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--k", type=int, default=6)
-    p.add_argument("--bw", type=int, default=6)
-    p.add_argument("--gamma", type=int, default=8)
-    p.add_argument("--m", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--turns", choices=["first", "all"], default="first")
+    p.add_argument("--device", default="cpu", help="torch device for the target and the drafters (cpu, cuda, cuda:1)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype of the target and the drafters")
+    p.add_argument("--k", type=int, default=6, help="children each forwarded tree node offers (its top-k tokens)")
+    p.add_argument("--bw", type=int, default=6,
+                   help="beam width B_w: the highest-scoring nodes of the previous step forwarded at each step")
+    p.add_argument("--gamma", type=int, default=8, help="drafting steps per round (the deepest draft token's depth)")
+    p.add_argument("--m", type=int, default=3,
+                   help="PR: pooled nodes carried one reconsideration depth deeper per drafting step (the m "
+                        "highest bids); --m 0 turns reconsideration off, so a PR drafter drafts EAGLE-3's tree")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed at T > 0 (prompt i uses seed + i, the same for every drafter)")
+    p.add_argument("--turns", choices=["first", "all"], default="first",
+                   help="multi-turn prompts: the first user turn only, or every turn (each reply joins the history)")
     p.add_argument("--tree-builder", choices=["tensor", "object"], default="tensor",
                    help="draft-tree builder: tensor (default) or the object reference (same trees, slower)")
     p.add_argument("--also-one-pass", action="store_true", help="also serve each PR drafter as plain EAGLE (NAME/one-pass)")
@@ -46,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="diagnostic: per round, also build the m=0 tree from the same drafter state and count frontier "
                         "slots taken by reconsidered branches, one-pass nodes displaced from the cut and accepted tokens "
                         "only reconsideration put under the cut (timings then include the extra tree: not speed numbers)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
@@ -68,7 +84,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         EvalSettings,
         Evaluator,
         LosslessnessError,
+        check_out_dir,
         load_draft_entries,
+        provenance,
         load_target,
     )
     from pr_specforge.eval.report import markdown_table, write_report
@@ -100,6 +118,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         target, tokenizer = load_target(args.target, args.device, dtype)
         drafts = load_draft_entries(args.draft, args.device, dtype, args.also_one_pass)
         evaluator = Evaluator(target, tokenizer, drafts, settings, args.out_dir, progress=not args.no_progress)
+        paths = dict(spec.partition("=")[::2] for spec in args.draft)
+        check_out_dir(args.out_dir, provenance(settings, args.target, paths, args.dtype))
     except (ValueError, FileNotFoundError) as e:
         print(f"pr-specforge eval: {e}", file=sys.stderr)
         return 2
@@ -108,13 +128,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     except LosslessnessError as e:
         print(f"pr-specforge eval: NOT LOSSLESS: {e}", file=sys.stderr)
         return 3
+    except KeyboardInterrupt:
+        print(f"pr-specforge eval: interrupted; the finished prompts are kept in {args.out_dir}/results.jsonl; "
+              "rerun the same command to evaluate the rest", file=sys.stderr)
+        return 130
     write_report(summary, args.out_dir)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
+        from pr_specforge.data.io import atomic_write_json
+
+        atomic_write_json(args.json, summary)
     print(markdown_table(summary))
+    print(SPEEDUP_NOTE)
     return 0
+
+
+SPEEDUP_NOTE = ("speedup: tokens/s over the target's own decoding on this device; below 1x, drafting and tree "
+                "verification cost more than they save here (usual on a CPU, where verifying a B-node tree costs "
+                "several decode steps); tau is the device-independent measure.")
 
 
 if __name__ == "__main__":

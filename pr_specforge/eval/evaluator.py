@@ -334,6 +334,76 @@ def summarize(rows: Iterable[dict], settings: Optional[EvalSettings] = None) -> 
     return out
 
 
+# ---------------------------------------------------------------- provenance
+PROVENANCE_FILE = "eval_config.json"
+
+
+def dir_fingerprint(path: str, hash_weights: bool = True) -> str:
+    """A short hash of a model directory: its config files' contents, and its weight files' contents
+    (or, with `hash_weights=False`, their names and sizes: cheap for a large target)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            continue
+        weights = name.endswith((".safetensors", ".bin", ".pt", ".pth"))
+        if not weights and not name.endswith(".json"):
+            continue
+        h.update(name.encode())
+        if weights and not hash_weights:
+            h.update(str(os.path.getsize(full)).encode())
+            continue
+        with open(full, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def provenance(settings: EvalSettings, target: str, drafts: Dict[str, str], dtype: str) -> dict:
+    """Everything that decides a row besides its (drafter, B, T, set, prompt) key."""
+    shared = {"target": dir_fingerprint(target, hash_weights=False), "dtype": dtype,
+              "max_new_tokens": settings.max_new_tokens, "k": settings.k, "bw": settings.bw,
+              "gamma": settings.gamma, "m": settings.m, "seed": settings.seed, "turns": settings.turns,
+              "tree_builder": settings.tree_builder, "decompose": settings.decompose}  # both change the timings
+    return {"shared": shared, "drafters": {name: dir_fingerprint(path) for name, path in drafts.items()}}
+
+
+def check_out_dir(out_dir: str, current: dict) -> None:
+    """Rows in `out_dir` are reused only when made the same way: refuse other settings, another target,
+    or changed files under a drafter name; record the drafters this run adds."""
+    import json
+    import logging
+
+    from pr_specforge.data.io import atomic_write_json
+
+    path = os.path.join(out_dir, PROVENANCE_FILE)
+    rows_exist = any(os.path.exists(os.path.join(out_dir, f)) for f in ("results.jsonl", "baseline.jsonl"))
+    if not os.path.exists(path):
+        if rows_exist:
+            logging.getLogger(__name__).warning(
+                "%s: rows without %s (an older version wrote them); taking them as made with this run's settings",
+                out_dir, PROVENANCE_FILE)
+        atomic_write_json(path, current)
+        return
+    with open(path) as f:
+        before = json.load(f)
+    fix = f"use a new --out-dir, or delete {out_dir} to start over"
+    changed = [f"{k}: {v!r} -> {current['shared'].get(k)!r}" for k, v in before.get("shared", {}).items()
+               if current["shared"].get(k) != v]
+    if changed:
+        raise ValueError(f"--out-dir {out_dir}: its rows were made with other settings ({', '.join(changed)}); {fix}")
+    drafters = dict(before.get("drafters", {}))
+    for name, fp in current["drafters"].items():
+        if drafters.get(name, fp) != fp:
+            raise ValueError(f"--out-dir {out_dir}: drafter {name!r} there was made from other files; "
+                             f"give this drafter another NAME, or {fix}")
+        drafters[name] = fp
+    if drafters != before.get("drafters"):
+        atomic_write_json(path, {**before, "drafters": drafters})
+
+
 # ---------------------------------------------------------------- loading
 def load_target(path: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """A `transformers` causal LM and its tokenizer from a directory."""

@@ -57,15 +57,123 @@ def test_pipeline_end_to_end_through_the_cli(tmp_path, tiny_target, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["written"] == 0
 
 
-def test_cli_reports_bad_input_without_a_traceback(tmp_path, tiny_target, capsys):
+def _features(tmp_path, tiny_target):
+    """A finished features directory (2 conversations) to spoil."""
+    src = write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS[:2])
+    assert main(["hidden-states", "--input", str(src), "--output", str(tmp_path / "f"), "--target", str(tiny_target),
+                 "--dtype", "float32", "--draft-vocab-size", "16"]) == 0
+    return tmp_path / "f"
+
+
+def _manifest_edit(**fields):
+    def edit(tmp_path, tiny_target):
+        feats = _features(tmp_path, tiny_target)
+        manifest = json.loads((feats / "manifest.json").read_text())
+        (feats / "manifest.json").write_text(json.dumps({**manifest, **fields}))
+        return ["validate", str(feats)]
+    return edit
+
+
+def _empty_map(tmp_path, tiny_target):
+    feats = _features(tmp_path, tiny_target)
+    path = feats / "vocab_mapping" / "vocab_mapping.pt"
+    m = torch.load(path)
+    torch.save({"t2d": m["t2d"] & False, "d2t": m["d2t"][:0]}, path)
+    return ["validate", str(feats)]
+
+
+def _nonempty_dir(tmp_path, tiny_target):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    return ["smollm2-target", "--output", str(tmp_path / "mine")]
+
+
+def _not_a_model_dir(tmp_path, tiny_target):
+    return [*_nonempty_dir(tmp_path, tiny_target), "--overwrite"]
+
+
+def _empty_file(command):
+    def edit(tmp_path, tiny_target):
+        empty = tmp_path / "empty.jsonl"
+        empty.write_text("")
+        out = str(tmp_path / "out")
+        return {"conversations": ["conversations", "--source", str(empty), "--output", out],
+                "regenerate": ["regenerate", "--input", str(empty), "--output", out, "--server", "http://127.0.0.1:9"],
+                "hidden-states": ["hidden-states", "--input", str(empty), "--output", out, "--target", str(tiny_target),
+                                  "--draft-vocab-size", "16"]}[command]
+    return edit
+
+
+def _malformed(tmp_path, tiny_target):
     bad = write_jsonl(tmp_path / "bad.jsonl", ['{"id": "x", "conversations": ['])
-    assert main(["hidden-states", "--input", str(bad), "--output", str(tmp_path / "f"), "--target", str(tiny_target),
-                 "--draft-vocab-size", "16"]) == 2
-    assert "bad.jsonl:1: malformed JSON" in capsys.readouterr().err
-    assert main(["validate", str(tmp_path / "nothing")]) == 1
-    assert main(["conversations", "--source", str(bad), "--output", str(tmp_path / "o.jsonl"),
-                 "--exclude-ids", str(tmp_path / "train.jsonl")]) == 2
-    assert "train.jsonl: no such file" in capsys.readouterr().err
+    return ["hidden-states", "--input", str(bad), "--output", str(tmp_path / "f"), "--target", str(tiny_target),
+            "--draft-vocab-size", "16"]
+
+
+#: every class of bad `data` input: (argv builder, exit code, what the error says); nothing half-made is left behind
+BAD_INPUTS = {
+    "conversations --limit -3": (lambda t, tt: ["conversations", "--source", "x.jsonl", "--output", "o", "--limit", "-3"],
+                                 2, "must be at least 1, got -3"),
+    "hidden-states --draft-vocab-size 0": (lambda t, tt: ["hidden-states", "--input", "i", "--output", "o",
+                                                          "--target", "t", "--draft-vocab-size", "0"], 2, "at least 1"),
+    "conversations from an empty file": (_empty_file("conversations"), 2, "no usable conversation"),
+    "regenerate an empty file": (_empty_file("regenerate"), 2, "no rows to regenerate"),
+    "hidden-states of an empty file": (_empty_file("hidden-states"), 2, "no usable conversation"),
+    "malformed JSONL line": (_malformed, 2, "bad.jsonl:1: malformed JSON"),
+    "exclude-ids file that does not exist": (
+        lambda t, tt: ["conversations", "--source", "x.jsonl", "--output", str(t / "o"), "--exclude-ids", str(t / "train.jsonl")],
+        2, "train.jsonl: no such file"),
+    "smollm2-target over a non-empty directory": (_nonempty_dir, 2, "pass --overwrite to replace it"),
+    "smollm2-target --overwrite of a non-model directory": (_not_a_model_dir, 2, "not a model directory"),
+    "validate a directory that does not exist": (lambda t, tt: ["validate", str(t / "nothing")], 1, "no manifest.json"),
+    "validate unfinished features": (_manifest_edit(status="in_progress"), 1, "did not finish"),
+    "validate an empty vocab map": (_empty_map, 1, "empty vocab map"),
+    "validate a vocab map the features were not made with": (_manifest_edit(vocab_fingerprint="0123456789abcdef"), 1,
+                                                              "not the map these features were made with"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_refused_in_one_line(tmp_path, tiny_target, capsys, monkeypatch, case):
+    build, code, needle = BAD_INPUTS[case]
+    monkeypatch.chdir(tmp_path)
+    argv = build(tmp_path, tiny_target)
+    capsys.readouterr()
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's own refusal (usage + one error line)
+        rc = e.code
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    assert rc == code and needle in text and "Traceback" not in text, text
+    assert not (tmp_path / "out").exists()  # an empty output would read as a finished stage
+    if "smollm2" in case:
+        assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_ctrl_c_in_hidden_states_keeps_the_files_and_says_how_to_resume(tmp_path, tiny_target, capsys, monkeypatch):
+    import pr_specforge.data.hidden_states as hs
+
+    calls = []
+    original = hs.atomic_torch_save
+
+    def save_then_interrupt(obj, path):
+        original(obj, path)
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(hs, "atomic_torch_save", save_then_interrupt)
+    src = write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS)
+    argv = ["hidden-states", "--input", str(src), "--output", str(tmp_path / "f"), "--target", str(tiny_target),
+            "--dtype", "float32", "--draft-vocab-size", "16", "--batch-size", "1"]
+    assert main(argv) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "interrupted" in err[-1] and "rerun the same command" in err[-1]
+    assert json.loads((tmp_path / "f" / "manifest.json").read_text())["status"] == "in_progress"
+    monkeypatch.setattr(hs, "atomic_torch_save", original)
+    assert main(argv) == 0  # resumes: the 2 kept files are not written again
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["resumed"] == 2
 
 
 def test_bf16_features_are_written_in_bf16(tmp_path, tiny_target):

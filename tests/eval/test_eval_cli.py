@@ -64,7 +64,7 @@ def base_args(root, out):
     ]
 
 
-def test_eval_end_to_end_lossless_json_report_and_resume(dirs, tmp_path):
+def test_eval_end_to_end_lossless_json_report_and_resume(dirs, tmp_path, capsys):
     out = tmp_path / "out"
     args = base_args(dirs, out) + ["--budget", "4", "12", "--temperature", "0", "1", "--turns", "all", "--json", str(out / "s.json")]
     assert main(args) == 0
@@ -86,31 +86,77 @@ def test_eval_end_to_end_lossless_json_report_and_resume(dirs, tmp_path):
     # a rerun skips every prompt already in results.jsonl
     assert main(args) == 0
     assert (out / "results.jsonl").read_text().splitlines() == lines
+    # ...but never reuses rows made another way: other tree settings, or other files under a drafter's name
+    swapped = [a.replace(f"pr={dirs / 'pr'}", f"pr={dirs / 'eagle'}") for a in args]
+    for rerun, needle in ((args + ["--m", "0"], "m: 3 -> 0"), (swapped, "drafter 'pr'")):
+        assert main(rerun) == 2
+        assert needle in capsys.readouterr().err
+    assert (out / "results.jsonl").read_text().splitlines() == lines
 
 
-def test_prompts_file_without_usable_prompt_is_a_clear_error(dirs, tmp_path, capsys):
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("\n")
-    args = base_args(dirs, tmp_path / "o")
-    args[args.index("--prompts") + 1] = str(empty)
-    assert main(args) == 2
-    assert "no usable prompt" in capsys.readouterr().err
+def _edit_prompts_empty(root, tmp, args):
+    (tmp / "empty.jsonl").write_text("\n")
+    args[args.index("--prompts") + 1] = str(tmp / "empty.jsonl")
 
 
-def test_bad_budget_and_k_are_clear_errors(dirs, tmp_path, capsys):
-    assert main(base_args(dirs, tmp_path / "o") + ["--budget", "0"]) == 2
-    assert "budget" in capsys.readouterr().err
-    assert main(base_args(dirs, tmp_path / "o") + ["--k", "1000"]) == 2
-    assert "draft_vocab_size" in capsys.readouterr().err
-
-
-def test_mismatched_drafter_is_a_clear_error(dirs, tmp_path, capsys):
+def _edit_other_vocab_drafter(root, tmp, args):
     other, _, _ = make_drafters(vocab_size=120)
-    other.save_pretrained(tmp_path / "other")
-    args = base_args(dirs, tmp_path / "o")
-    args[args.index("--draft") + 1] = f"bad={tmp_path / 'other'}"
+    other.save_pretrained(tmp / "other")
+    args[args.index("--draft") + 1] = f"bad={tmp / 'other'}"
+
+
+def _edit_target_without_config(root, tmp, args):
+    (tmp / "t").mkdir()
+    args[args.index("--target") + 1] = str(tmp / "t")
+
+
+def _edit_out_dir_of_other_settings(root, tmp, args):
+    (tmp / "o").mkdir(exist_ok=True)
+    (tmp / "o" / "eval_config.json").write_text(json.dumps({"shared": {"m": 5}, "drafters": {}}))
+
+
+def _edit_out_dir_with_other_drafter_files(root, tmp, args):
+    (tmp / "o").mkdir(exist_ok=True)
+    (tmp / "o" / "eval_config.json").write_text(json.dumps({"shared": {}, "drafters": {"pr": "0123456789abcdef"}}))
+
+
+#: every class of bad `eval` input: (extra args, edit of the arguments/files, what the one-line error says)
+BAD_INPUTS = {
+    "prompts file without a usable prompt": ([], _edit_prompts_empty, "no usable prompt"),
+    "budget 0": (["--budget", "0"], None, "budget"),
+    "k above the draft vocab": (["--k", "1000"], None, "draft_vocab_size"),
+    "limit 0": (["--limit", "0"], None, "--limit must be >= 1"),
+    "negative temperature": (["--temperature", "-1"], None, "temperatures must be >= 0"),
+    "drafter spec without NAME=": (["--draft", "nameless"], None, "NAME=DIR"),
+    "drafter of another target vocab": ([], _edit_other_vocab_drafter, "vocab_size"),
+    "target directory without config.json": ([], _edit_target_without_config, "no config.json"),
+    "out-dir made with other settings": ([], _edit_out_dir_of_other_settings, "m: 5 -> 3"),
+    "out-dir with other files under a drafter name": ([], _edit_out_dir_with_other_drafter_files, "drafter 'pr'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_one_clear_line(dirs, tmp_path, capsys, case):
+    extra, edit, needle = BAD_INPUTS[case]
+    args = base_args(dirs, tmp_path / "o") + extra
+    if edit is not None:
+        edit(dirs, tmp_path, args)
     assert main(args) == 2
-    assert "vocab_size" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err, err
+
+
+def test_ctrl_c_says_what_is_kept_and_how_to_resume(dirs, tmp_path, capsys, monkeypatch):
+    from pr_specforge.eval.evaluator import Evaluator
+
+    def interrupted(self, prompt_sets):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Evaluator, "run", interrupted)
+    assert main(base_args(dirs, tmp_path / "o")) == 130
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and "results.jsonl" in last and "rerun the same command" in last, err
 
 
 def test_help_answers():

@@ -81,3 +81,21 @@ def test_resume_skips_a_checkpoint_killed_mid_save(tmp_path):
     assert latest_checkpoint(tmp_path) == str(tmp_path / "run-step1000")
     with pytest.raises(SystemExit, match="no checkpoint"):
         latest_checkpoint(tmp_path / "empty")
+
+
+def test_an_unfinished_features_stage_is_not_done(tmp_path):
+    """`data hidden-states` writes manifest.json (`in_progress`) first: its existence is no sign of a finished stage."""
+    import json
+
+    from pr_specforge.pipeline import features_done
+
+    feats = tmp_path / "features"
+    feats.mkdir()
+    assert not features_done(feats)
+    (feats / "manifest.json").write_text(json.dumps({"status": "in_progress"}))
+    ran = []
+    run_stages([Stage("features", feats / "manifest.json", lambda: ran.append(1), done=lambda: features_done(feats))])
+    assert ran == [1]  # rerun: resumes the interrupted stage
+    (feats / "manifest.json").write_text(json.dumps({"status": "complete"}))
+    run_stages([Stage("features", feats / "manifest.json", lambda: ran.append(2), done=lambda: features_done(feats))])
+    assert ran == [1]

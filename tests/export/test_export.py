@@ -96,34 +96,73 @@ def test_eagle3_checkpoint_exports_without_pr_tensors(trained_pr_run, tmp_path):
     assert "pr_config" not in json.loads((out / "config.json").read_text())
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda s: s["draft_state_dict"].pop("midlayer.self_attn.q_proj.weight"), "missing tensors"),
-    (lambda s: s["draft_state_dict"].__setitem__("fc.weight", torch.zeros(64, 128)), "fc.weight: shape"),
-    (lambda s: [s["draft_state_dict"].pop(k) for k in ("d2t", "t2d")], "no t2d/d2t"),
-    (lambda s: s["draft_state_dict"].__setitem__("lm_head.weight", torch.zeros(40, 64)), "lm_head.weight: shape"),
-    (lambda s: s["draft_state_dict"].__setitem__("d2t", s["draft_state_dict"]["d2t"].flip(0)), "d2t and t2d disagree"),
-    (lambda s: s["draft_state_dict"].pop("pr_self_query.w_in.weight"), "missing tensors"),
-    (lambda s: s.__setitem__("strategy", "dflash"), "strategy 'dflash'"),
-])
-def test_export_refuses_a_checkpoint_that_would_load_silently_broken(trained_pr_run, tmp_path, edit, message):
-    def edit_and_forget_recipe(state):
-        edit(state)
-        state.pop("pr_specforge_recipe", None)
+def _state_edit(edit):
+    """A checkpoint whose shared state went through `edit` (and lost its stored recipe, so the checks must hold)."""
+    def make(run, tmp_path):
+        def edit_and_forget_recipe(state):
+            edit(state)
+            state.pop("pr_specforge_recipe", None)
 
-    ckpt = _edited_checkpoint(trained_pr_run, tmp_path, edit_and_forget_recipe)
-    out = tmp_path / "never"
-    with pytest.raises(ExportError, match=message):
-        export_checkpoint(ckpt, str(out), "sglang", draft_config=str(trained_pr_run / "draft.json"))
-    assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".never")]
+        return _edited_checkpoint(run, tmp_path, edit_and_forget_recipe), {"draft_config": str(run / "draft.json")}
+    return make
 
 
-def test_export_refuses_a_vocab_mapping_from_another_draft_vocab(trained_pr_run, tmp_path):
-    other = tmp_path / "vm.pt"
+def _truncated_state(run, tmp_path):
+    dst = tmp_path / "specforge-run-step6"
+    shutil.copytree(_ckpt(run), dst)
+    data = (dst / "training_state.pt").read_bytes()
+    (dst / "training_state.pt").write_bytes(data[: len(data) // 2])
+    return str(dst), {}
+
+
+def _mapping_file(mapping):
+    def make(run, tmp_path):
+        torch.save(mapping(), tmp_path / "vm.pt")
+        return _ckpt(run), {"vocab_mapping": str(tmp_path / "vm.pt")}
+    return make
+
+
+def _other_draft_vocab():
     t2d = torch.zeros(97, dtype=torch.bool)
     t2d[:48] = True
-    torch.save({"t2d": t2d, "d2t": torch.zeros(48, dtype=torch.long)}, other)
-    with pytest.raises(ExportError, match="disagrees with the checkpoint"):
-        export_checkpoint(_ckpt(trained_pr_run), str(tmp_path / "x"), "sglang", vocab_mapping=str(other))
+    return {"t2d": t2d, "d2t": torch.zeros(48, dtype=torch.long)}
+
+
+#: every class of bad `export` input: (make(run, tmp) -> (checkpoint, export kwargs), what the error says)
+BAD_INPUTS = {
+    "missing tensor": (_state_edit(lambda s: s["draft_state_dict"].pop("midlayer.self_attn.q_proj.weight")), "missing tensors"),
+    "tensor of the wrong shape": (_state_edit(lambda s: s["draft_state_dict"].__setitem__("fc.weight", torch.zeros(64, 128))),
+                                  "fc.weight: shape"),
+    "no vocab map anywhere": (_state_edit(lambda s: [s["draft_state_dict"].pop(k) for k in ("d2t", "t2d")]), "no t2d/d2t"),
+    "lm_head of another draft vocab": (
+        _state_edit(lambda s: s["draft_state_dict"].__setitem__("lm_head.weight", torch.zeros(40, 64))), "lm_head.weight: shape"),
+    "d2t and t2d that disagree": (
+        _state_edit(lambda s: s["draft_state_dict"].__setitem__("d2t", s["draft_state_dict"]["d2t"].flip(0))),
+        "d2t and t2d disagree"),
+    "pr checkpoint without PR tensors": (_state_edit(lambda s: s["draft_state_dict"].pop("pr_self_query.w_in.weight")),
+                                         "missing tensors"),
+    "strategy this exporter does not handle": (_state_edit(lambda s: s.__setitem__("strategy", "dflash")), "strategy 'dflash'"),
+    "truncated training_state.pt": (_truncated_state, "the training state does not load"),
+    "checkpoint that does not exist": (lambda run, tmp: (str(tmp / "nowhere"), {}), "nowhere"),
+    "vocab map from another draft vocab": (_mapping_file(_other_draft_vocab), "disagrees with the checkpoint"),
+    "vocab map file that is not a map": (_mapping_file(lambda: torch.zeros(3)), "not a vocab map"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_export_refuses_bad_input_in_one_line(trained_pr_run, tmp_path, capsys, case):
+    from pr_specforge.export import main
+
+    make, message = BAD_INPUTS[case]
+    ckpt, kwargs = make(trained_pr_run, tmp_path)
+    out = tmp_path / "never"
+    with pytest.raises(ExportError, match=message):
+        export_checkpoint(ckpt, str(out), "sglang", **kwargs)
+    assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".never")]
+    flags = [a for k, v in kwargs.items() for a in (f"--{k.replace('_', '-')}", v)]
+    assert main([ckpt, str(out), "--to", "sglang", *flags]) == 2  # the CLI: one line, no traceback
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
 
 
 def test_export_is_atomic_and_does_not_clobber_without_overwrite(trained_pr_run, tmp_path):

@@ -151,3 +151,17 @@ def test_torchrun_launcher_is_valid_bash_and_explains_usage():
     assert subprocess.run(["bash", "-n", script]).returncode == 0
     proc = subprocess.run(["bash", script], capture_output=True, text=True)
     assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+def test_auto_dtype_is_bf16_only_on_a_cpu_with_native_bf16(tmp_path):
+    from pr_specforge.dtypes import cpu_has_native_bf16, resolve_dtype
+
+    for flags, native in (("fpu avx512f avx512bw", False), ("fpu avx512f avx512_bf16", True), ("fpu amx_bf16 amx_tile", True)):
+        info = tmp_path / f"cpuinfo_{native}_{len(flags)}"
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        assert cpu_has_native_bf16(str(info)) is native
+    expected = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert resolve_dtype("auto") == expected and resolve_dtype("float32") == "float32"
+    assert load_recipe(os.path.join("recipes", "smollm2-135m-cpu.yaml")).config.model.torch_dtype == expected
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        resolve_dtype("fp8")
