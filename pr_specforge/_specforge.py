@@ -22,7 +22,7 @@ It deliberately does not re-export anything it does not use.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +78,23 @@ def simulated_acc_len(per_position_acc):
     from specforge.eval.evaluator import Evaluator
 
     return Evaluator._simulated_acc_len(list(per_position_acc))
+
+
+def eagle_capture_layers(draft_config: Any, target_config: Any, override: Optional[List[int]] = None) -> List[int]:
+    """SpecForge's EAGLE capture-layer rule, the one owner of it: the run's override, else the draft
+    config's `eagle_config.eagle_aux_hidden_state_layer_ids`, else `[1, L//2 - 1, L - 4]` of the target
+    (layer outputs). `target_config` is read only in the last case."""
+    from types import SimpleNamespace
+
+    run = SimpleNamespace(model=SimpleNamespace(aux_hidden_state_layer_ids=override))
+    return resolve_eagle_capture_layers(run, draft_config, target_config)
+
+
+def target_layer_count(num_layers: int) -> Any:
+    """A stand-in target config of `num_layers` layers, for `eagle_capture_layers`."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(num_hidden_layers=int(num_layers))
 
 
 def bootstrap_single_process_env() -> None:

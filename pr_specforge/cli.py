@@ -5,7 +5,9 @@
     pr-specforge export CKPT OUT_DIR --to {sglang,hf}
     pr-specforge eval --target DIR --draft NAME=DIR ... --prompts mtbench ...
     pr-specforge plot RUN_DIR
-    pr-specforge run [--scale small|full]   # the embedded default: SmolLM2 on CPU, end to end
+    pr-specforge run [--workdir DIR] [--conversations N] [--max-steps N] ...   # SmolLM2 on CPU, end to end
+    pr-specforge diagnose RUN_DIR --features DIR
+    pr-specforge experiment --workdir DIR      # the SmolLM2 EAGLE-3 vs PR experiment
 
 Under torchrun every rank runs `python -m pr_specforge.cli train ...`.
 """

@@ -25,10 +25,22 @@ MAX_SUPPORTED_DEPTH = 8
 PR_CONFIG_KEY = "pr_config"
 RECON_GRADS = ("full", "isolated")
 BALANCE_NORMS = ("per_minibatch", "per_position")
+#: the one attention layout the pr algorithm trains with: it composes the attention of its co-forwarded rows itself
+PR_ATTENTION_BACKEND = "sdpa"
 
 
 class ConfigError(ValueError):
     """A recipe value is wrong; the message names the field and the fix."""
+
+
+def check_attention_backend(value: str, where: str = "training.attention_backend") -> None:
+    """The pr strategy's attention rule, checked at recipe load and by the training model alike."""
+    if value != PR_ATTENTION_BACKEND:
+        raise ConfigError(
+            f"{where}={value!r} with the pr strategy: PR composes the attention of its co-forwarded rows "
+            f"itself and supports only {PR_ATTENTION_BACKEND!r}; set training.attention_backend={PR_ATTENTION_BACKEND} "
+            "(or leave it unset)"
+        )
 
 
 def _check_types(settings: Any, types: Mapping[str, Any]) -> None:

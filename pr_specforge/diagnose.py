@@ -28,13 +28,15 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from pr_specforge.config import ConfigError
+
 
 def _resolve_checkpoint(run_dir: Path, checkpoint: Optional[str]) -> str:
     from pr_specforge.pipeline import latest_checkpoint
 
     if checkpoint:
         if not Path(checkpoint).exists():
-            raise SystemExit(f"--checkpoint {checkpoint}: no such checkpoint")
+            raise FileNotFoundError(f"--checkpoint {checkpoint}: no such checkpoint")
         return checkpoint
     return latest_checkpoint(run_dir)
 
@@ -49,7 +51,7 @@ def diagnose(run_dir: str, features: str, checkpoint: Optional[str] = None, limi
     run = Path(run_dir)
     recipe_path = run / "resolved_recipe.yaml"
     if not recipe_path.exists():
-        raise SystemExit(f"{run}: no resolved_recipe.yaml; is this a `pr-specforge train` output directory?")
+        raise FileNotFoundError(f"{run}: no resolved_recipe.yaml; is this a `pr-specforge train` output directory?")
     check_feature_dir("--features", features, None, None)
     ckpt = _resolve_checkpoint(run, checkpoint)
     raw = yaml.safe_load(recipe_path.read_text())
@@ -96,7 +98,7 @@ def _diagnose(recipe_path: Path, scratch: str, run: Path, ckpt: str, features: s
         result = draft.load_state_dict(state, strict=False)
         missing = [k for k in result.missing_keys if not k.startswith("embed_tokens.")]
         if result.unexpected_keys or missing:
-            raise SystemExit(f"{ckpt}: draft weights do not fit the run's drafter (unexpected "
+            raise ConfigError(f"{ckpt}: draft weights do not fit the run's drafter (unexpected "
                              f"{sorted(result.unexpected_keys)[:5]}, missing {missing[:5]})")
         module.eval()
         torch.manual_seed(seed)
@@ -123,7 +125,7 @@ def _diagnose(recipe_path: Path, scratch: str, run: Path, ckpt: str, features: s
     finally:
         sf.destroy_distributed()
     if not batches:
-        raise SystemExit(f"--features {features}: no batch was read (fewer samples than training.batch_size?)")
+        raise ConfigError(f"--features {features}: no batch was read (fewer samples than training.batch_size?)")
     acc = [c / d if d else 0.0 for c, d in zip(correct, denom)]
     return {
         "run": str(run), "checkpoint": ckpt, "features": str(features), "strategy": cfg.training.strategy,
@@ -173,11 +175,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--json", default=None, help="write the metrics here (atomically)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    from pr_specforge.config import ConfigError
-
     try:
         report = diagnose(args.run_dir, args.features, args.checkpoint, args.limit, args.seed, not args.no_progress)
-    except ConfigError as e:
+    except (ConfigError, FileNotFoundError) as e:
         print(f"pr-specforge diagnose: {e}", file=sys.stderr)
         return 2
     if args.json:

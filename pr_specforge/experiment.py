@@ -1,4 +1,4 @@
-"""`pr-specforge experiment`: EAGLE-3 vs PR on SmolLM2-135M-Instruct, trained on CPU (issue 6).
+"""`pr-specforge experiment`: EAGLE-3 vs PR on SmolLM2-135M-Instruct, trained on CPU.
 
     pr-specforge experiment --workdir work/experiment            # the full run (~10 h of CPU)
     pr-specforge experiment --workdir /tmp/x --conversations 16 --epochs 1 --eval-limit 2 --eval-max-new-tokens 16
@@ -39,8 +39,10 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from pr_specforge.data.io import read_jsonl_rows
-from pr_specforge.pipeline import (REPO_ROOT, Stage, check_settings, features_done, latest_checkpoint, log_command,
-                                   run_stages, train_command)
+from pr_specforge.pipeline import (
+    REPO_ROOT, STAGE_ERRORS, Stage, StageFailed, check_settings, features_done, latest_checkpoint, log_command, report_stage_error,
+    run_stages, train_command,
+)
 from pr_specforge.pipeline import call_stage as _call_stage
 
 log = logging.getLogger(__name__)
@@ -78,125 +80,151 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     args.command = "pr-specforge experiment " + shlex.join(sys.argv[1:] if argv is None else argv)
-    work = Path(args.workdir).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    # data settings are shared by every seed; seeds and reports may differ between invocations
-    check_settings(work / "data_settings.json", {k: getattr(args, k) for k in (
-        "conversations", "max_new_tokens", "max_prompt_chars", "max_length", "draft_vocab_size")})
-    check_settings(work / "heldout_settings.json", {"heldout": args.heldout})
-    def call_stage(module: str, stage_argv: List[str]) -> None:
-        _call_stage(module, stage_argv, log_file=work / "commands.log")
+    try:
+        report = Experiment(args).run()
+    except STAGE_ERRORS as e:
+        return report_stage_error("pr-specforge experiment", e)
+    print(render_markdown(report))
+    return 0
 
-    holdout_args = sum((["--holdout-prompts", b] for b in BENCHMARKS), [])
 
-    def regenerate(conversations: Path, out: Path, done: Path):
+class Experiment:
+    """The experiment's stages over one workdir: shared data stages, then one seed's trainings,
+    diagnosis, export and evaluation (each stage skipped when its output exists)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.work = work = Path(args.workdir).resolve()
+        self.target, self.convs = work / "target", work / "conversations.jsonl"
+        self.regen, self.feats, self.held = work / "regenerated.jsonl", work / "features", work / "heldout"
+        self.runs = {name: work / "runs" / f"{name}-seed{args.seed}" for name in RECIPES}
+        self.exports = {name: work / "export" / f"{name}-seed{args.seed}" for name in RECIPES}
+        self.evals = {"b48": work / f"eval-b48-seed{args.seed}", "b24": work / f"eval-b24-seed{args.seed}"}
+        self.diags = {name: work / "diagnose" / f"{name}-seed{args.seed}.json" for name in RECIPES}
+
+    def run(self) -> Dict:
+        args, work = self.args, self.work
+        work.mkdir(parents=True, exist_ok=True)
+        # data settings are shared by every seed; seeds and reports may differ between invocations
+        check_settings(work / "data_settings.json", {k: getattr(args, k) for k in (
+            "conversations", "max_new_tokens", "max_prompt_chars", "max_length", "draft_vocab_size")})
+        check_settings(work / "heldout_settings.json", {"heldout": args.heldout})
+        # data stages are shared by every seed; the rest are timed per seed, so a second seed's
+        # training is not added onto the first's
+        seeded = self.seeded_stages()
+        shared_times, seed_times = work / "stage_times.json", work / f"stage_times-seed{args.seed}.json"
+        migrate_stage_times(shared_times, work / "stage_times-seed0.json", [s.name for s in seeded])
+        timings = run_stages(self.shared_stages(), shared_times) | run_stages(seeded, seed_times)
+        report = build_report(args, work, self.runs, self.evals, timings, self.diags, train_commands={
+            name: train_command(str(RECIPES[name]), self.train_overrides(name)) for name in RECIPES})
+        prefix = args.report or str(REPO_ROOT / "benchmarks" / "results" / ("smollm2-cpu" + (f"-seed{args.seed}" if args.seed else "")))
+        write_report(report, Path(prefix))
+        return report
+
+    def call_stage(self, module: str, stage_argv: List[str]) -> None:
+        _call_stage(module, stage_argv, log_file=self.work / "commands.log")
+
+    def data(self, *argv: str) -> None:
+        self.call_stage("pr_specforge.data.cli", [*argv])
+
+    def conversations(self, out: Path, limit: int, *extra: str) -> None:
+        holdout = sum((["--holdout-prompts", b] for b in BENCHMARKS), [])
+        self.data("conversations", "--source", "sharegpt-package", "--output", str(out), "--limit", str(limit),
+                  "--max-turns", "1", *extra, *holdout)
+
+    def regenerate(self, conversations: Path, out: Path, done: Path):
         def run() -> None:
-            call_stage("pr_specforge.data.cli", [
-                "regenerate", "--target", str(target), "--input", str(conversations), "--output", str(out),
-                "--max-new-tokens", str(args.max_new_tokens), "--batch-size", "32", "--temperature", "0",
-                "--max-prompt-chars", str(args.max_prompt_chars)])
+            self.data("regenerate", "--target", str(self.target), "--input", str(conversations), "--output", str(out),
+                      "--max-new-tokens", str(self.args.max_new_tokens), "--batch-size", "32", "--temperature", "0",
+                      "--max-prompt-chars", str(self.args.max_prompt_chars))
             done.write_text("ok\n")
         return run
 
-    def hidden_states(conversations: Path, out: Path) -> None:
-        call_stage("pr_specforge.data.cli", [
-            "hidden-states", "--target", str(target), "--input", str(conversations), "--output", str(out),
-            "--max-length", str(args.max_length), "--draft-vocab-size", str(args.draft_vocab_size)])
+    def hidden_states(self, conversations: Path, out: Path) -> None:
+        self.data("hidden-states", "--target", str(self.target), "--input", str(conversations), "--output", str(out),
+                  "--max-length", str(self.args.max_length), "--draft-vocab-size", str(self.args.draft_vocab_size))
 
-    target, convs, regen, feats = work / "target", work / "conversations.jsonl", work / "regenerated.jsonl", work / "features"
-    held = work / "heldout"
-    runs = {name: work / "runs" / f"{name}-seed{args.seed}" for name in RECIPES}
-    exports = {name: work / "export" / f"{name}-seed{args.seed}" for name in RECIPES}
-    evals = {"b48": work / f"eval-b48-seed{args.seed}", "b24": work / f"eval-b24-seed{args.seed}"}
-    diags = {name: work / "diagnose" / f"{name}-seed{args.seed}.json" for name in RECIPES}
+    def shared_stages(self) -> List[Stage]:
+        held, work = self.held, self.work
+        stages = [
+            Stage("target", self.target / "config.json", lambda: self.data("smollm2-target", "--output", str(self.target))),
+            Stage("conversations", self.convs, lambda: self.conversations(self.convs, self.args.conversations)),
+            Stage("regenerate", work / "regenerated.done", self.regenerate(self.convs, self.regen, work / "regenerated.done")),
+            Stage("features", self.feats / "manifest.json", lambda: (
+                self.hidden_states(self.regen, self.feats), self.data("validate", str(self.feats), "--target", str(self.target))),
+                done=lambda: features_done(self.feats)),
+        ]
+        if self.args.heldout:
+            stages += [
+                Stage("heldout-conversations", held / "conversations.jsonl", lambda: self.conversations(
+                    held / "conversations.jsonl", self.args.heldout, "--exclude-ids", str(self.convs))),
+                Stage("heldout-regenerate", held / "regenerated.done",
+                      self.regenerate(held / "conversations.jsonl", held / "regenerated.jsonl", held / "regenerated.done")),
+                Stage("heldout-features", held / "features" / "manifest.json",
+                      lambda: self.hidden_states(held / "regenerated.jsonl", held / "features"),
+                      done=lambda: features_done(held / "features")),
+            ]
+        return stages
 
-    def train_overrides(name: str) -> List[str]:
+    def seeded_stages(self) -> List[Stage]:
+        runs, evals = self.runs, self.evals
+        return [
+            Stage("train-eagle3", runs["eagle3"] / "train.done", self.train("eagle3")),
+            Stage("train-pr", runs["pr"] / "train.done", self.train("pr")),
+            *([Stage("diagnose", self.diags["pr"], self.diagnose)] if self.args.heldout else []),
+            Stage("export", self.exports["pr"] / "config.json", self.export),
+            Stage("eval-b48", evals["b48"] / "summary.json", self.evaluate("b48", [48], [0.0, 1.0])),
+            Stage("eval-b24", evals["b24"] / "summary.json", self.evaluate("b24", [24], [0.0])),
+        ]
+
+    def train_overrides(self, name: str) -> List[str]:
+        args = self.args
         overrides = [
-            f"model.target_model_path={target}",
-            f"model.vocab_mapping_path={feats / 'vocab_mapping' / 'vocab_mapping.pt'}",
-            f"data.hidden_states_path={feats}", f"data.max_length={args.max_length}",
-            f"output_dir={runs[name]}", f"training.num_epochs={args.epochs}",
+            f"model.target_model_path={self.target}",
+            f"model.vocab_mapping_path={self.feats / 'vocab_mapping' / 'vocab_mapping.pt'}",
+            f"data.hidden_states_path={self.feats}", f"data.max_length={args.max_length}",
+            f"output_dir={self.runs[name]}", f"training.num_epochs={args.epochs}",
             f"training.learning_rate={args.lr}", f"training.seed={args.seed}",
             f"training.save_interval={args.save_interval}",
         ]
         if args.heldout and args.eval_interval:
-            overrides += [f"data.eval_hidden_states_path={held / 'features'}", f"training.eval_interval={args.eval_interval}"]
+            overrides += [f"data.eval_hidden_states_path={self.held / 'features'}", f"training.eval_interval={args.eval_interval}"]
         return overrides
 
-    def train(name: str):
+    def train(self, name: str):
         def run() -> None:
             from pr_specforge.train import run_train
 
-            overrides = train_overrides(name)
-            ckpt = latest_checkpoint(runs[name], required=False)
+            overrides = self.train_overrides(name)
+            ckpt = latest_checkpoint(self.runs[name], required=False)
             if ckpt:
                 log.info("resuming %s from %s", name, ckpt)
                 overrides.append(f"training.resume_from={ckpt}")
-            log_command(train_command(str(RECIPES[name]), overrides), work / "commands.log")
+            log_command(train_command(str(RECIPES[name]), overrides), self.work / "commands.log")
             rc = run_train(str(RECIPES[name]), overrides)
             if rc:
-                raise SystemExit(f"training {name} failed: exit {rc}")
-            (runs[name] / "train.done").write_text("ok\n")
+                raise StageFailed(f"training {name} failed: exit {rc}")
+            (self.runs[name] / "train.done").write_text("ok\n")
         return run
 
-    def diagnose() -> None:
+    def diagnose(self) -> None:
         for name in RECIPES:  # the PR file last: it is the stage's output
-            call_stage("pr_specforge.diagnose", [str(runs[name]), "--features", str(held / "features"),
-                                                  "--json", str(diags[name]), "--seed", str(args.seed), "--no-progress"])
+            self.call_stage("pr_specforge.diagnose", [str(self.runs[name]), "--features", str(self.held / "features"),
+                                                       "--json", str(self.diags[name]), "--seed", str(self.args.seed), "--no-progress"])
 
-    def export() -> None:
+    def export(self) -> None:
         for name in RECIPES:
-            call_stage("pr_specforge.export", [latest_checkpoint(runs[name]), str(exports[name]), "--to", "hf",
-                                               "--target", str(target), "--overwrite"])
+            self.call_stage("pr_specforge.export", [latest_checkpoint(self.runs[name]), str(self.exports[name]), "--to", "hf",
+                                                    "--target", str(self.target), "--overwrite"])
 
-    def evaluate(key: str, budgets: Sequence[int], temps: Sequence[float]):
-        return lambda: call_stage("pr_specforge.eval.cli", [
-            "--target", str(target), "--draft", f"eagle3={exports['eagle3']}", "--draft", f"pr={exports['pr']}",
+    def evaluate(self, key: str, budgets: Sequence[int], temps: Sequence[float]):
+        args, exports = self.args, self.exports
+        return lambda: self.call_stage("pr_specforge.eval.cli", [
+            "--target", str(self.target), "--draft", f"eagle3={exports['eagle3']}", "--draft", f"pr={exports['pr']}",
             "--prompts", *args.benchmarks, "--limit", str(args.eval_limit), "--budget", *map(str, budgets),
             "--temperature", *map(str, temps), "--max-new-tokens", str(args.eval_max_new_tokens),
             "--k", "6", "--bw", "6", "--gamma", "8", "--m", "3", "--seed", str(args.seed),
-            "--out-dir", str(evals[key]), "--json", str(evals[key] / "summary.json"), "--no-progress"])
-
-    shared = [
-        Stage("target", target / "config.json", lambda: call_stage("pr_specforge.data.cli", ["smollm2-target", "--output", str(target)])),
-        Stage("conversations", convs, lambda: call_stage("pr_specforge.data.cli", [
-            "conversations", "--source", "sharegpt-package", "--output", str(convs), "--limit", str(args.conversations),
-            "--max-turns", "1", *holdout_args])),
-        Stage("regenerate", work / "regenerated.done", regenerate(convs, regen, work / "regenerated.done")),
-        Stage("features", feats / "manifest.json", lambda: (
-            hidden_states(regen, feats),
-            call_stage("pr_specforge.data.cli", ["validate", str(feats), "--target", str(target)])),
-            done=lambda: features_done(feats)),
-        *([
-            Stage("heldout-conversations", held / "conversations.jsonl", lambda: call_stage("pr_specforge.data.cli", [
-                "conversations", "--source", "sharegpt-package", "--output", str(held / "conversations.jsonl"),
-                "--limit", str(args.heldout), "--max-turns", "1", "--exclude-ids", str(convs), *holdout_args])),
-            Stage("heldout-regenerate", held / "regenerated.done",
-                  regenerate(held / "conversations.jsonl", held / "regenerated.jsonl", held / "regenerated.done")),
-            Stage("heldout-features", held / "features" / "manifest.json",
-                  lambda: hidden_states(held / "regenerated.jsonl", held / "features"),
-                  done=lambda: features_done(held / "features")),
-        ] if args.heldout else []),
-    ]
-    seeded = [
-        Stage("train-eagle3", runs["eagle3"] / "train.done", train("eagle3")),
-        Stage("train-pr", runs["pr"] / "train.done", train("pr")),
-        *([Stage("diagnose", diags["pr"], diagnose)] if args.heldout else []),
-        Stage("export", exports["pr"] / "config.json", export),
-        Stage("eval-b48", evals["b48"] / "summary.json", evaluate("b48", [48], [0.0, 1.0])),
-        Stage("eval-b24", evals["b24"] / "summary.json", evaluate("b24", [24], [0.0])),
-    ]
-    # data stages are shared by every seed; the rest are timed per seed, so a second seed's
-    # training is not added onto the first's
-    shared_times, seed_times = work / "stage_times.json", work / f"stage_times-seed{args.seed}.json"
-    migrate_stage_times(shared_times, work / "stage_times-seed0.json", [s.name for s in seeded])
-    timings = run_stages(shared, shared_times) | run_stages(seeded, seed_times)
-    report = build_report(args, work, runs, evals, timings, diags,
-                          train_commands={name: train_command(str(RECIPES[name]), train_overrides(name)) for name in RECIPES})
-    prefix = args.report or str(REPO_ROOT / "benchmarks" / "results" / ("smollm2-cpu" + (f"-seed{args.seed}" if args.seed else "")))
-    write_report(report, Path(prefix))
-    print(render_markdown(report))
-    return 0
+            "--out-dir", str(self.evals[key]), "--json", str(self.evals[key] / "summary.json"), "--no-progress"])
 
 
 # ---------------------------------------------------------------- statistics
@@ -351,8 +379,6 @@ def _f(x, fmt=".3f") -> str:
 
 
 def render_markdown(report: dict) -> str:
-    from pr_specforge.objective.metrics import CONFIDENCE_BAND_NAMES
-
     lines = ["# EAGLE-3 vs Parallel Reconsideration on SmolLM2-135M-Instruct (CPU)", "",
              f"commit `{report['commit']}`, machine: {report['machine']['platform']}, {report['machine']['cpus']} CPUs", "",
              f"command: `{report.get('command')}`; the stages ran (in-process) as:", "",
@@ -365,6 +391,17 @@ def render_markdown(report: dict) -> str:
         lo, hi = c["gain_rel_ci95"]
         lines.append(f"| {c['set']} | {c['budget']} | {c['temperature']:g} | {c['prompts']} | {c['tau_eagle3']:.3f} | "
                      f"{c['tau_pr']:.3f} | {100 * c['gain_rel']:+.1f}% | [{100 * lo:+.1f}%, {100 * hi:+.1f}%] |")
+    lines += _md_seeds(report) + _md_served(report) + _md_training(report) + _md_heldout(report)
+    lines += ["", "## Stage wall times (s)", "",
+              "Summed over every invocation that ran the stage, so a stage that was interrupted and resumed also "
+              "counts the work it redid (for training, at most one save interval per interruption).", "",
+              ", ".join(f"{k}: {v:.0f}" for k, v in report["stage_wall_s"].items()), ""]
+    return "\n".join(lines)
+
+
+def _md_seeds(report: dict) -> List[str]:
+    """The per-seed gains side by side (only with more than one seed)."""
+    lines: List[str] = []
     seeds = report.get("seeds") or {}
     if len(seeds) > 1:
         lines += ["", "## Across training seeds (each seed: both drafters retrained; gain and 95% CI per seed)", "",
@@ -384,6 +421,12 @@ def render_markdown(report: dict) -> str:
                 row.append(f"{100 * c['gain_rel']:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]")
             mean = f"{100 * sum(gains) / len(gains):+.1f}%" if gains else "-"
             lines.append(f"| {set_name} | {budget} | {temp:g} | " + " | ".join(row) + f" | {mean} |")
+    return lines
+
+
+def _md_served(report: dict) -> List[str]:
+    """Served speed, and the PR drafter's reconsideration in the served tree."""
+    lines: List[str] = []
     lines += ["", "## Speed (this CPU; AR baseline measured in the same run)", "",
               "| drafter | set | B | T | tokens/s | AR tokens/s | speedup | lossless |", "|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
@@ -399,6 +442,12 @@ def render_markdown(report: dict) -> str:
             lines.append(f"| {r['set']} | {r['budget']} | {r['temperature']:g} | {_f(r.get('recon_rows_per_round'), '.2f')} | "
                          f"{_f(r.get('recon_kept_per_round'), '.2f')} | {_f(r.get('repriced_kept_per_round'), '.2f')} | "
                          f"{_f(_recovered(r.get('recover')))} |")
+    return lines
+
+
+def _md_training(report: dict) -> List[str]:
+    """The trainings' last logged steps."""
+    lines: List[str] = []
     lines += ["", "## Training (mean over the last logged steps)", "",
               "| drafter | steps | median step s | acc_0 | acc_3 | q_bar (0/1/2) | halt past 0 | recovered share | held-out sim. acc len |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -410,6 +459,14 @@ def render_markdown(report: dict) -> str:
         lines.append(f"| {name} | {t.get('step')} (last {t.get('window_steps')}) | {_f(t.get('median_step_time_s'))} | "
                      f"{_f(t.get('acc_0'))} | {_f(t.get('acc_3'))} | {q} | {_f(t.get('pr/halt_past_0'))} | "
                      f"{_f(t.get('pr/recovered_share'))} | {_f(held)} |")
+    return lines
+
+
+def _md_heldout(report: dict) -> List[str]:
+    """`pr-specforge diagnose` on the held-out features."""
+    from pr_specforge.objective.metrics import CONFIDENCE_BAND_NAMES
+
+    lines: List[str] = []
     held = report.get("heldout") or {}
     if held:
         lines += ["", "## Held-out features (`pr-specforge diagnose`, final checkpoints)", "",
@@ -428,11 +485,7 @@ def render_markdown(report: dict) -> str:
                 lines.append(f"| {b} | {_f(pr.get(f'pr/conf_share_{b}'))} | {_f(pr.get(f'pr/halt_past_0_{b}'))} | "
                              + " | ".join(_f(pr.get(f"pr/acc_depth_{r}_{b}")) for r in range(3))
                              + f" | {_f(pr.get(f'pr/recovered_share_{b}'))} |")
-    lines += ["", "## Stage wall times (s)", "",
-              "Summed over every invocation that ran the stage, so a stage that was interrupted and resumed also "
-              "counts the work it redid (for training, at most one save interval per interruption).", "",
-              ", ".join(f"{k}: {v:.0f}" for k, v in report["stage_wall_s"].items()), ""]
-    return "\n".join(lines)
+    return lines
 
 
 def write_report(report: dict, prefix: Path) -> None:

@@ -37,6 +37,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from pr_specforge.backends.checkpoint import RECIPE_STATE_KEY  # the resolved recipe inside a checkpoint
 from pr_specforge.modeling.drafter import (
     EAGLE3_ARCHITECTURE,
     PR_ARCHITECTURE,
@@ -46,8 +47,6 @@ from pr_specforge.modeling.drafter import (
 
 log = logging.getLogger(__name__)
 
-#: key under which `pr_specforge.backends.checkpoint` stores the resolved recipe in a checkpoint.
-RECIPE_STATE_KEY = "pr_specforge_recipe"
 SUPPORTED_STRATEGIES = ("pr", "eagle3")
 SAFETENSORS_NAME = "model.safetensors"
 
@@ -177,17 +176,18 @@ def check_weights(model, weights: Dict[str, torch.Tensor], draft_config: Dict[st
 
 def resolve_capture_layers(draft_config: Dict[str, Any], recipe: Optional[Dict[str, Any]], target_dir: Optional[str]) -> Optional[List[int]]:
     """Captured target layers (SpecForge's order: run override, draft config, target default)."""
-    layers = ((recipe or {}).get("model") or {}).get("aux_hidden_state_layer_ids")
-    if layers is None:
-        layers = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if layers is None and target_dir and os.path.isfile(os.path.join(target_dir, "config.json")):
+    from pr_specforge._specforge import eagle_capture_layers
+
+    override = ((recipe or {}).get("model") or {}).get("aux_hidden_state_layer_ids")
+    given = override is not None or (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") is not None
+    target_config = None
+    if not given:
+        if not (target_dir and os.path.isfile(os.path.join(target_dir, "config.json"))):
+            return None
         from transformers import AutoConfig
 
-        tcfg = AutoConfig.from_pretrained(target_dir)
-        tcfg = getattr(tcfg, "text_config", tcfg)
-        n = int(tcfg.num_hidden_layers)
-        layers = [1, n // 2 - 1, n - 4]  # SpecForge's default capture (layer outputs), SGLang's convention too
-    return [int(x) for x in layers] if layers is not None else None
+        target_config = AutoConfig.from_pretrained(target_dir)
+    return [int(x) for x in eagle_capture_layers(draft_config, target_config, override)]
 
 
 def sglang_config(draft_config: Dict[str, Any], model, capture_layers: Optional[List[int]], dtype: torch.dtype) -> Dict[str, Any]:

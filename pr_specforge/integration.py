@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from pr_specforge._specforge import Eagle3TrainStrategy, StepOutput
-from pr_specforge.config import PRConfig
+from pr_specforge.config import PR_ATTENTION_BACKEND, PRConfig
 from pr_specforge.modeling.drafter import EAGLE3_ARCHITECTURE, PR_ARCHITECTURE, PR_PARAM_PREFIXES, build_pr_config
 
 ALGORITHM_NAME = "pr"
@@ -116,47 +116,56 @@ def prepare_draft(draft, pr: PRConfig) -> None:
         warm_start.freeze_one_pass(draft)
 
 
-def build_registration(pr: PRConfig):
-    """An `AlgorithmRegistration` for `pr`, bound to these PR settings."""
-    import pr_specforge.modeling  # noqa: F401  (registers the draft architecture)
-    from pr_specforge._specforge import make_registration
-    from pr_specforge._specforge import eagle3_providers as eagle3
+def _step_options(config) -> Dict[str, Any]:
+    if config.training.compact_teacher:
+        raise ValueError("training.compact_teacher is not supported by the pr algorithm; set training.compact_teacher=false")
+    if config.training.lk_loss_type is not None:
+        raise ValueError("training.lk_loss_type is not supported by the pr algorithm; leave it unset")
+    return {}
 
+
+def _build_offline_reader(hidden_states_path, *, run_id, ttt_length, max_len):
+    from pr_specforge._specforge import OfflineManifestReader
+
+    return OfflineManifestReader(
+        hidden_states_path, run_id=run_id, strategy=ALGORITHM_NAME, ttt_length=ttt_length,
+        max_len=max_len, target_repr="hidden_state",
+    )
+
+
+class _Providers:
+    """The provider callbacks SpecForge calls for `pr`, bound to one run's PR settings."""
+
+    def __init__(self, pr: PRConfig) -> None:
+        self.pr = pr
+
+    @staticmethod
     def build_step(wrapped_model, *, target_head=None, **options):
         return make_strategy(wrapped_model, target_head=target_head, **options)
 
-    def step_options(config) -> Dict[str, Any]:
-        if config.training.compact_teacher:
-            raise ValueError("training.compact_teacher is not supported by the pr algorithm; set training.compact_teacher=false")
-        if config.training.lk_loss_type is not None:
-            raise ValueError("training.lk_loss_type is not supported by the pr algorithm; leave it unset")
-        return {}
-
-    def resume_contract(config, draft_model, training_model) -> Dict[str, Any]:
+    def resume_contract(self, config, draft_model, training_model) -> Dict[str, Any]:
         return {
             "pr_ttt_length": int(training_model.length),
             "pr_attention_backend": str(training_model.attention_backend),
-            "pr_settings": pr.to_dict(),
+            "pr_settings": self.pr.to_dict(),
         }
 
-    def build_draft(config, draft_config):
+    def build_draft(self, config, draft_config):
         from pr_specforge._specforge import build_eagle3_draft
-
-        draft = build_eagle3_draft(config, pr_draft_config(draft_config, pr))
         from pr_specforge.modeling.drafter import rebuild_rope
 
+        draft = build_eagle3_draft(config, pr_draft_config(draft_config, self.pr))
         rebuild_rope(draft)
-        prepare_draft(draft, pr)
-        if pr.max_depth == 0:
+        prepare_draft(draft, self.pr)
+        if self.pr.max_depth == 0:
             # R = 0 is plain EAGLE-3: the PR parts are never used, so keep them out of DDP/optimiser.
             for name, p in draft.named_parameters():
                 if name.startswith(PR_PARAM_PREFIXES):
                     p.requires_grad_(False)
         return draft
 
-    def build_training_model(config, draft_model, draft_config, target_config, tokenizer):
+    def build_training_model(self, config, draft_model, draft_config, target_config, tokenizer):
         from pr_specforge._specforge import build_eagle3_model
-
         from pr_specforge.objective.ttt import OnlinePRModel
 
         parts = build_eagle3_model(config, draft_model, draft_config, target_config, tokenizer)
@@ -164,22 +173,17 @@ def build_registration(pr: PRConfig):
             draft_model,
             length=config.training.ttt_length,
             attention_backend=config.training.attention_backend,
-            pr=pr,
+            pr=self.pr,
         )
         ref = parts.model
         model = model.to(device=next(ref.parameters()).device, dtype=next(ref.parameters()).dtype)
         return dataclasses.replace(parts, model=model)
 
-    def build_offline_reader(hidden_states_path, *, run_id, ttt_length, max_len):
-        from pr_specforge._specforge import OfflineManifestReader
 
-        return OfflineManifestReader(
-            hidden_states_path, run_id=run_id, strategy=ALGORITHM_NAME, ttt_length=ttt_length,
-            max_len=max_len, target_repr="hidden_state",
-        )
-
+def _algorithm_spec(eagle3):
+    """SpecForge's EAGLE-3 spec, renamed `pr`, accepting both drafter architectures, sdpa only."""
     base_spec = eagle3.algorithm_spec()
-    spec = dataclasses.replace(
+    return dataclasses.replace(
         base_spec,
         name=ALGORITHM_NAME,
         draft=dataclasses.replace(
@@ -188,15 +192,25 @@ def build_registration(pr: PRConfig):
             default_architecture=PR_ARCHITECTURE,
         ),
         capabilities=dataclasses.replace(
-            base_spec.capabilities, attention_backends={"sdpa"}, supports_compact_teacher=False
+            base_spec.capabilities, attention_backends={PR_ATTENTION_BACKEND}, supports_compact_teacher=False
         ),
     )
+
+
+def build_registration(pr: PRConfig):
+    """An `AlgorithmRegistration` for `pr`, bound to these PR settings (SpecForge's EAGLE-3
+    providers, with PR's step, drafter, training model and offline reader)."""
+    import pr_specforge.modeling  # noqa: F401  (registers the draft architecture)
+    from pr_specforge._specforge import make_registration
+    from pr_specforge._specforge import eagle3_providers as eagle3
+
+    bound = _Providers(pr)
     base = eagle3.algorithm_providers()
     providers = dataclasses.replace(
         base,
         algorithm_name=ALGORITHM_NAME,
         step=dataclasses.replace(
-            base.step, build=build_step, options=step_options, resume_contract=resume_contract,
+            base.step, build=bound.build_step, options=_step_options, resume_contract=bound.resume_contract,
         ),
         model=dataclasses.replace(
             base.model,
@@ -204,12 +218,12 @@ def build_registration(pr: PRConfig):
                 base.model.draft_config, architecture=PR_ARCHITECTURE,
                 compatible_architectures=frozenset({EAGLE3_ARCHITECTURE, PR_ARCHITECTURE}),
             ),
-            build_draft=build_draft,
-            build_training_model=build_training_model,
+            build_draft=bound.build_draft,
+            build_training_model=bound.build_training_model,
         ),
-        offline=tuple(dataclasses.replace(o, build_reader=build_offline_reader) for o in base.offline),
+        offline=tuple(dataclasses.replace(o, build_reader=_build_offline_reader) for o in base.offline),
     )
-    return make_registration(spec, providers)
+    return make_registration(_algorithm_spec(eagle3), providers)
 
 
 def build_registry(pr: Optional[PRConfig] = None):

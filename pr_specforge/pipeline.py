@@ -28,6 +28,22 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 log = logging.getLogger(__name__)
 
+
+class StageFailed(RuntimeError):
+    """A stage's command returned non-zero; the message names the command."""
+
+
+#: what a stage-running command reports in one line and exits 1 on (bad settings, no checkpoint, a failed stage)
+STAGE_ERRORS = (StageFailed, FileNotFoundError, ValueError)
+
+
+def report_stage_error(prog: str, error: BaseException) -> int:
+    """One line on stderr naming the command, instead of a traceback; the exit status."""
+    import sys
+
+    print(f"{prog}: {error}", file=sys.stderr)
+    return 1
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RECIPE = REPO_ROOT / "recipes" / "smollm2-135m-cpu.yaml"
 
@@ -106,7 +122,7 @@ def call_stage(module: str, argv: List[str], log_file: Optional[Path] = None) ->
     log_command(command_line(_COMMANDS.get(module, module), argv), log_file)
     rc = importlib.import_module(module).main(argv)
     if rc:
-        raise SystemExit(f"stage command failed ({module} {' '.join(argv)}): exit {rc}")
+        raise StageFailed(f"stage command failed ({module} {' '.join(argv)}): exit {rc}")
 
 
 
@@ -125,13 +141,14 @@ def latest_checkpoint(run_dir: Path, required: bool = True) -> Optional[str]:
     ckpts = [d for d in (latest_checkpoint_dir(str(run_dir), run_id) for run_id in run_ids) if d]
     if not ckpts:
         if required:
-            raise SystemExit(f"no checkpoint under {run_dir}; did training save one (training.save_interval)?")
+            raise FileNotFoundError(f"no checkpoint under {run_dir}; did training save one (training.save_interval)?")
         return None
     return max(ckpts, key=lambda d: int(d.rsplit("-step", 1)[-1]))
 
 
 def check_settings(path: Path, settings: Dict) -> None:
     """Stages skip when their output exists, so a workdir must not be reused with other settings."""
+    from pr_specforge.config import ConfigError
     from pr_specforge.data.io import atomic_write_json
 
     settings = json.loads(json.dumps(settings))
@@ -140,7 +157,7 @@ def check_settings(path: Path, settings: Dict) -> None:
         changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
         if changed:
             detail = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items()))
-            raise SystemExit(
+            raise ConfigError(
                 f"{path.parent} was made with other settings ({detail}); its finished stages would be reused "
                 "as they are. Use a new --workdir, or delete this one to start over."
             )
@@ -196,7 +213,16 @@ def run_stages(stages: List[Stage], times_path: Optional[Path] = None, heartbeat
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        text = run(_parser().parse_args(argv))
+    except STAGE_ERRORS as e:
+        return report_stage_error("pr-specforge run", e)
+    print(text)
+    return 0
+
+
+def run(args: argparse.Namespace) -> str:
+    """Every stage of the embedded default, in order (finished ones skipped); returns the summary."""
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     check_settings(work / "run_settings.json", {k: v for k, v in vars(args).items() if k != "workdir"})
@@ -224,7 +250,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         log_command(train_command(args.recipe, overrides))
         rc = run_train(args.recipe, overrides)
         if rc:
-            raise SystemExit(f"training failed with exit {rc}")
+            raise StageFailed(f"training failed with exit {rc}")
 
     stages = [
         Stage("target", target / "config.json",
@@ -270,8 +296,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             call_stage("pr_specforge.telemetry", [str(run_dir)])
         except Exception as e:  # a plot must never hide a finished run
             log.warning("plot failed: %s", e)
-    print(summary(work, run_dir, export_sglang, export_hf, eval_dir, timings))
-    return 0
+    return summary(work, run_dir, export_sglang, export_hf, eval_dir, timings)
 
 
 def _last_metrics(run_dir: Path) -> Dict[str, float]:

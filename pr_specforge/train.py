@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import yaml
 
 from pr_specforge.backends.config import BACKEND_SECTION, BackendConfig
-from pr_specforge.config import ConfigError, PRConfig
+from pr_specforge.config import PR_ATTENTION_BACKEND, ConfigError, PRConfig, check_attention_backend
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
         o.split("=", 1)[0] == "training.attention_backend" for o in spec_over)
     if config.training.strategy == "pr" and not backend_given:
         # SpecForge's default (flex_attention) cannot run PR's composed rows; sdpa is PR's layout.
-        config = _specforge_config(spec_raw, [*spec_over, "training.attention_backend=sdpa"], path)
+        config = _specforge_config(spec_raw, [*spec_over, f"training.attention_backend={PR_ATTENTION_BACKEND}"], path)
     backend.validate_against(config, where=f"{path}: {BACKEND_SECTION}")
     if PR_SECTION in raw or config.training.strategy == "pr":
         if config.training.strategy not in ("pr",):
@@ -145,11 +145,8 @@ def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
                 f"recipe {path}: has a `pr:` section but training.strategy={config.training.strategy!r}; "
                 "set training.strategy=pr (or drop the pr: section for a plain EAGLE-3 run)"
             )
-    if config.training.strategy == "pr" and config.training.attention_backend != "sdpa":
-        raise ConfigError(
-            f"recipe {path}: training.attention_backend={config.training.attention_backend!r} with the pr strategy; "
-            "PR composes the attention of its co-forwarded rows itself: set training.attention_backend=sdpa (or leave it unset)"
-        )
+    if config.training.strategy == "pr":
+        check_attention_backend(config.training.attention_backend, where=f"recipe {path}: training.attention_backend")
     online = online_settings(config, online_request, path)
     resolved = copy.deepcopy(raw)
     resolved[PR_SECTION] = pr.to_dict()

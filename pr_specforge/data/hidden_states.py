@@ -51,8 +51,10 @@ class FeatureDirMismatch(RuntimeError):
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """SpecForge's `resolve_eagle_capture_layers` default (layer outputs)."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
+    """SpecForge's default capture layers of an `num_layers`-layer target (layer outputs)."""
+    from pr_specforge._specforge import eagle_capture_layers, target_layer_count
+
+    return eagle_capture_layers({}, target_layer_count(num_layers))
 
 
 def feature_path(out_dir: str | os.PathLike, idx: int, group: int = FILE_GROUP_SIZE) -> Path:

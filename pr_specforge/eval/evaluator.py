@@ -25,10 +25,11 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from pr_specforge.data.io import append_jsonl, read_jsonl_rows
+from pr_specforge.objective.metrics import CONFIDENCE_BANDS
 from pr_specforge.serving import TREE_BUILDERS, SpeculativeDecoder, TreeConfig, autoregressive_decode
 
 CONF_BUCKETS = 10
-BANDS = (0.5, 0.9)  # drafter / target confidence bands of Table 7
+BANDS = CONFIDENCE_BANDS  # drafter / target confidence bands of Table 7 (the training telemetry's too)
 
 
 class LosslessnessError(RuntimeError):

@@ -86,74 +86,11 @@ def write_report(summary: dict, out_dir: str) -> List[str]:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     os.makedirs(out_dir, exist_ok=True)
-    written = []
     entries = summary["results"]
-
-    # tau per benchmark and method, one panel per (B, T)
-    configs = sorted({(e["budget"], e["temperature"]) for e in entries})
-    sets = sorted({e["set"] for e in entries})
     drafts = sorted({e["draft"] for e in entries})
-    fig, axes = plt.subplots(1, max(1, len(configs)), figsize=(4 * max(1, len(configs)), 3.2), squeeze=False)
-    width = 0.8 / max(1, len(drafts))
-    for ax, (b, t) in zip(axes[0], configs):
-        for di, d in enumerate(drafts):
-            ys = [next((e["tau"] for e in entries if (e["draft"], e["set"], e["budget"], e["temperature"]) == (d, s, b, t)), 0.0) for s in sets]
-            ax.bar([x + di * width for x in range(len(sets))], ys, width, label=d)
-        ax.set_xticks([x + width * (len(drafts) - 1) / 2 for x in range(len(sets))], sets)
-        ax.set_title(f"B={b}, T={t:g}")
-        ax.set_ylabel("acceptance length tau")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "tau.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
-
-    # Figure 1a: one-pass top-1 acceptance by drafter confidence
-    fig, ax = plt.subplots(figsize=(4.5, 3.2))
-    for d in drafts:
-        hist = [[0, 0] for _ in range(10)]
-        for e in entries:
-            if e["draft"] == d:
-                for b in range(10):
-                    hist[b][0] += e["conf_hist"][b][0]
-                    hist[b][1] += e["conf_hist"][b][1]
-        xs = [(b + 0.5) / 10 for b in range(10) if hist[b][0]]
-        ys = [hist[b][1] / hist[b][0] for b in range(10) if hist[b][0]]
-        ax.plot(xs, ys, marker="o", label=d)
-    ax.plot([0, 1], [0, 1], ls=":", color="gray")
-    ax.set_xlabel("drafter top-1 confidence c_d")
-    ax.set_ylabel("top-1 acceptance rate")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "acceptance_by_confidence.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
-
-    # Table 7 as heatmaps: recovered share of one-pass misses
-    fig, axes = plt.subplots(1, len(drafts), figsize=(3.6 * len(drafts), 3.2), squeeze=False)
-    for ax, d in zip(axes[0], drafts):
-        rec = _merge_recover([e for e in entries if e["draft"] == d])
-        grid = [[(rec[i][j][1] / rec[i][j][0]) if rec[i][j][0] else 0.0 for j in range(3)] for i in range(3)]
-        ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", origin="lower")
-        for i in range(3):
-            for j in range(3):
-                ax.text(j, i, f"{100 * grid[i][j]:.0f}%\n(n={rec[i][j][0]})", ha="center", va="center", fontsize=7, color="w")
-        ax.set_xticks(range(3), BAND_NAMES)
-        ax.set_yticks(range(3), BAND_NAMES)
-        ax.set_xlabel("target confidence c_t")
-        ax.set_ylabel("drafter confidence c_d")
-        ax.set_title(d, fontsize=9)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "recovered_by_bucket.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
-
+    written = [_plot_tau(entries, drafts, out_dir), _plot_acceptance(entries, drafts, out_dir),
+               _plot_recovered(entries, drafts, out_dir)]
     md = ["# Acceptance-length evaluation\n", markdown_table(summary), "\n## Recovered one-pass misses (Table 7 layout)\n"]
     md.append(
         "A one-pass miss is a verified position whose emitted token is not among the node's one-pass top-k "
@@ -170,3 +107,74 @@ def write_report(summary: dict, out_dir: str) -> List[str]:
         f.write("".join(md))
     written.append(path)
     return written
+
+
+def _save(fig, out_dir: str, name: str) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _plot_tau(entries, drafts, out_dir: str) -> str:
+    """tau per benchmark and method, one panel per (B, T)."""
+    import matplotlib.pyplot as plt
+
+    configs = sorted({(e["budget"], e["temperature"]) for e in entries})
+    sets = sorted({e["set"] for e in entries})
+    fig, axes = plt.subplots(1, max(1, len(configs)), figsize=(4 * max(1, len(configs)), 3.2), squeeze=False)
+    width = 0.8 / max(1, len(drafts))
+    for ax, (b, t) in zip(axes[0], configs):
+        for di, d in enumerate(drafts):
+            ys = [next((e["tau"] for e in entries if (e["draft"], e["set"], e["budget"], e["temperature"]) == (d, s, b, t)), 0.0) for s in sets]
+            ax.bar([x + di * width for x in range(len(sets))], ys, width, label=d)
+        ax.set_xticks([x + width * (len(drafts) - 1) / 2 for x in range(len(sets))], sets)
+        ax.set_title(f"B={b}, T={t:g}")
+        ax.set_ylabel("acceptance length tau")
+    axes[0][0].legend(fontsize=7)
+    return _save(fig, out_dir, "tau.png")
+
+
+def _plot_acceptance(entries, drafts, out_dir: str) -> str:
+    """Figure 1a: one-pass top-1 acceptance by drafter confidence."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.5, 3.2))
+    for d in drafts:
+        hist = [[0, 0] for _ in range(10)]
+        for e in entries:
+            if e["draft"] == d:
+                for b in range(10):
+                    hist[b][0] += e["conf_hist"][b][0]
+                    hist[b][1] += e["conf_hist"][b][1]
+        xs = [(b + 0.5) / 10 for b in range(10) if hist[b][0]]
+        ys = [hist[b][1] / hist[b][0] for b in range(10) if hist[b][0]]
+        ax.plot(xs, ys, marker="o", label=d)
+    ax.plot([0, 1], [0, 1], ls=":", color="gray")
+    ax.set_xlabel("drafter top-1 confidence c_d")
+    ax.set_ylabel("top-1 acceptance rate")
+    ax.legend(fontsize=7)
+    return _save(fig, out_dir, "acceptance_by_confidence.png")
+
+
+def _plot_recovered(entries, drafts, out_dir: str) -> str:
+    """Table 7 as heatmaps: recovered share of one-pass misses."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(drafts), figsize=(3.6 * len(drafts), 3.2), squeeze=False)
+    for ax, d in zip(axes[0], drafts):
+        rec = _merge_recover([e for e in entries if e["draft"] == d])
+        grid = [[(rec[i][j][1] / rec[i][j][0]) if rec[i][j][0] else 0.0 for j in range(3)] for i in range(3)]
+        ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", origin="lower")
+        for i in range(3):
+            for j in range(3):
+                ax.text(j, i, f"{100 * grid[i][j]:.0f}%\n(n={rec[i][j][0]})", ha="center", va="center", fontsize=7, color="w")
+        ax.set_xticks(range(3), BAND_NAMES)
+        ax.set_yticks(range(3), BAND_NAMES)
+        ax.set_xlabel("target confidence c_t")
+        ax.set_ylabel("drafter confidence c_d")
+        ax.set_title(d, fontsize=9)
+    return _save(fig, out_dir, "recovered_by_bucket.png")

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from pr_specforge._specforge import OnlineEagle3Model, _compute_target_p_padded, padding, soft_cross_entropy_rows
-from pr_specforge.config import PRConfig
+from pr_specforge.config import PR_ATTENTION_BACKEND, PRConfig, check_attention_backend
 from pr_specforge.modeling.attention import KV, chain_attention, strict_causal_mask
 from pr_specforge.modeling.drafter import LlamaForCausalLMEagle3PR, halting_distribution
 from pr_specforge.objective.loss import LossTerms, MixedStep, marginal_entropy, pr_objective  # noqa: F401
@@ -254,18 +254,13 @@ class OnlinePRModel(OnlineEagle3Model):
         self,
         draft_model: LlamaForCausalLMEagle3PR,
         length: int = 7,
-        attention_backend: str = "sdpa",
+        attention_backend: str = PR_ATTENTION_BACKEND,
         pr: Optional[PRConfig] = None,
         ploss_decay: float = 0.8,
         generator: Optional[torch.Generator] = None,
         skip_unscored_rows: bool = True,
     ) -> None:
-        if attention_backend != "sdpa":
-            raise ValueError(
-                f"training.attention_backend={attention_backend!r}: the pr algorithm composes its own "
-                "attention over [context | chain | own key] rows and supports only 'sdpa'; set "
-                "training.attention_backend=sdpa"
-            )
+        check_attention_backend(attention_backend)
         if not isinstance(draft_model, LlamaForCausalLMEagle3PR):
             raise TypeError(
                 f"the pr algorithm needs a LlamaForCausalLMEagle3PR drafter, got {type(draft_model).__name__}; "

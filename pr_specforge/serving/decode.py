@@ -136,7 +136,6 @@ class SpeculativeDecoder:
         temperature: float = 0.0,
         seed: int = 0,
         eos_token_id=None,
-        keep_trees: bool = False,
     ) -> DecodeResult:
         if len(input_ids) < 1:
             raise ValueError("input_ids must hold at least one prompt token")
@@ -148,7 +147,6 @@ class SpeculativeDecoder:
         res = DecodeResult(tokens=[])
         if self.decompose:
             res.decomposition = {c: 0 for c in COUNTERS}
-        self.trees: list = []  # DraftTree or TensorDraftTree, with keep_trees
         t_start = time.perf_counter()
 
         # prefill: the target's first token and the drafter's context rows
@@ -196,8 +194,6 @@ class SpeculativeDecoder:
             res.repriced_kept += tree.repriced_kept
             res.tree_sizes.append(len(tokens) - 1)
             self._diagnose(tree, path, bonus, logits, res)
-            if keep_trees:
-                self.trees.append(tree)
             done = _emit(res.tokens, accepted + [bonus], max_new_tokens, eos)
         res.total_s = time.perf_counter() - t_start
         return res

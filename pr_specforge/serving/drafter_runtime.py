@@ -7,8 +7,8 @@ Owns:
     verification rounds (`extend`), and runs any set of tree rows in ONE call of
     the decoder layer `M` (`forward_rows`), each row with its own explicit
     position and its own set of visible tree rows (exact tree attention).
-  * `aux_layer_ids` — which target layers the drafter reads (EAGLE-3 default
-    `[1, L//2 - 1, L - 4]`, or `eagle_config.eagle_aux_hidden_state_layer_ids`).
+  * `aux_layer_ids` — which target layers the drafter reads (SpecForge's capture rule,
+    through `pr_specforge._specforge.eagle_capture_layers`).
 
 Context rows follow SpecForge's EAGLE-3 shift (`OnlineEagle3Model`): the drafter
 row at position `p` reads `fc(target layers at p)` in the hidden slot and the
@@ -34,11 +34,9 @@ from pr_specforge.modeling.drafter import LlamaForCausalLMEagle3PR
 
 def aux_layer_ids(drafter: nn.Module, num_target_layers: int) -> List[int]:
     """Target decoder layers whose OUTPUTS feed the drafter (`output_hidden_states[i + 1]`)."""
-    eagle_cfg = getattr(drafter.config, "eagle_config", None) or {}
-    ids = eagle_cfg.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_cfg, dict) else None
-    if ids is None:
-        ids = [1, num_target_layers // 2 - 1, num_target_layers - 4]
-    ids = [int(i) for i in ids]
+    from pr_specforge._specforge import eagle_capture_layers, target_layer_count
+
+    ids = [int(i) for i in eagle_capture_layers(drafter.config, target_layer_count(num_target_layers))]
     if len(ids) != 3 or not all(0 <= i < num_target_layers for i in ids):
         raise ValueError(
             f"eagle_aux_hidden_state_layer_ids must be 3 layer indices in [0, {num_target_layers}) "

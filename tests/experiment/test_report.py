@@ -40,7 +40,9 @@ def test_a_workdir_is_not_reused_with_other_settings(tmp_path):
     path = tmp_path / "run_settings.json"
     check_settings(path, {"conversations": 256, "max_steps": 300})
     check_settings(path, {"conversations": 256, "max_steps": 300})  # same settings: resume
-    with pytest.raises(SystemExit, match=r"conversations: 256 -> 4000.*new --workdir"):
+    from pr_specforge.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"conversations: 256 -> 4000.*new --workdir"):
         check_settings(path, {"conversations": 4000, "max_steps": 300})
 
 

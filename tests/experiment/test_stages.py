@@ -79,7 +79,7 @@ def test_resume_skips_a_checkpoint_killed_mid_save(tmp_path):
     (tmp_path / "run-latest").mkdir()
     (tmp_path / "run-latest" / "training_state.pt").write_bytes(b"x")
     assert latest_checkpoint(tmp_path) == str(tmp_path / "run-step1000")
-    with pytest.raises(SystemExit, match="no checkpoint"):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
         latest_checkpoint(tmp_path / "empty")
 
 
