@@ -2,7 +2,7 @@
 
 SpecForge's `Config` forbids extra keys, so PR settings live beside it in the
 recipe YAML under `pr:` and are parsed here. Every field where the paper leaves a
-choice open is a field, with the default we use and why (see METHOD.md).
+choice open is a field, with the default we use and why (see docs/method.md).
 
 Owns: `ConfigError`; `PRDraftSettings`, the architecture-level settings a drafter's
 config carries under `pr_config` (`max_depth`, the self-query width, what the gate

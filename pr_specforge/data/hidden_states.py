@@ -318,7 +318,6 @@ def prepare_hidden_states(
     in a one-rank run. Rank 0 writes the vocab map and the final manifest once
     every rank is done (`pr_specforge.data.sharding`).
     """
-    from tqdm import tqdm
     from transformers import AutoConfig, AutoTokenizer
 
     from pr_specforge.data.sharding import current_shard, gather_to_main
@@ -345,42 +344,16 @@ def prepare_hidden_states(
     check_tokenizer(tokenizer, chat_template)
 
     stats = HiddenStateStats()
-    counts: Counter = Counter()
-    items = []
-    for idx, sample in tokenized_rows(input_path, tokenizer, chat_template, max_length, target["vocab_size"], stats, limit):
-        count_loss_tokens(counts, sample.input_ids, sample.loss_mask)
-        items.append((idx, sample.input_ids, sample.loss_mask))
-    todo = []
-    for k, batch in enumerate(_batches(items, batch_size, max_batch_tokens)):
-        if not shard.owns(k):
-            continue
-        done = sum(feature_path(out_dir, it[0]).exists() for it in batch)
-        stats.resumed += done
-        if done < len(batch):
-            todo.append(batch)  # whole: a row's features never depend on how far a killed run got
-
+    items, counts = _tokenized_items(input_path, tokenizer, chat_template, max_length, target["vocab_size"], stats, limit)
+    todo = _unfinished_batches(items, shard, out_dir, stats, batch_size, max_batch_tokens)
     if not items:  # every rank reads every row, so all refuse together
         raise DataFormatError(f"{input_path}: no usable conversation (read {stats.rows} rows, "
                               f"skipped {dict(stats.skipped)}); nothing written")
     manifest = {
-        "format": FORMAT,
-        "status": "in_progress",
-        "target": target,
-        "chat_template": chat_template,
-        "max_length": max_length,
-        "backend": backend,
-        "dtype": dtype,
-        "input": str(Path(input_path).resolve()),
-        "file_group_size": FILE_GROUP_SIZE,
-        "shapes": {
-            "input_ids": ["L"],
-            "loss_mask": ["L"],
-            "hidden_state": [1, "L", target["hidden_size"]],
-            "aux_hidden_state": [1, "L", 3 * target["hidden_size"]],
-        },
-        "draft_vocab_size": draft_vocab_size,
-        "vocab_mapping": "vocab_mapping/vocab_mapping.pt",
-        "ranks": shard.world,
+        "format": FORMAT, "status": "in_progress", "target": target, "chat_template": chat_template,
+        "max_length": max_length, "backend": backend, "dtype": dtype, "input": str(Path(input_path).resolve()),
+        "file_group_size": FILE_GROUP_SIZE, "shapes": _feature_shapes(target["hidden_size"]),
+        "draft_vocab_size": draft_vocab_size, "vocab_mapping": "vocab_mapping/vocab_mapping.pt", "ranks": shard.world,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     if shard.is_main:
@@ -388,6 +361,17 @@ def prepare_hidden_states(
 
     if todo and capture is None:
         capture = _load_capture(backend, target_path, aux_layers, dtype, device)
+    _capture_batches(capture, todo, out_dir, stats, shard, progress)
+    per_rank = gather_to_main(shard, (stats.written, stats.resumed, stats.skipped.get("nan", 0), stats.dtype))
+    if shard.is_main:
+        _complete(out_dir, manifest, stats, per_rank, counts, draft_vocab_size)
+    return stats
+
+
+def _capture_batches(capture, todo: list, out_dir: Path, stats: HiddenStateStats, shard, progress: bool) -> None:
+    """Capture and write every unfinished batch of this rank, with a progress bar."""
+    from tqdm import tqdm
+
     n_todo = sum(len(b) for b in todo)  # rows of unfinished batches (done rows are recomputed, not rewritten)
     desc = "hidden states" if shard.world == 1 else f"hidden states (rank {shard.rank}/{shard.world})"
     pause = float(os.environ.get(BATCH_SLEEP_ENV, "0") or 0)
@@ -398,19 +382,51 @@ def prepare_hidden_states(
             if pause:
                 time.sleep(pause)
 
-    per_rank = gather_to_main(shard, (stats.written, stats.resumed, stats.skipped.get("nan", 0), stats.dtype))
-    if not shard.is_main:
-        return stats
+
+def _tokenized_items(input_path, tokenizer, chat_template: str, max_length: int, vocab_size: int,
+                     stats: HiddenStateStats, limit: int | None):
+    """`(index, input_ids, loss_mask)` of every usable row, and the loss-token counts of the vocab map."""
+    counts: Counter = Counter()
+    items = []
+    for idx, sample in tokenized_rows(input_path, tokenizer, chat_template, max_length, vocab_size, stats, limit):
+        count_loss_tokens(counts, sample.input_ids, sample.loss_mask)
+        items.append((idx, sample.input_ids, sample.loss_mask))
+    return items, counts
+
+
+def _unfinished_batches(items, shard, out_dir: Path, stats: HiddenStateStats, batch_size: int, max_batch_tokens: int) -> list:
+    """This rank's length-sorted batches that still miss a feature file (done rows are counted)."""
+    todo = []
+    for k, batch in enumerate(_batches(items, batch_size, max_batch_tokens)):
+        if not shard.owns(k):
+            continue
+        done = sum(feature_path(out_dir, it[0]).exists() for it in batch)
+        stats.resumed += done
+        if done < len(batch):
+            todo.append(batch)  # whole: a row's features never depend on how far a killed run got
+    return todo
+
+
+def _feature_shapes(hidden_size: int) -> dict:
+    return {
+        "input_ids": ["L"],
+        "loss_mask": ["L"],
+        "hidden_state": [1, "L", hidden_size],
+        "aux_hidden_state": [1, "L", 3 * hidden_size],
+    }
+
+
+def _complete(out_dir: Path, manifest: dict, stats: HiddenStateStats, per_rank, counts: Counter, draft_vocab_size: int) -> None:
+    """Rank 0, once every rank is done: sum the ranks' counters, write the vocab map and the final manifest."""
     stats.written, stats.resumed, nan = (sum(col) for col in list(zip(*per_rank))[:3])
     if nan:
         stats.skipped["nan"] = nan
-    written_dtype = next((d for *_, d in per_rank if d), dtype)  # what was stored, e.g. a float32 capture
-    mapping = build_vocab_mapping(counts, draft_vocab_size, target["vocab_size"])
+    written_dtype = next((d for *_, d in per_rank if d), manifest["dtype"])  # what was stored, e.g. a float32 capture
+    mapping = build_vocab_mapping(counts, draft_vocab_size, manifest["target"]["vocab_size"])
     save_vocab_mapping(mapping, out_dir)
     atomic_write_json(out_dir / MANIFEST, {**manifest, "status": "complete", "dtype": written_dtype,
                                            "vocab_fingerprint": vocab_fingerprint(mapping), "counts": stats.as_dict()})
     logger.info("hidden states: %s", stats.as_dict())
-    return stats
 
 
 def _load_capture(backend: str, target_path: str, aux_layers, dtype: str, device: str):

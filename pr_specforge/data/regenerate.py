@@ -233,29 +233,7 @@ def regenerate_conversations(
     done = read_done_ids(final_path) | (read_done_ids(output_path) if shard.world > 1 else set())
 
     def pending():
-        seen = set()
-        for pos, (lineno, row) in enumerate(iter_jsonl(input_path)):
-            if limit is not None and pos >= limit:
-                return
-            if not shard.owns(pos):
-                continue
-            stats.read += 1
-            rid = str(row.get("id", f"line{lineno}"))
-            conv = row.get("conversations")
-            if not isinstance(conv, list) or not any(isinstance(m, dict) and m.get("role") == "user" for m in conv):
-                stats.skipped["no_user_turn"] += 1
-                continue
-            if rid in done:
-                stats.resumed += 1
-                continue
-            if rid in seen:
-                stats.skipped["duplicate_id"] += 1
-                continue
-            if max_prompt_chars is not None and _prompt_chars(conv) > max_prompt_chars:
-                stats.skipped["prompt_too_long"] += 1
-                continue
-            seen.add(rid)
-            yield {"id": rid, "conversations": conv}
+        return _pending_rows(input_path, shard, done, stats, limit, max_prompt_chars)
 
     def emit(out, row, conv):
         if any(m["role"] == "assistant" and not m["content"] for m in conv):
@@ -270,40 +248,77 @@ def regenerate_conversations(
     desc = "regenerate" if shard.world == 1 else f"regenerate (rank {shard.rank}/{shard.world})"
     with JsonlAppender(output_path) as out, tqdm(total=len(todo), desc=desc, unit="conv", disable=not progress,
                                                  position=shard.local_rank) as bar:
-        concurrency = getattr(backend, "concurrency", None)
-        if concurrency:
-            with ThreadPoolExecutor(max_workers=concurrency) as pool:
-                window: deque = deque()
-
-                def drain(n_keep: int):
-                    while len(window) > n_keep:
-                        row, fut = window.popleft()
-                        try:
-                            emit(out, row, fut.result()[0])
-                        except RegenerationError as e:
-                            logger.error("row %s: %s", row["id"], e)
-                            stats.skipped["failed"] += 1
-                        bar.update(1)
-
-                for row in todo:
-                    window.append((row, pool.submit(regenerate_batch, backend, [row], turns, sampling)))
-                    drain(2 * concurrency)
-                drain(0)
+        if getattr(backend, "concurrency", None):
+            _regenerate_threaded(todo, backend, turns, sampling, lambda r, c: emit(out, r, c), stats, bar)
         else:
-            batch: list = []
-            rows = sorted(todo, key=lambda r: _prompt_chars(r["conversations"]))
-            for row in rows + [None]:
-                if row is not None:
-                    batch.append(row)
-                if batch and (row is None or len(batch) >= batch_size):
-                    for r, conv in zip(batch, regenerate_batch(backend, batch, turns, sampling)):
-                        emit(out, r, conv)
-                    bar.update(len(batch))
-                    batch = []
+            _regenerate_batched(todo, backend, turns, sampling, lambda r, c: emit(out, r, c), batch_size, bar)
     if shard.world > 1:
         stats = _finish_shards(shard, stats, input_path, final_path)
     logger.info("regenerate: %s", stats.as_dict())
     return stats
+
+
+def _pending_rows(input_path, shard, done: set, stats: RegenerateStats, limit: int | None, max_prompt_chars: int | None):
+    """This rank's input rows still to regenerate, as `{"id", "conversations"}`; the others are counted."""
+    seen = set()
+    for pos, (lineno, row) in enumerate(iter_jsonl(input_path)):
+        if limit is not None and pos >= limit:
+            return
+        if not shard.owns(pos):
+            continue
+        stats.read += 1
+        rid = str(row.get("id", f"line{lineno}"))
+        conv = row.get("conversations")
+        if not isinstance(conv, list) or not any(isinstance(m, dict) and m.get("role") == "user" for m in conv):
+            stats.skipped["no_user_turn"] += 1
+            continue
+        if rid in done:
+            stats.resumed += 1
+            continue
+        if rid in seen:
+            stats.skipped["duplicate_id"] += 1
+            continue
+        if max_prompt_chars is not None and _prompt_chars(conv) > max_prompt_chars:
+            stats.skipped["prompt_too_long"] += 1
+            continue
+        seen.add(rid)
+        yield {"id": rid, "conversations": conv}
+
+
+def _regenerate_threaded(rows, backend, turns: str, sampling, emit, stats: RegenerateStats, bar) -> None:
+    """Server backends: one conversation per thread, at most `2 * concurrency` in flight, in input order."""
+    concurrency = backend.concurrency
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        window: deque = deque()
+
+        def drain(n_keep: int):
+            while len(window) > n_keep:
+                row, fut = window.popleft()
+                try:
+                    emit(row, fut.result()[0])
+                except RegenerationError as e:
+                    logger.error("row %s: %s", row["id"], e)
+                    stats.skipped["failed"] += 1
+                bar.update(1)
+
+        for row in rows:
+            window.append((row, pool.submit(regenerate_batch, backend, [row], turns, sampling)))
+            drain(2 * concurrency)
+        drain(0)
+
+
+def _regenerate_batched(rows, backend, turns: str, sampling, emit, batch_size: int, bar) -> None:
+    """In-process backends: `batch_size` conversations per `generate` call, sorted by prompt length."""
+    batch: list = []
+    ordered = sorted(rows, key=lambda r: _prompt_chars(r["conversations"]))
+    for row in ordered + [None]:
+        if row is not None:
+            batch.append(row)
+        if batch and (row is None or len(batch) >= batch_size):
+            for r, conv in zip(batch, regenerate_batch(backend, batch, turns, sampling)):
+                emit(r, conv)
+            bar.update(len(batch))
+            batch = []
 
 
 def _part_path(output_path, shard) -> str:

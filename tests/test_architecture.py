@@ -1,0 +1,113 @@
+"""Package architecture, read from the source (ast), like SpecForge's own architecture test.
+
+* SpecForge is imported only by the adapter, `pr_specforge/_specforge.py`.
+* No file over 600 lines and no function over 80 lines in `pr_specforge/`.
+* `print` and `raise SystemExit` only in CLI entry points (a `main` function, or a `cli.py`
+  module); library functions raise exceptions and log.
+* Light modules (recipe errors, recipe loading, the CLI) import without torch or SpecForge,
+  and importing the adapter patches nothing in SpecForge.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator, List, Tuple
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pr_specforge"
+ADAPTER = PACKAGE / "_specforge.py"
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 80
+
+
+def _modules() -> Iterator[Tuple[Path, ast.Module]]:
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield path, ast.parse(path.read_text(), filename=str(path))
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(PACKAGE.parent))
+
+
+def _enclosing_functions(tree: ast.Module):
+    """`node -> name of the innermost function holding it` ('<module>' at top level)."""
+    owner = {}
+
+    def visit(node, name):
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else name
+            owner[child] = name
+            visit(child, inner)
+
+    visit(tree, "<module>")
+    return owner
+
+
+def _is_cli_entry(path: Path, function: str) -> bool:
+    return path.name == "cli.py" or function in ("main", "<module>")
+
+
+def test_specforge_is_imported_only_by_the_adapter():
+    offenders: List[str] = []
+    for path, tree in _modules():
+        if path == ADAPTER:
+            continue
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            offenders += [f"{_rel(path)}:{node.lineno} imports {n}" for n in names if n.split(".")[0] == "specforge"]
+    assert not offenders, "SpecForge is imported outside pr_specforge/_specforge.py:\n" + "\n".join(offenders)
+
+
+def test_no_file_over_600_lines_and_no_function_over_80():
+    long_files, long_functions = [], []
+    for path, tree in _modules():
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_FILE_LINES:
+            long_files.append(f"{_rel(path)}: {lines} lines")
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{_rel(path)}:{node.lineno} {node.name}: {length} lines")
+    assert not long_files, long_files
+    assert not long_functions, long_functions
+
+
+def test_print_and_system_exit_only_in_cli_entry_points():
+    offenders = []
+    for path, tree in _modules():
+        owner = _enclosing_functions(tree)
+        for node in ast.walk(tree):
+            what = None
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
+                what = "print"
+            elif isinstance(node, ast.Raise) and node.exc is not None and "SystemExit" in ast.unparse(node.exc):
+                what = "raise SystemExit"
+            if what and not _is_cli_entry(path, owner.get(node, "<module>")):
+                offenders.append(f"{_rel(path)}:{node.lineno} {what} in {owner.get(node)}()")
+    assert not offenders, "library code prints or exits (raise an exception; let main() report it):\n" + "\n".join(offenders)
+
+
+def test_light_modules_import_without_torch_and_the_adapter_patches_nothing():
+    code = (
+        "import sys\n"
+        "import pr_specforge.config, pr_specforge.train, pr_specforge.cli, pr_specforge.backends.config\n"
+        "heavy = sorted(m for m in ('torch', 'specforge') if m in sys.modules)\n"
+        "assert not heavy, f'light modules imported {heavy}'\n"
+        "import specforge.algorithms.eagle3.model as m, specforge.training.trainer as t, specforge.training.assembly as a\n"
+        "before = (m.LogSoftmaxLoss, t.CheckpointManager, t.FSDPTrainingBackend, a._configured_logger)\n"
+        "import pr_specforge._specforge, pr_specforge.modeling, pr_specforge.integration, pr_specforge.objective.ttt\n"
+        "import pr_specforge.telemetry, pr_specforge.backends.checkpoint, pr_specforge.backends.deepspeed\n"
+        "after = (m.LogSoftmaxLoss, t.CheckpointManager, t.FSDPTrainingBackend, a._configured_logger)\n"
+        "assert before == after, 'importing pr_specforge patched SpecForge'\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
