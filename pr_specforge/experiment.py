@@ -40,8 +40,8 @@ from typing import Dict, List, Optional, Sequence
 
 from pr_specforge.data.io import read_jsonl_rows
 from pr_specforge.pipeline import (
-    REPO_ROOT, STAGE_ERRORS, Stage, StageFailed, check_settings, features_done, latest_checkpoint, log_command, report_stage_error,
-    run_stages, train_command,
+    REPO_ROOT, STAGE_ERRORS, Stage, StageFailed, check_settings, features_done, latest_checkpoint, log_command, run_stages,
+    train_command,
 )
 from pr_specforge.pipeline import call_stage as _call_stage
 
@@ -83,7 +83,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         report = Experiment(args).run()
     except STAGE_ERRORS as e:
-        return report_stage_error("pr-specforge experiment", e)
+        print(f"pr-specforge experiment: {e}", file=sys.stderr)
+        return 1
     print(render_markdown(report))
     return 0
 

@@ -36,14 +36,6 @@ class StageFailed(RuntimeError):
 #: what a stage-running command reports in one line and exits 1 on (bad settings, no checkpoint, a failed stage)
 STAGE_ERRORS = (StageFailed, FileNotFoundError, ValueError)
 
-
-def report_stage_error(prog: str, error: BaseException) -> int:
-    """One line on stderr naming the command, instead of a traceback; the exit status."""
-    import sys
-
-    print(f"{prog}: {error}", file=sys.stderr)
-    return 1
-
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RECIPE = REPO_ROOT / "recipes" / "smollm2-135m-cpu.yaml"
 
@@ -216,7 +208,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         text = run(_parser().parse_args(argv))
     except STAGE_ERRORS as e:
-        return report_stage_error("pr-specforge run", e)
+        import sys
+
+        print(f"pr-specforge run: {e}", file=sys.stderr)
+        return 1
     print(text)
     return 0
 
