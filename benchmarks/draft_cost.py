@@ -31,9 +31,9 @@ import torch
 from transformers import LlamaConfig
 
 VARIANTS = {
-    "eagle": dict(drafter="eagle", reconsider=False, coforward=True),
-    "pr_coforward": dict(drafter="pr", reconsider=True, coforward=True),
-    "pr_serial": dict(drafter="pr", reconsider=True, coforward=False),
+    "eagle": dict(drafter="eagle", coforward=True),
+    "pr_coforward": dict(drafter="pr", coforward=True),
+    "pr_serial": dict(drafter="pr", coforward=False),
 }
 BUILDERS = ("tensor", "object")
 
@@ -57,14 +57,14 @@ def smollm2_drafters(max_depth: int):
     return eagle, pr
 
 
-def round_fn(builder: str, rt, cfg, reconsider: bool, coforward: bool, root_token: int, root_feature):
+def round_fn(builder: str, rt, cfg, coforward: bool, root_token: int, root_feature):
     """A callable drafting one round with a fresh seed; the tensor builder is built once, as in decoding."""
     from pr_specforge.serving import TensorTreeBuilder, build_tree
 
     if builder == "tensor":
-        b = TensorTreeBuilder(rt, cfg, reconsider, coforward)
+        b = TensorTreeBuilder(rt, cfg, coforward)
         return lambda seed: b.build(root_token, root_feature, torch.Generator().manual_seed(seed))
-    return lambda seed: build_tree(rt, root_token, root_feature, cfg, reconsider, torch.Generator().manual_seed(seed), coforward)
+    return lambda seed: build_tree(rt, root_token, root_feature, cfg, torch.Generator().manual_seed(seed), coforward)
 
 
 def forward_floor(rt, cfg, rows: int, root_feature, recon: int = 0):
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
     for b in BUILDERS:
         for v, kw in VARIANTS.items():
             rt, feat = runtimes[kw["drafter"]]
-            fns[(b, v)] = round_fn(b, rt, cfg, kw["reconsider"], kw["coforward"], int(toks[-1]), feat)
+            fns[(b, v)] = round_fn(b, rt, cfg, kw["coforward"], int(toks[-1]), feat)
     for name, rows, recon in (("eagle", args.bw, 0), ("pr", args.bw + args.m, args.m)):
         rt, feat = runtimes[name]
         fns[("floor", name)] = forward_floor(rt, cfg, rows, feat, recon)

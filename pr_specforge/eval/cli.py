@@ -90,6 +90,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         load_target,
     )
     from pr_specforge.eval.report import markdown_table, write_report
+    from pr_specforge.serving import TreeConfig
 
     dtype = getattr(torch, args.dtype)
     try:
@@ -101,10 +102,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             budgets=args.budget,
             temperatures=args.temperature,
             max_new_tokens=args.max_new_tokens,
-            k=args.k,
-            bw=args.bw,
-            gamma=args.gamma,
-            m=args.m,
+            shape=TreeConfig(k=args.k, bw=args.bw, gamma=args.gamma, m=args.m),
             seed=args.seed,
             turns=args.turns,
             tree_builder=args.tree_builder,

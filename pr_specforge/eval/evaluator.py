@@ -18,6 +18,7 @@ Does not own: prompt files (`pr_specforge.data.prompts`), tables and plots (`rep
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -41,10 +42,7 @@ class EvalSettings:
     budgets: Sequence[int] = (24, 48)
     temperatures: Sequence[float] = (0.0,)
     max_new_tokens: int = 128
-    k: int = 6
-    bw: int = 6
-    gamma: int = 8
-    m: int = 3
+    shape: TreeConfig = TreeConfig()  # k, bw, gamma, m of every round (its budget is replaced per budget)
     seed: int = 0
     turns: str = "first"
     tree_builder: str = "tensor"  # "object": the reference builder (same trees, slower)
@@ -54,7 +52,7 @@ class EvalSettings:
         if not self.budgets:
             raise ValueError("budgets must list at least one budget B")
         for b in self.budgets:
-            TreeConfig(budget=b, k=self.k, bw=self.bw, gamma=self.gamma, m=self.m)
+            self.tree(b)
         if any(t < 0 for t in self.temperatures) or not self.temperatures:
             raise ValueError(f"temperatures must be >= 0, got {list(self.temperatures)}")
         if self.max_new_tokens < 1:
@@ -64,17 +62,18 @@ class EvalSettings:
         if self.tree_builder not in TREE_BUILDERS:
             raise ValueError(f"tree_builder must be one of {TREE_BUILDERS}, got {self.tree_builder!r}")
 
-    def tree(self, budget: int) -> TreeConfig:
-        return TreeConfig(budget=budget, k=self.k, bw=self.bw, gamma=self.gamma, m=self.m)
+    def tree(self, budget: int, m: Optional[int] = None) -> TreeConfig:
+        """The round's shape at `budget` (and `m` reconsideration rows per step, if given)."""
+        return dataclasses.replace(self.shape, budget=budget, m=self.shape.m if m is None else m)
 
 
 @dataclass
 class DraftEntry:
-    """A drafter under evaluation; `reconsider=False` serves a PR drafter as plain EAGLE."""
+    """A drafter under evaluation; `m = 0` serves a PR drafter as plain EAGLE (None: the settings' m)."""
 
     name: str
     model: torch.nn.Module
-    reconsider: bool = True
+    m: Optional[int] = None
 
 
 def band(x: float) -> int:
@@ -124,7 +123,7 @@ class Evaluator:
         for d in drafters:
             for b in settings.budgets:
                 self.decoders[(d.name, b)] = SpeculativeDecoder(
-                    target, d.model, settings.tree(b), d.reconsider, tree_builder=settings.tree_builder,
+                    target, d.model, settings.tree(b, d.m), tree_builder=settings.tree_builder,
                     decompose=settings.decompose,
                 )
         self.drafters = list(drafters)
@@ -323,10 +322,10 @@ def summarize(rows: Iterable[dict], settings: Optional[EvalSettings] = None) -> 
             "budgets": list(settings.budgets),
             "temperatures": list(settings.temperatures),
             "max_new_tokens": settings.max_new_tokens,
-            "k": settings.k,
-            "bw": settings.bw,
-            "gamma": settings.gamma,
-            "m": settings.m,
+            "k": settings.shape.k,
+            "bw": settings.shape.bw,
+            "gamma": settings.shape.gamma,
+            "m": settings.shape.m,
             "seed": settings.seed,
             "turns": settings.turns,
             "tree_builder": settings.tree_builder,
@@ -427,7 +426,7 @@ def load_draft_entries(specs: Sequence[str], device: str, dtype: torch.dtype, al
         if not sep or not name or not path:
             raise ValueError(f"--draft must be NAME=DIR, got {spec!r}")
         model = load_drafter(path, device, dtype)
-        out.append(DraftEntry(name, model, True))
+        out.append(DraftEntry(name, model))
         if also_one_pass and isinstance(model, LlamaForCausalLMEagle3PR):
-            out.append(DraftEntry(f"{name}/one-pass", model, False))
+            out.append(DraftEntry(f"{name}/one-pass", model, m=0))
     return out

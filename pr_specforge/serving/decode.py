@@ -96,7 +96,7 @@ TREE_BUILDERS = ("tensor", "object")
 
 
 class SpeculativeDecoder:
-    """Target + drafter + tree shape. `reconsider=False` serves a PR drafter as plain EAGLE.
+    """Target + drafter + tree shape. A tree with `m = 0` serves a PR drafter as plain EAGLE.
 
     `tree_builder`: "tensor" (`tensor_tree`, one host sync per round) or "object" (`tree`,
     the reference); they draft the same trees.
@@ -106,7 +106,7 @@ class SpeculativeDecoder:
     numbers); the counterfactual's time is not in `draft_s` but is in `total_s`: take no speed
     from a decomposing run."""
 
-    def __init__(self, target, drafter, tree_config: TreeConfig, reconsider: bool = True, lazy_logits: bool = True,
+    def __init__(self, target, drafter, tree_config: TreeConfig, lazy_logits: bool = True,
                  tree_builder: str = "tensor", decompose: bool = False) -> None:
         if tree_builder not in TREE_BUILDERS:
             raise ValueError(f"tree_builder must be one of {TREE_BUILDERS}, got {tree_builder!r}")
@@ -115,18 +115,17 @@ class SpeculativeDecoder:
         self.rt = DrafterRuntime(drafter, target)
         tree_config.check_vocab(self.rt.draft_vocab_size)
         self.cfg = tree_config
-        self.reconsider = reconsider
         self.lazy_logits = lazy_logits  # the target's vocabulary projection only for the nodes acceptance reads
         self.layer_ids = aux_layer_ids(drafter, int(target.config.num_hidden_layers))
         self.decompose = decompose
         self.device = target.get_input_embeddings().weight.device
         use_tensor = tree_builder == "tensor" and not decompose
-        self.tensor_builder = TensorTreeBuilder(self.rt, tree_config, reconsider) if use_tensor else None
+        self.tensor_builder = TensorTreeBuilder(self.rt, tree_config) if use_tensor else None
 
     def draft(self, root_token: int, root_feature: torch.Tensor, generator: torch.Generator):
         if self.tensor_builder is not None:
             return self.tensor_builder.build(root_token, root_feature, generator)
-        return build_tree(self.rt, root_token, root_feature, self.cfg, self.reconsider, generator)
+        return build_tree(self.rt, root_token, root_feature, self.cfg, generator)
 
     @torch.no_grad()
     def generate(
@@ -201,11 +200,11 @@ class SpeculativeDecoder:
     def _counterfactual(self, tree: DraftTree, root_token: int, root_feature: torch.Tensor) -> DraftTree:
         """The m = 0 tree of this round from the same drafter state (no reconsideration, no coins).
 
-        Without reconsideration (an EAGLE-3 drafter, `reconsider=False`, R = 0 or m = 0) the round's
+        Without reconsideration (an EAGLE-3 drafter, R = 0 or m = 0) the round's
         own tree is that tree (`test_pr_tree_with_m0_is_the_eagle_tree`), so it is not rebuilt."""
-        if not (self.reconsider and self.rt.is_pr and self.rt.max_depth > 0 and self.cfg.m > 0):
+        if not (self.rt.is_pr and self.rt.max_depth > 0 and self.cfg.m > 0):
             return tree
-        return build_tree(self.rt, root_token, root_feature, replace(self.cfg, m=0), reconsider=False)
+        return build_tree(self.rt, root_token, root_feature, replace(self.cfg, m=0))
 
     def _diagnose(self, tree, path: List[int], bonus: int, logits, res: DecodeResult) -> None:
         tokens = tree.tokens()

@@ -100,10 +100,10 @@ class TensorDraftTree:
 class TensorTreeBuilder:
     """One sequence's tree builder; its buffers are allocated once and reused every round."""
 
-    def __init__(self, rt: DrafterRuntime, cfg: TreeConfig, reconsider: bool = True, coforward: bool = True) -> None:
+    def __init__(self, rt: DrafterRuntime, cfg: TreeConfig, coforward: bool = True) -> None:
         cfg.check_vocab(rt.draft_vocab_size)
         self.rt, self.cfg, self.coforward = rt, cfg, coforward
-        self.pool_on = reconsider and rt.is_pr and rt.max_depth > 0 and cfg.m > 0
+        self.pool_on = rt.is_pr and rt.max_depth > 0 and cfg.m > 0
         self.k, self.bw, self.m = cfg.k, cfg.bw, (cfg.m if self.pool_on else 0)
         self.per_step = self.bw + self.m
         self.n_nodes = 1 + self.k + (cfg.gamma - 1) * self.per_step * self.k

@@ -184,10 +184,10 @@ def tree_mask(parents: List[int]) -> torch.Tensor:
 
 
 class _Builder:
-    def __init__(self, rt: DrafterRuntime, cfg: TreeConfig, reconsider: bool, generator: Optional[torch.Generator], coforward: bool = True):
+    def __init__(self, rt: DrafterRuntime, cfg: TreeConfig, generator: Optional[torch.Generator], coforward: bool = True):
         self.rt, self.cfg = rt, cfg
         self.coforward = coforward
-        self.reconsider = reconsider and rt.is_pr and rt.max_depth > 0 and cfg.m > 0
+        self.reconsider = rt.is_pr and rt.max_depth > 0 and cfg.m > 0
         self.u: List[float] = []
         if self.reconsider:
             self.u = round_uniforms(uniform_count(cfg), generator).tolist()
@@ -400,15 +400,14 @@ def build_tree(
     root_token: int,
     root_feature: torch.Tensor,
     cfg: TreeConfig,
-    reconsider: bool = True,
     generator: Optional[torch.Generator] = None,
     coforward: bool = True,
 ) -> DraftTree:
     """Draft one round from the root (the last committed context row, see module doc).
 
-    `reconsider=False` (or an EAGLE-3 drafter, or `m = 0`) gives EAGLE's dynamic tree.
+    `m = 0` (or an EAGLE-3 drafter, or `R = 0`) gives EAGLE's dynamic tree.
     `generator` drives the sampled pool admissions and halts. `coforward=False` runs the
     reconsideration rows in a separate call of `M` (same tree; the serial cost baseline).
     """
     cfg.check_vocab(rt.draft_vocab_size)
-    return _Builder(rt, cfg, reconsider, generator, coforward).build(root_token, root_feature)
+    return _Builder(rt, cfg, generator, coforward).build(root_token, root_feature)

@@ -132,7 +132,7 @@ def test_serving_tree_reads_reconsidered_depths_through_the_second_head():
     trees = {}
     for name, d in (("separate", pr), ("shared", shared)):
         rt, root, feat = primed_runtime(d.eval(), target)
-        trees[name] = build_tree(rt, root, feat, TreeConfig(budget=48, m=3), True, torch.Generator().manual_seed(0))
+        trees[name] = build_tree(rt, root, feat, TreeConfig(budget=48, m=3), torch.Generator().manual_seed(0))
         trees[name + "_m0"] = build_tree(rt, root, feat, TreeConfig(budget=48, m=0), True, torch.Generator().manual_seed(0))
     halted = [n for n in trees["separate"].nodes if n.halt_depth > 0]
     assert halted

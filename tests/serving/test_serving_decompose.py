@@ -21,8 +21,8 @@ def _kept_path(tree, nid):
 
 def _trees(pr, target, budget=24, seed=0):
     rt, root, feat = primed_runtime(pr, target)
-    tree = build_tree(rt, root, feat, TreeConfig(budget=budget, m=3), True, torch.Generator().manual_seed(seed))
-    cf = build_tree(rt, root, feat, TreeConfig(budget=budget, m=0), False)
+    tree = build_tree(rt, root, feat, TreeConfig(budget=budget, m=3), torch.Generator().manual_seed(seed))
+    cf = build_tree(rt, root, feat, TreeConfig(budget=budget, m=0))
     return tree, cf
 
 

@@ -1,5 +1,7 @@
 """The draft tree: EAGLE degeneracy of PR, invariants, exact tree attention, bad input."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -30,7 +32,8 @@ def primed_runtime(drafter, target, n=9, seed=3):
 
 def draft(drafter, target, cfg, reconsider=True, seed=0):
     rt, root, feat = primed_runtime(drafter, target)
-    return build_tree(rt, root, feat, cfg, reconsider, torch.Generator().manual_seed(seed)), rt
+    cfg = cfg if reconsider else dataclasses.replace(cfg, m=0)
+    return build_tree(rt, root, feat, cfg, torch.Generator().manual_seed(seed)), rt
 
 
 def signature(tree):
@@ -237,8 +240,8 @@ def test_coforward_and_serial_reconsideration_build_the_same_tree(models):
     eager_gate(pr, -2.0)
     rt, root, feat = primed_runtime(pr, target)
     cfg = TreeConfig(budget=24)
-    a = build_tree(rt, root, feat, cfg, True, torch.Generator().manual_seed(9), coforward=True)
-    b = build_tree(rt, root, feat, cfg, True, torch.Generator().manual_seed(9), coforward=False)
+    a = build_tree(rt, root, feat, cfg, torch.Generator().manual_seed(9), coforward=True)
+    b = build_tree(rt, root, feat, cfg, torch.Generator().manual_seed(9), coforward=False)
     assert a.recon_rows > 0 and a.kept == b.kept
     for x, y in zip(a.nodes, b.nodes):
         assert (x.token, x.parent, x.via_recon) == (y.token, y.parent, y.via_recon)
