@@ -193,7 +193,7 @@ class Evaluator:
         rounds = sum(r.rounds for r in results)
         return {
             "draft": entry.name,
-            "reconsider": entry.reconsider,
+            "reconsider": self.decoders[(entry.name, budget)].cfg.m > 0,  # this entry's tree reconsiders (m > 0)
             "budget": budget,
             "temperature": float(temperature),
             "set": set_name,
