@@ -182,13 +182,10 @@ class ConsoleLine:
         return "  ".join(parts)
 
     def line(self, scalars: Mapping[str, float], step: int) -> None:
-        text = self.format(scalars, step)
-        if self.bar is not None:
-            from tqdm import tqdm
+        from tqdm import tqdm
 
-            tqdm.write(text)
-        else:
-            print(text, flush=True)
+        tqdm.write(self.format(scalars, step), file=sys.stdout)  # above the bar when there is one
+        sys.stdout.flush()
 
 
 def install_metrics_sink() -> None:
