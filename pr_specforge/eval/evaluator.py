@@ -364,8 +364,8 @@ def dir_fingerprint(path: str, hash_weights: bool = True) -> str:
 def provenance(settings: EvalSettings, target: str, drafts: Dict[str, str], dtype: str) -> dict:
     """Everything that decides a row besides its (drafter, B, T, set, prompt) key."""
     shared = {"target": dir_fingerprint(target, hash_weights=False), "dtype": dtype,
-              "max_new_tokens": settings.max_new_tokens, "k": settings.k, "bw": settings.bw,
-              "gamma": settings.gamma, "m": settings.m, "seed": settings.seed, "turns": settings.turns,
+              "max_new_tokens": settings.max_new_tokens, "k": settings.shape.k, "bw": settings.shape.bw,
+              "gamma": settings.shape.gamma, "m": settings.shape.m, "seed": settings.seed, "turns": settings.turns,
               "tree_builder": settings.tree_builder, "decompose": settings.decompose}  # both change the timings
     return {"shared": shared, "drafters": {name: dir_fingerprint(path) for name, path in drafts.items()}}
 
