@@ -44,6 +44,16 @@ def resolve_dtype(choice: str, device: str = "cpu") -> str:
     return "bfloat16" if cpu_has_native_bf16() else "float32"
 
 
+def offline_dtype(choice: str, device: str = "cpu") -> str:
+    """The dtype of offline features and of the drafter that trains on them.
+
+    SpecForge 0.2.0 builds the offline `TargetHead` in bf16 whatever the target's dtype, and it
+    fails on fp32 hidden states (`expected m1 and m2 to have the same dtype`), so on a CPU `auto`
+    stays bf16 here even without native bf16; `regenerate` (text out) still gets fp32 there.
+    """
+    return "bfloat16" if choice == "auto" and not str(device).startswith("cuda") else resolve_dtype(choice, device)
+
+
 def torch_dtype(choice: str, device: str = "cpu"):
     import torch
 

@@ -158,7 +158,7 @@ def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
 
 def _resolve_auto_dtype(spec_raw: Dict[str, Any], overrides: List[str]):
     """`model.torch_dtype: auto` (recipe or override) -> the dtype this machine computes fast (`pr_specforge.dtypes`)."""
-    from pr_specforge.dtypes import resolve_dtype
+    from pr_specforge.dtypes import offline_dtype as resolve_dtype
 
     device = "cpu"
     if (spec_raw.get("model") or {}).get("torch_dtype") == "auto" or "model.torch_dtype=auto" in overrides:
