@@ -157,20 +157,20 @@ def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
 
 
 def _resolve_auto_dtype(spec_raw: Dict[str, Any], overrides: List[str]):
-    """`model.torch_dtype: auto` (recipe or override) -> the dtype this machine computes fast (`pr_specforge.dtypes`)."""
-    from pr_specforge.dtypes import offline_dtype as resolve_dtype
+    """`model.torch_dtype: auto` (recipe or override) -> the offline drafter's dtype (`dtypes.offline_dtype`)."""
+    from pr_specforge.dtypes import offline_dtype
 
     device = "cpu"
     if (spec_raw.get("model") or {}).get("torch_dtype") == "auto" or "model.torch_dtype=auto" in overrides:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = offline_dtype("auto", device)
     model = dict(spec_raw.get("model") or {})
     if model.get("torch_dtype") == "auto":
-        model["torch_dtype"] = resolve_dtype("auto", device)
+        model["torch_dtype"] = dtype
         spec_raw = {**spec_raw, "model": model}
-    overrides = [f"model.torch_dtype={resolve_dtype('auto', device)}" if o == "model.torch_dtype=auto" else o
-                 for o in overrides]
+    overrides = [f"model.torch_dtype={dtype}" if o == "model.torch_dtype=auto" else o for o in overrides]
     return spec_raw, overrides
 
 
