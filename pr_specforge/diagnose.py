@@ -69,61 +69,26 @@ def diagnose(run_dir: str, features: str, checkpoint: Optional[str] = None, limi
 
 def _diagnose(recipe_path: Path, scratch: str, run: Path, ckpt: str, features: str, limit: Optional[int],
               seed: int, progress: bool) -> Dict:
+    import dataclasses
+
     import torch
-    from tqdm import tqdm
 
     from pr_specforge import _specforge as sf
-    from pr_specforge.integration import _unwrap, build_registry
-    from pr_specforge.train import load_recipe
+    from pr_specforge.train import assembled_run, load_recipe
 
     recipe = load_recipe(str(recipe_path), [
         f"data.hidden_states_path={os.path.abspath(features)}", "data.eval_hidden_states_path=",
         "training.eval_interval=0",
         "training.num_epochs=1", f"output_dir={scratch}", "tracking.report_to=none",
     ])
-    sf.install_cpu_loss()  # the objective's one-pass term is SpecForge's loss (a Triton kernel on GPU)
     cfg = recipe.config
     if cfg.training.resume_from or cfg.training.max_steps:  # the run's own schedule and resume point do not apply
         cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"resume_from": None, "max_steps": None})})
-    resolved = sf.resolve_run(cfg, build_registry(recipe.pr))
-    os.environ["FSDP_SHARDING"] = cfg.training.fsdp_sharding  # as SpecForge's CLI does: the backend reads it
-    sf.bootstrap_single_process_env()
-    sf.init_distributed(timeout=cfg.training.dist_timeout)
-    try:
-        trainer = sf.build_training_run(resolved.config, algorithm=resolved.algorithm).trainer
-        strategy, loader = sf.trainer_strategy(trainer), sf.trainer_loader(trainer)
-        module = strategy.trainable_module()
-        draft = _unwrap(module).draft_model
-        state = sf.CheckpointManager.read_resume_state(ckpt, require_full_state=False)["draft_state_dict"]
-        result = draft.load_state_dict(state, strict=False)
-        missing = [k for k in result.missing_keys if not k.startswith("embed_tokens.")]
-        if result.unexpected_keys or missing:
-            raise ConfigError(f"{ckpt}: draft weights do not fit the run's drafter (unexpected "
-                             f"{sorted(result.unexpected_keys)[:5]}, missing {missing[:5]})")
-        module.eval()
+        recipe = dataclasses.replace(recipe, config=cfg)
+    with assembled_run(recipe) as (strategy, loader):
+        _load_draft_weights(strategy, ckpt)
         torch.manual_seed(seed)
-        correct: List[float] = []
-        denom: List[float] = []
-        ratios: Dict[str, List[float]] = defaultdict(lambda: [0.0, 0.0])
-        batches = 0
-        with torch.no_grad():
-            for batch in tqdm(loader, desc="diagnose", unit="batch", disable=not progress):
-                out = strategy.forward_loss(batch)
-                m = out.metrics
-                for j, (c, d) in enumerate(zip(m["acc_corrects"], m["acc_denoms"])):
-                    if j == len(correct):
-                        correct.append(0.0)
-                        denom.append(0.0)
-                    correct[j] += float(torch.as_tensor(c).sum())
-                    denom[j] += float(torch.as_tensor(d).sum())
-                for key, (num, den) in (out.ratio_metrics or {}).items():
-                    ratios[key][0] += float(torch.as_tensor(num).sum())
-                    ratios[key][1] += float(torch.as_tensor(den).sum())
-                batches += 1
-                if limit is not None and batches >= limit:
-                    break
-    finally:
-        sf.destroy_distributed()
+        correct, denom, ratios, batches = _sums(strategy, loader, limit, progress)
     if not batches:
         raise ConfigError(f"--features {features}: no batch was read (fewer samples than training.batch_size?)")
     acc = [c / d if d else 0.0 for c, d in zip(correct, denom)]
@@ -134,6 +99,50 @@ def _diagnose(recipe_path: Path, scratch: str, run: Path, ckpt: str, features: s
         "pr": {k: (n / d if d else None) for k, (n, d) in sorted(ratios.items())},
         "pr_counts": {k: [n, d] for k, (n, d) in sorted(ratios.items())},
     }
+
+
+def _load_draft_weights(strategy, ckpt: str) -> None:
+    """The checkpoint's draft weights into the assembled run's drafter (eval mode)."""
+    from pr_specforge import _specforge as sf
+    from pr_specforge.integration import _unwrap
+
+    module = strategy.trainable_module()
+    state = sf.CheckpointManager.read_resume_state(ckpt, require_full_state=False)["draft_state_dict"]
+    result = _unwrap(module).draft_model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.startswith("embed_tokens.")]
+    if result.unexpected_keys or missing:
+        raise ConfigError(f"{ckpt}: draft weights do not fit the run's drafter (unexpected "
+                          f"{sorted(result.unexpected_keys)[:5]}, missing {missing[:5]})")
+    module.eval()
+
+
+def _sums(strategy, loader, limit: Optional[int], progress: bool):
+    """`(correct, denom, ratios, batches)`: per-TTT-step correct / denominator sums and the
+    strategy's ratio metrics as (numerator, denominator) sums, over the loader's batches."""
+    import torch
+    from tqdm import tqdm
+
+    correct: List[float] = []
+    denom: List[float] = []
+    ratios: Dict[str, List[float]] = defaultdict(lambda: [0.0, 0.0])
+    batches = 0
+    with torch.no_grad():
+        for batch in tqdm(loader, desc="diagnose", unit="batch", disable=not progress):
+            out = strategy.forward_loss(batch)
+            m = out.metrics
+            for j, (c, d) in enumerate(zip(m["acc_corrects"], m["acc_denoms"])):
+                if j == len(correct):
+                    correct.append(0.0)
+                    denom.append(0.0)
+                correct[j] += float(torch.as_tensor(c).sum())
+                denom[j] += float(torch.as_tensor(d).sum())
+            for key, (num, den) in (out.ratio_metrics or {}).items():
+                ratios[key][0] += float(torch.as_tensor(num).sum())
+                ratios[key][1] += float(torch.as_tensor(den).sum())
+            batches += 1
+            if limit is not None and batches >= limit:
+                break
+    return correct, denom, ratios, batches
 
 
 def render(report: Dict) -> str:
