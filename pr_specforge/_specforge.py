@@ -2,7 +2,9 @@
 
 Every import of a SpecForge symbol goes through this module, and every use of a
 private SpecForge member (`_atomic_save`, `_init_rope`, `_rng_state`, the trainer's
-module-level factories), so a SpecForge upgrade touches one file.
+module-level factories, and the private methods our subclasses build on: `_prepare_target`,
+`_acc_and_loss`, `_prepare_position_ids`, ... each under a name of ours such as
+`prepare_teacher`, `step_acc_and_loss`), so a SpecForge upgrade touches one file.
 
 Runtime patches: importing this module changes nothing in SpecForge. The patches
 are explicit calls, made by training (`pr_specforge.train.install_training_runtime`)
@@ -35,10 +37,8 @@ import specforge.training.trainer as _trainer_module
 from specforge.algorithms.builtin import builtin_algorithm_registry  # noqa: F401
 from specforge.algorithms.common.providers import make_registration  # noqa: F401
 from specforge.algorithms.eagle3 import providers as eagle3_providers  # noqa: F401
-from specforge.algorithms.eagle3.model import (  # noqa: F401
-    OnlineEagle3Model,
-    _compute_target_p_padded,
-)
+from specforge.algorithms.eagle3.model import OnlineEagle3Model  # noqa: F401
+from specforge.algorithms.eagle3.model import _compute_target_p_padded
 from specforge.algorithms.model_providers import (  # noqa: F401
     build_eagle3_draft,
     build_eagle3_model,
@@ -246,6 +246,53 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 def init_rope(attention) -> None:
     """Rebuild a SpecForge drafter attention's rotary embedding from its config."""
     attention._init_rope()
+
+
+# ---------------------------------------------------------------------------------------------
+# SpecForge's private methods that our subclasses build on, each under a name of ours. Nothing
+# outside this module calls a SpecForge-private member (tests/test_architecture.py checks it).
+
+
+def strategy_device(strategy) -> torch.device:
+    """The device an `Eagle3TrainStrategy` (or a subclass) steps on."""
+    return strategy._device()
+
+
+def prepare_teacher(strategy, target_repr, input_ids, target, loss_mask, device):
+    """`(input_ids, target, loss_mask)` as SpecForge's EAGLE-3 step prepares them from a batch
+    (the frozen `TargetHead` over stored final hidden states, or a compact teacher)."""
+    return strategy._prepare_target(target_repr, input_ids, target, loss_mask, device)
+
+
+def teacher_distributions(*, target, t2d, loss_mask, length: int):
+    """SpecForge's padded teacher: `(target_p, target_p on the draft vocab, target ids, position mask)`
+    for `length` TTT steps."""
+    return _compute_target_p_padded(target=target, t2d=t2d, loss_mask=loss_mask, length=length)
+
+
+def draft_position_ids(model, position_ids, seq_length: int, device):
+    """The position ids an `OnlineEagle3Model` gives its drafter (`arange` when none are given)."""
+    return model._prepare_position_ids(position_ids, seq_length=seq_length, past_key_values_length=0, device=device)
+
+
+def loss_adapter(model):
+    """The loss adapter an `OnlineEagle3Model` scores each TTT step with."""
+    return model._make_adapter()
+
+
+def step_acc_and_loss(model, **views):
+    """SpecForge's per-TTT-step `(acc, acceptance rate, loss, correct, denom, metric loss, loss denom)`."""
+    return model._acc_and_loss(**views)
+
+
+def reader_sample_ref(reader, index: int, uri: str):
+    """The `SampleRef` an `OfflineManifestReader` makes for its `index`-th sample at `uri`."""
+    return reader._ref_for(index, uri)
+
+
+def lease_sample(store, sample_ref):
+    """A `LocalFeatureStore` lease for `sample_ref` (what its `get` returns beside the tensors)."""
+    return store._register_file_lease(sample_ref)
 
 
 def install_feature_file_errors() -> None:

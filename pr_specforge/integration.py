@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from pr_specforge import _specforge as sf
 from pr_specforge._specforge import Eagle3TrainStrategy, StepOutput
 from pr_specforge.config import PR_ATTENTION_BACKEND, PRConfig
 from pr_specforge.modeling.drafter import EAGLE3_ARCHITECTURE, PR_ARCHITECTURE, PR_PARAM_PREFIXES, build_pr_config
@@ -38,9 +39,9 @@ class PRTrainStrategy(Eagle3TrainStrategy):
     def forward_loss(self, batch, ctx=None):
         self.validate_batch(batch)
         t = batch.tensors
-        device = self._device()
-        input_ids, target, loss_mask = self._prepare_target(
-            batch.metadata.get("target_repr"), t["input_ids"], t["target"], t["loss_mask"], device
+        device = sf.strategy_device(self)
+        input_ids, target, loss_mask = sf.prepare_teacher(
+            self, batch.metadata.get("target_repr"), t["input_ids"], t["target"], t["loss_mask"], device
         )
         hidden = t["hidden_state"].to(device)
         _check_feature_width(self.eagle3_model, hidden)

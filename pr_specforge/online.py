@@ -44,6 +44,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from pr_specforge import _specforge as sf
 from pr_specforge._specforge import Eagle3TrainStrategy, LocalFeatureStore, OfflineManifestReader
 from pr_specforge.config import ConfigError
 from pr_specforge.integration import PRTrainStrategy
@@ -216,7 +217,7 @@ class ConversationReader(OfflineManifestReader):
         # visits the samples an offline run over the same conversations visits, in the same order
         rows = sorted(self.samples, key=lambda row: str(feature_path("", row)))
         for index, row in enumerate(rows):
-            ref = self._ref_for(index, f"{path}#{row}")
+            ref = sf.reader_sample_ref(self, index, f"{path}#{row}")
             yield dataclasses.replace(ref, feature_store_uri=f"{SCHEME}{path}#{row}")
 
 
@@ -231,7 +232,7 @@ class ConversationFeatureStore(LocalFeatureStore):
         ids, mask = _SAMPLES[path][1][int(row)]
         tensors = {"input_ids": ids.long(), "loss_mask": mask.long()}
         tensors = {k: tensors[k].to(device) for k in (names or FEATURE_KEYS)}
-        return tensors, self._register_file_lease(sample_ref)
+        return tensors, sf.lease_sample(self, sample_ref)
 
 
 def normalize_online_sample(raw, max_len: int):
@@ -271,14 +272,14 @@ class OnlineTargetMixin:
 
             s = self.online_settings
             self._capture = TransformersCapture.from_pretrained(
-                s.target_path, list(s.aux_layers) if s.aux_layers else None, dtype=s.dtype, device=str(self._device()))
+                s.target_path, list(s.aux_layers) if s.aux_layers else None, dtype=s.dtype, device=str(sf.strategy_device(self)))
         return self._capture
 
     def run_target(self, tensors: Dict[str, Any]) -> float:
         """Aux + final hidden states of the batch, padding zeroed as SpecForge's collator pads stored
         features; returns the seconds the target took. The global RNG streams are left untouched
         (loading a model draws from them), so PR's sampled halt depths match an offline run's."""
-        device = self._device()
+        device = sf.strategy_device(self)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             capture = self.target_capture()
             _sync(device)

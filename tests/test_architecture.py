@@ -1,6 +1,9 @@
 """Package architecture, read from the source (ast), like SpecForge's own architecture test.
 
-* SpecForge is imported only by the adapter, `pr_specforge/_specforge.py`.
+* SpecForge is imported only by the adapter, `pr_specforge/_specforge.py`, and only the adapter
+  touches SpecForge's private API: no other module imports a private name from it, or reads or
+  calls a private member (`self._x`, `obj._x`) that a SpecForge class the adapter exposes defines
+  (the names are read from those classes, so a SpecForge upgrade updates the list).
 * No file over 600 lines and no function over 80 lines in `pr_specforge/`.
 * `print` and `raise SystemExit` only in CLI entry points (a `main` function, or a `cli.py`
   module); library functions raise exceptions and log.
@@ -111,3 +114,57 @@ def test_light_modules_import_without_torch_and_the_adapter_patches_nothing():
     env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _specforge_private_names() -> set:
+    """Private members (`_x`, not dunders) of every SpecForge class the adapter exposes, and of
+    their SpecForge base classes: the names only the adapter may use."""
+    import inspect
+
+    import pr_specforge._specforge as adapter
+
+    names = set()
+    for value in vars(adapter).values():
+        if not inspect.isclass(value):
+            continue
+        for base in value.__mro__:
+            if base.__module__.split(".")[0] == "specforge":
+                names |= {n for n in vars(base) if n.startswith("_") and not n.startswith("__") and n != "_abc_impl"}
+    return names
+
+
+def _private_api_uses(tree: ast.Module, private: set) -> List[Tuple[int, str]]:
+    """`(line, what)` for each use of SpecForge's private API in a module other than the adapter."""
+    uses = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in private:
+            uses.append((node.lineno, f"{ast.unparse(node)}"))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "") == "pr_specforge._specforge":
+            uses += [(node.lineno, f"imports {a.name}") for a in node.names if a.name.startswith("_")]
+    return uses
+
+
+def test_specforges_private_api_is_used_only_by_the_adapter():
+    private = _specforge_private_names()
+    assert {"_acc_and_loss", "_prepare_position_ids", "_prepare_target", "_device", "_atomic_save"} <= private
+    offenders = [f"{_rel(path)}:{line} {what}" for path, tree in _modules() if path != ADAPTER
+                 for line, what in _private_api_uses(tree, private)]
+    assert not offenders, ("SpecForge's private API is used outside pr_specforge/_specforge.py (add a named adapter "
+                           "function):\n" + "\n".join(offenders))
+
+
+def test_the_private_api_check_catches_calls_attributes_and_imports():
+    private = _specforge_private_names()
+    source = (
+        "from pr_specforge._specforge import Eagle3TrainStrategy, _compute_target_p_padded\n"
+        "class S(Eagle3TrainStrategy):\n"
+        "    def forward_loss(self, batch):\n"
+        "        device = self._device()\n"
+        "        CheckpointManager._atomic_save(batch, 'x')\n"
+        "        return self.eagle3_model._acc_and_loss(device=device)\n"
+        "    def public(self):\n"
+        "        return self._mine, self.validate_batch\n"
+    )
+    found = {what for _, what in _private_api_uses(ast.parse(source), private)}
+    assert found == {"imports _compute_target_p_padded", "self._device", "self.eagle3_model._acc_and_loss",
+                     "CheckpointManager._atomic_save"}, found

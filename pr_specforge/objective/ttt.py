@@ -3,7 +3,7 @@
 `OnlinePRModel` subclasses SpecForge's `OnlineEagle3Model` and keeps its
 interface: same inputs (offline EAGLE-3 features), same teacher (`t2d`-restricted
 target distribution), same per-step loss and accuracy (it calls the parent's
-`_acc_and_loss` for the one-pass chain), same `0.8**j` step weights.
+`_acc_and_loss`, through the adapter, for the one-pass chain), same `0.8**j` step weights.
 
 Two on-policy rollouts share step 0 (the branch point, Appendix B.2):
   A. the one-pass chain: SpecForge's EAGLE-3 TTT, scored by `l^0` (unconditional);
@@ -42,7 +42,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from pr_specforge._specforge import OnlineEagle3Model, _compute_target_p_padded, padding, soft_cross_entropy_rows
+from pr_specforge import _specforge as sf
+from pr_specforge._specforge import OnlineEagle3Model, padding, soft_cross_entropy_rows
 from pr_specforge.config import PR_ATTENTION_BACKEND, PRConfig, check_attention_backend
 from pr_specforge.modeling.attention import KV, chain_attention, strict_causal_mask
 from pr_specforge.modeling.drafter import LlamaForCausalLMEagle3PR, halting_distribution
@@ -386,16 +387,16 @@ class OnlinePRModel(OnlineEagle3Model):
         """The teacher, the projected features, the masks and SpecForge's per-step views."""
         draft: LlamaForCausalLMEagle3PR = self.draft_model
         length = self.length
-        target_p_padded, target_p_on_draft_padded, target_ids_padded, position_mask = _compute_target_p_padded(
+        target_p_padded, target_p_on_draft_padded, target_ids_padded, position_mask = sf.teacher_distributions(
             target=target, t2d=draft.t2d, loss_mask=loss_mask, length=length
         )
         b, t, _ = hidden_states.shape
         h0 = draft.project_hidden_states(hidden_states.to(draft.fc.weight.dtype))
-        pos = self._prepare_position_ids(position_ids, seq_length=t, past_key_values_length=0, device=h0.device)
+        pos = sf.draft_position_ids(self, position_ids, seq_length=t, device=h0.device)
         if attention_mask is None:
             attention_mask = torch.ones((b, t), dtype=torch.bool, device=h0.device)
         ctx_mask, start_mask = strict_causal_mask(attention_mask, h0.dtype)
-        adapter = self._make_adapter()
+        adapter = sf.loss_adapter(self)
         # Per-step views, shifted exactly as SpecForge shifts them.
         views, ids, pm, lm = [], input_ids, position_mask, loss_mask
         for j in range(length):
@@ -504,8 +505,8 @@ class OnlinePRModel(OnlineEagle3Model):
         logits = self.readout(feature, 0)
         one_pass.logits.append(logits)
         v = inp.views[j]
-        acc, acc_rate, loss, correct, denom, metric_loss, loss_denom = self._acc_and_loss(
-            logits=logits, target_p=v.target_p, target_p_on_draft=v.target_p_on_draft,
+        acc, acc_rate, loss, correct, denom, metric_loss, loss_denom = sf.step_acc_and_loss(
+            self, logits=logits, target_p=v.target_p, target_p_on_draft=v.target_p_on_draft,
             target_token_ids=v.target_token_ids, position_mask=v.position_mask, loss_mask=v.loss_mask,
             adapter=inp.adapter,
         )
