@@ -45,6 +45,8 @@ VARIANTS: Dict[str, tuple] = {
 }
 WARM = ("warm-frozen-separate-adapter16", "eagle3-long")
 SETS = ("mtbench", "gsm8k", "humaneval")
+#: `eval --decompose` counters the table shows (per round; see pr_specforge/serving/decompose.py)
+DECOMPOSITION = ("frontier_recon", "displaced", "gained_proposal", "gained_repricing", "lost_lb")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--skip", type=int, default=40, help="served check starts after the final evaluation's prompts")
     p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="served check: new tokens per prompt")
+    p.add_argument("--budget", type=int, default=48, help="served check: tree budget B")
+    p.add_argument("--decompose", action="store_true",
+                   help="served check with `eval --decompose` (issue 16 part A counters per PR pilot; object tree builder)")
     p.add_argument("--report", default=str(REPO_ROOT / "benchmarks" / "results" / "smollm2-cpu-pilots"))
     p.add_argument("--dry-run", action="store_true", help="print the stage commands, run nothing")
     return p
@@ -91,20 +97,25 @@ def train_stage(args, work: Path, name: str, run: Path, recipe: str, log_file: P
     return go
 
 
+def serve_argv(args, work: Path, name: str, export: Path, ev: Path) -> List[str]:
+    """`pr-specforge eval` arguments of a pilot's served check (PR pilots also at m = 0, and decomposed if asked)."""
+    is_pr = VARIANTS[name][0] != VARIANTS[EAGLE3][0]
+    return ["--target", str(work / "target"), "--draft", f"{name}={export}", "--prompts", *SETS, "--skip", str(args.skip),
+            "--limit", str(args.limit), "--budget", str(args.budget), "--temperature", "0", "--seed", str(args.seed),
+            "--max-new-tokens", str(args.max_new_tokens), "--out-dir", str(ev), "--json", str(ev / "summary.json"),
+            "--no-progress", *(["--also-one-pass"] if is_pr else []), *(["--decompose"] if args.decompose and is_pr else [])]
+
+
 def stages(args, work: Path, name: str) -> List[Stage]:
     pilots = Path(args.out)
     run, export, ev = pilots / "runs" / name, pilots / "export" / name, pilots / "eval" / name
     recipe = str(REPO_ROOT / "recipes" / VARIANTS[name][0])
-    is_pr = VARIANTS[name][0] != VARIANTS[EAGLE3][0]
-
     (pilots / "diagnose").mkdir(parents=True, exist_ok=True)
 
     def call(module: str, argv: List[str]):
         return lambda: call_stage(module, argv, pilots / "commands.log")
 
-    serve = ["--target", str(work / "target"), "--draft", f"{name}={export}", "--prompts", *SETS, "--skip", str(args.skip),
-             "--limit", str(args.limit), "--budget", "48", "--temperature", "0", "--seed", str(args.seed),
-             "--out-dir", str(ev), "--json", str(ev / "summary.json"), "--no-progress", *(["--also-one-pass"] if is_pr else [])]
+    serve = serve_argv(args, work, name, export, ev)
     diag = ["--features", str(work / "heldout" / "features"), "--json", str(pilots / "diagnose" / f"{name}.json"),
             "--seed", str(args.seed), "--no-progress"]
     return [
@@ -126,9 +137,16 @@ def row(name: str, diag: Optional[dict], summary: Optional[dict]) -> dict:
         pr = diag.get("pr") or {}
         for key in ("pr/acc_depth_0", "pr/acc_depth_1", "pr/acc_depth_2", "pr/recovered_share", "pr/recovered_outside_topk"):
             out[key.split("/", 1)[1]] = pr.get(key)
+    decomp: Dict[str, List[float]] = {}
     for entry in (summary or {}).get("results", []):
         suffix = "_m0" if entry["draft"].endswith("/one-pass") else ""
         out[f"tau_{entry['set']}{suffix}"] = entry["tau"]
+        if not suffix:
+            for key, value in (entry.get("decomposition") or {}).items():
+                decomp.setdefault(key, []).append(value)
+    for key in DECOMPOSITION:  # per round, mean over the sets (only PR pilots served with --decompose)
+        if decomp.get(key + "_per_round"):
+            out[key] = sum(decomp[key + "_per_round"]) / len(decomp[key + "_per_round"])
     for suffix in ("", "_m0"):
         taus = [out[f"tau_{s}{suffix}"] for s in SETS if f"tau_{s}{suffix}" in out]
         out[f"tau_mean{suffix}"] = sum(taus) / len(taus) if taus else None
@@ -137,14 +155,18 @@ def row(name: str, diag: Optional[dict], summary: Optional[dict]) -> dict:
 
 def render(rows: Sequence[dict], args) -> str:
     cols = ["variant", "tau_mean", "tau_mean_m0", *[f"tau_{s}" for s in SETS], "one_pass_acc0", "sim_acc_len",
-            "acc_depth_0", "acc_depth_1", "acc_depth_2", "recovered_share", "recovered_outside_topk"]
+            "acc_depth_0", "acc_depth_1", "acc_depth_2", "recovered_share", "recovered_outside_topk", *DECOMPOSITION]
     ranked = sorted(rows, key=lambda r: -(r.get("tau_mean") or 0.0))
     fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
     lines = ["# SmolLM2 pilots (issue 16, part C)", "",
              f"{args.steps} steps per pilot (warm starts: {args.steps} more on the EAGLE-3 pilot; their baseline is "
-             f"`eagle3-long`). Served: B = 48, T = 0, prompts {args.skip}..{args.skip + args.limit - 1} of each set "
+             f"`eagle3-long`). Served: B = {args.budget}, T = 0, {args.max_new_tokens} new tokens, prompts "
+             f"{args.skip}..{args.skip + args.limit - 1} of each set "
              "(disjoint from the final evaluation's first 40); `tau_mean_m0` serves the PR drafter with m = 0. "
-             "Held-out: `pr-specforge diagnose`. Ranked by served mean tau.", "",
+             "Held-out: `pr-specforge diagnose`. Ranked by served mean tau. Decomposition columns (per round, "
+             "mean over sets; `--decompose`): `frontier_recon` forwarded nodes on a reconsidered branch, "
+             "`displaced` nodes of the m = 0 cut the PR cut dropped, `gained_*` accepted tokens only the PR cut "
+             "held, `lost_lb` rounds the m = 0 cut would have accepted more.", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in ranked]
     return "\n".join(lines) + "\n"

@@ -47,3 +47,20 @@ def test_rows_and_table_rank_by_served_tau(pilots):
     args = pilots._parser().parse_args(["--steps", "100"])
     table = pilots.render([b, a], args)
     assert table.index("| a |") < table.index("| b |") and "| 3.300 | 3.000 |" in table
+
+
+def test_decompose_serves_pr_pilots_only_and_rows_average_the_counters(pilots, tmp_path):
+    args = pilots._parser().parse_args(["--workdir", str(tmp_path), "--decompose", "--max-new-tokens", "64", "--budget", "24"])
+    args.out = str(tmp_path / "pilots")
+
+    def argv(name):
+        return pilots.serve_argv(args, tmp_path, name, tmp_path / "x", tmp_path / "ev")
+
+    pr, eagle = argv("baseline"), argv("eagle3")
+    assert "--decompose" in pr and "--also-one-pass" in pr and "--decompose" not in eagle
+    assert pr[pr.index("--max-new-tokens") + 1] == "64" and pr[pr.index("--budget") + 1] == "24"
+    entries = [{"draft": "a", "set": s, "tau": 3.0, "decomposition": {"displaced_per_round": d, "lost_lb_per_round": 0.1}}
+               for s, d in zip(pilots.SETS, (1.0, 2.0, 6.0))]
+    out = pilots.row("a", None, {"results": entries + [{"draft": "a/one-pass", "set": "gsm8k", "tau": 2.0,
+                                                         "decomposition": {"displaced_per_round": 100.0}}]})
+    assert out["displaced"] == pytest.approx(3.0) and out["lost_lb"] == pytest.approx(0.1) and "gained_proposal" not in out
