@@ -38,7 +38,7 @@ VARIANTS = {
 BUILDERS = ("tensor", "object")
 
 
-def smollm2_drafters(max_depth: int):
+def smollm2_drafters(max_depth: int, dtype: torch.dtype = torch.float32):
     """(EAGLE-3 drafter, PR drafter) with the same EAGLE-3 weights, SmolLM2-135M's shape."""
     from pr_specforge._specforge import LlamaForCausalLMEagle3
     from pr_specforge.modeling import LlamaForCausalLMEagle3PR, PRDraftSettings, build_pr_config
@@ -54,7 +54,7 @@ def smollm2_drafters(max_depth: int):
         pr.pr_halt_gate.linear.bias.fill_(-10.0)  # lambda ~ 0: every node pooled, m rows every step
     eagle = LlamaForCausalLMEagle3(cfg).float().eval()
     eagle.load_state_dict({k: v for k, v in pr.state_dict().items() if not k.startswith("pr_")})
-    return eagle, pr
+    return eagle.to(dtype), pr.to(dtype)
 
 
 def round_fn(builder: str, rt, cfg, coforward: bool, root_token: int, root_feature):
@@ -182,6 +182,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the drafters' compute dtype (the evaluator's --dtype)")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="wall: perf_counter; cpu: the process's CPU time, which leaves out the time a busy "
                         "machine's scheduler gives to others (use with --threads 1 on a CPU)")
@@ -199,9 +201,9 @@ def main(argv=None) -> int:
     aux = torch.randn(args.context, 3 * 576, generator=g)
     toks = torch.randint(0, 49152, (args.context,), generator=g)
     runtimes = {}
-    for name, drafter in zip(("eagle", "pr"), smollm2_drafters(args.max_depth)):
+    for name, drafter in zip(("eagle", "pr"), smollm2_drafters(args.max_depth, getattr(torch, args.dtype))):
         rt = DrafterRuntime(drafter.to(args.device))
-        runtimes[name] = (rt, rt.extend(aux, toks)[-1])
+        runtimes[name] = (rt, rt.extend(aux.to(getattr(torch, args.dtype)), toks)[-1])
     fns = {}
     for b in BUILDERS:
         for v, kw in VARIANTS.items():

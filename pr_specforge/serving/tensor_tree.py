@@ -14,21 +14,33 @@ round, so a round can be captured whole (e.g. in a CUDA graph):
                children of the reconsidered rows; one extra "null" slot, never valid,
                absorbs the writes of empty rows.
   rows         0 the root (the last context row); step s >= 1 owns B_w + m rows, always
-               forwarded (an empty row is computed and never read).
+               forwarded (an empty row is computed and never read); one extra "null" row.
 Slots are allocated in the object tree's creation order, so "earlier node first" ties
 break the same way, and the valid slots, sorted, are the object tree's node list.
 
+What the layout fixes, the builder never stores per node: the row that proposed a slot
+(`slot_row`, which is also the row its branch continues from and its parent's row), whether
+it came from a reconsidered feature (`via_slot`), the k children slots a row proposes
+(`kids_of_row`). Per node it keeps only the score, the draft id, validity, the ancestor
+matrix (`anc`: depth is a row sum, the visible tree rows are `anc @ onehot(slot_row)`) and
+the node's one-pass row; the pool lives on the one-pass rows (a node is forwarded once,
+so its row names it), with `row_node` mapping rows back to nodes. "Repriced" is read at the
+cut as `anc @ mark` (a node is repriced when an edge on its path was shifted by Eq. 9 or
+proposed by a reconsidered feature).
+
 Each step: top-B_w of the previous block (frontier), top-m of the pool's bids, ONE call of
 `M` over those rows against the runtime's preallocated KV buffer (the round's tree rows sit
-after the context, the additive tree-attention mask is allocated once per round and each
-step writes its own rows), top-k children, pool admission and halting against uniforms
-drawn once per round, then for the halted rows Eq. 9 as batched index operations: edge
-deltas of the existing children, propagated to every descendant through the ancestor
-matrix (`anc @ delta`), and the top-k of pi_mix not yet children as new children.
+after the context; the additive tree-attention mask is allocated once per round and each
+step writes its own rows), top-k children (written straight into per-row buffers), pool
+admission and halting against uniforms drawn once per round, then for the halted rows
+Eq. 9 as batched index operations: edge deltas of the existing children, propagated to
+every descendant through the ancestor matrix (`anc @ delta`), and the top-k of pi_mix not
+yet children as new children.
 
-Random draws: the round draws `1 + (gamma - 1)(B_w + m)` uniforms at its start (root's
-admission, then per step one per frontier row and one per reconsidered row, in row order),
-exactly as the object tree does, so the same generator gives the same tree at T > 0.
+Random draws: the round draws `1 + (gamma - 1)(B_w + m)` uniforms at its start, one per
+row in row order (the root's admission, then per step the frontier rows' and the
+reconsidered rows'), exactly as the object tree does, so the same generator gives the same
+tree at T > 0; the uniform of row r is `u[r]`.
 
 Does not own: the algorithm's definition and its reference (`tree`, the test oracle), the
 row forwards (`drafter_runtime`), verification (`verify`).
@@ -44,7 +56,7 @@ import torch
 from pr_specforge.serving.drafter_runtime import DrafterRuntime
 from pr_specforge.serving.tree import TreeConfig, round_uniforms, uniform_count
 
-# columns of the packed per-node integer state
+# columns of `state()["info"]`, the per-node view the tests compare with the object tree
 PARENT, DEPTH, DRAFT, TOKEN, SRC, VIA, REPRICED, VALID = range(8)
 NEG = float("-inf")
 
@@ -97,8 +109,22 @@ class TensorDraftTree:
         return self.via_recon_list[j]
 
 
+@dataclass(frozen=True)
+class _Step:
+    """The fixed slices and index tensors of one step."""
+
+    prev: int  # first slot of the previous step's block (the frontier candidates)
+    prev_n: int
+    block: int  # first slot of this step's block
+    r0: int  # first row of this step
+    rows: torch.Tensor  # [B_w + m] its rows
+    pad: torch.Tensor  # [max(0, B_w - prev_n)] null picks when the previous block is smaller than B_w
+    eye: torch.Tensor  # [B_w + m, k, N] bool: each new slot's own bit in the ancestor matrix
+    own: torch.Tensor  # [B_w + m, rows] fp32: each row's own column in the tree part of the mask
+
+
 class TensorTreeBuilder:
-    """One sequence's tree builder; its buffers are allocated once and reused every round."""
+    """One sequence's tree builder; its buffers and index tensors are allocated once and reused every round."""
 
     def __init__(self, rt: DrafterRuntime, cfg: TreeConfig, coforward: bool = True) -> None:
         cfg.check_vocab(rt.draft_vocab_size)
@@ -109,148 +135,162 @@ class TensorTreeBuilder:
         self.n_nodes = 1 + self.k + (cfg.gamma - 1) * self.per_step * self.k
         self.null = self.n_nodes
         self.n_rows = 1 + (cfg.gamma - 1) * self.per_step
+        self.null_row = self.n_rows
+        self._layout()
         self._allocate()
 
-    # ------------------------------------------------------------- buffers
+    # ------------------------------------------------------------- layout
+    def _layout(self) -> None:
+        """The shape's constant index tensors: which row proposed each slot, and each step's slices."""
+        dev, k, n, r, p = self.rt.device, self.k, self.n_nodes + 1, self.n_rows + 1, self.per_step
+        i64 = dict(device=dev, dtype=torch.long)
+        slot_row = torch.full((n,), self.null_row, **i64)  # root and null: no proposing row
+        slot_row[1 : 1 + k] = 0
+        kids = torch.full((r, k), self.null, **i64)
+        kids[0] = torch.arange(1, 1 + k, **i64)
+        self.steps: List[_Step] = []
+        for s in range(1, self.cfg.gamma):
+            block, r0 = 1 + k + (s - 1) * p * k, 1 + (s - 1) * p
+            rows = torch.arange(r0, r0 + p, **i64)
+            slot_row[block : block + p * k] = rows.repeat_interleave(k)
+            kids[r0 : r0 + p] = torch.arange(block, block + p * k, **i64).view(p, k)
+            prev_n = k if s == 1 else p * k
+            eye = torch.zeros(p * k, n, device=dev, dtype=torch.bool)
+            eye[:, block : block + p * k] = torch.eye(p * k, device=dev, dtype=torch.bool)
+            own = torch.zeros(p, r - 1, device=dev)
+            own[:, r0 : r0 + p] = torch.eye(p, device=dev)
+            self.steps.append(_Step(
+                prev=1 if s == 1 else block - p * k, prev_n=prev_n, block=block, r0=r0, rows=rows,
+                pad=torch.full((max(0, self.bw - prev_n),), self.null, **i64), eye=eye.view(p, k, n), own=own))
+        self.slot_row, self.kids_of_row = slot_row, kids
+        self.via_slot = torch.zeros(n, device=dev, dtype=torch.bool)
+        for st in self.steps:
+            self.via_slot[st.block + self.bw * k : st.block + p * k] = True
+        onehot = torch.zeros(n, r, device=dev)
+        onehot[torch.arange(n, device=dev), slot_row] = 1.0
+        self.src_onehot = onehot[:, : r - 1].contiguous()  # [N, rows]: the tree row each slot's branch continues from
+        self.recon_row_mask = torch.arange(p, device=dev) >= self.bw  # the PR drafter's adapter acts on these rows
+        self.split_readout = self.pool_on and hasattr(self.rt.drafter, "pr_recon_head")
+
     def _allocate(self) -> None:
-        dev, n, r, rt = self.rt.device, self.n_nodes + 1, self.n_rows, self.rt
-        d = rt.drafter.config.hidden_size
+        rt, dev, n, r, k = self.rt, self.rt.device, self.n_nodes + 1, self.n_rows + 1, self.k
         f64, i64 = dict(device=dev, dtype=torch.float64), dict(device=dev, dtype=torch.long)
         self.score = torch.zeros(n, **f64)
-        self.info = torch.zeros(n, 8, **i64)
-        self.vis = torch.zeros(n, r, device=dev, dtype=torch.bool)  # rows a node's forward may see
+        self.draft = torch.zeros(n, **i64)
+        self.valid = torch.zeros(n, device=dev, dtype=torch.bool)
+        self.valid[1 : 1 + k] = True  # the root's children (the root itself is kept apart from the cut)
+        self.shifted = torch.zeros(n, device=dev, dtype=torch.bool)  # an edge into the node was repriced (Eq. 9)
         self.anc = torch.zeros(n, n, device=dev, dtype=torch.bool)  # anc[x, a]: a is x or one of its ancestors
-        self.row_of = torch.zeros(n, **i64)  # the node's one-pass row
-        self.first_child = torch.zeros(n, **i64)  # first slot of its k one-pass children
-        self.top1 = torch.zeros(n, **f64)  # max_t pi_one(t|u)
-        self.forwarded = torch.zeros(n, device=dev, dtype=torch.bool)
-        self.row_feat = torch.zeros(r, d, device=dev, dtype=rt.dtype)
-        self.row_logp = torch.zeros(r, rt.draft_vocab_size, device=dev, dtype=torch.float32)
-        self.pooled = torch.zeros(n, device=dev, dtype=torch.bool)
-        self.bid_base = torch.zeros(n, **f64)  # log(1 - max_t pi_one(t|v)), Eq. 8 minus s(v)
-        self.depth_r = torch.zeros(n, **i64)
-        self.cur_row = torch.zeros(n, **i64)
-        self.survive = torch.zeros(n, **f64)  # prod_{s<r}(1 - lambda_s) over the depths walked so far
+        self.anc[0, 0] = self.anc[self.null, self.null] = True  # the null slot at depth 0 keeps empty rows' positions sane
+        self.anc[1 : 1 + k, 0] = True
+        self.anc[1 : 1 + k, 1 : 1 + k] = torch.eye(k, device=dev, dtype=torch.bool)
+        self.row_of = torch.full((n,), -1, **i64)  # the node's one-pass row, -1 if never forwarded
+        self.row_of_init = self.row_of.clone()
+        self.row_of_init[0] = 0
+        # per row (index n_rows: the null row)
+        self.row_node = torch.full((r,), self.null, **i64)  # the node the row forwarded
+        self.row_node[0] = 0
+        self.row_feat = torch.zeros(r, rt.drafter.config.hidden_size, device=dev, dtype=rt.dtype)
+        self.row_logp = torch.zeros(r, rt.draft_vocab_size, device=dev, dtype=torch.float32)  # pi_one of one-pass rows
+        self.row_topv = torch.zeros(r, k, device=dev, dtype=torch.float32)  # one-pass top-k log-probs and ids
+        self.row_topi = torch.zeros(r, k, **i64)
         self.row_ok = torch.zeros(r, device=dev, dtype=torch.bool)  # the row held a node
-        self.arange_k = torch.arange(self.k, **i64)
-        self.step_rows = torch.arange(self.per_step, **i64)
-        self.own = torch.eye(r, device=dev, dtype=torch.bool)
-        self.zero_depth = torch.zeros(self.bw, **i64)
-        self.via = torch.zeros(self.per_step, self.k, **i64)  # children of reconsidered rows: via_recon
-        self.via[self.bw :] = 1
-        self.true1 = torch.ones(1, device=dev, dtype=torch.bool)
-        # the step's rows: bw frontier rows, then m reconsideration rows (the PR drafter's adapter acts on these)
-        self.recon_row_mask = torch.arange(self.per_step, device=dev) >= self.bw
+        self.row_ok[0] = True
+        # the pool, on one-pass rows
+        self.pooled = torch.zeros(r, device=dev, dtype=torch.bool)
+        self.bid_base = torch.zeros(r, **f64)  # log(1 - max_t pi_one(t|v)): Eq. 8 minus s(v)
+        self.survive = torch.zeros(r, **f64)  # prod_{s<d}(1 - lambda_s) over the depths walked so far
+        self.depth_r = torch.zeros(r, **i64)  # reconsideration depth reached
+        self.cur_row = torch.zeros(r, **i64)  # the row of the node's current-depth feature
+        self.cur_row_init = torch.arange(r, **i64)
+        self.root_tok = torch.zeros(1, **i64)
 
     def _reset(self) -> None:
-        for t in (self.score, self.info, self.vis, self.anc, self.forwarded, self.pooled, self.depth_r,
-                  self.row_ok):
+        for t in (self.shifted, self.pooled, self.depth_r):
             t.zero_()
-        self.row_of.fill_(-1)
-
-    # ------------------------------------------------------------- helpers
-    def _new_nodes(self, start: int, parents: torch.Tensor, logps: torch.Tensor, draft: torch.Tensor,
-                   src_rows: torch.Tensor, valid: torch.Tensor, via: torch.Tensor) -> None:
-        """Write the `[P, k]` children of `parents [P]` into slots `start ..` (score, ids, masks).
-
-        `via [P, k]` (0/1): proposed by a reconsidered feature; `src_rows [P]`: the row the
-        children continue from (the parent's one-pass row, or its halt-depth row)."""
-        p, k = parents.shape[0], self.k
-        sl = slice(start, start + p * k)
-        self.score[sl] = (self.score[parents][:, None] + logps).reshape(-1)
-        pinfo = self.info[parents]
-        cols = [
-            parents[:, None].expand(p, k), (pinfo[:, DEPTH] + 1)[:, None].expand(p, k), draft,
-            self.rt.to_target_ids(draft), src_rows[:, None].expand(p, k), via,
-            pinfo[:, REPRICED][:, None] | via, valid.long(),
-        ]
-        self.info[sl] = torch.stack(cols, dim=-1).reshape(p * k, 8)
-        vis = self.vis[parents] | self.own[src_rows]
-        self.vis[sl] = vis[:, None].expand(p, k, self.n_rows).reshape(p * k, self.n_rows)
-        self.anc[sl] = self.anc[parents][:, None].expand(p, k, self.n_nodes + 1).reshape(p * k, -1)
-        self.anc[sl, sl].diagonal().fill_(True)
-
-    def _forwarded(self, nodes: torch.Tensor, rows: torch.Tensor, first_child: int, top1_logp: torch.Tensor,
-                   valid: torch.Tensor) -> torch.Tensor:
-        """Record forwarded nodes (their row, children block, top-1); returns `max_t pi_one(t|u)`."""
-        top1 = top1_logp.double().exp()
-        self.row_of[nodes] = rows
-        self.first_child[nodes] = first_child + self.k * self.step_rows[: nodes.shape[0]]
-        self.top1[nodes] = top1
-        self.forwarded[nodes] = valid
-        return top1
-
-    def _admit(self, nodes, rows, top1, lam, u, valid) -> None:
-        """Appendix C.1: a forwarded node enters the pool with probability `1 - lambda_0`."""
-        self.bid_base[nodes] = torch.log1p(-top1)  # -inf when max_t pi_one = 1
-        self.survive[nodes] = 1.0 - lam
-        self.cur_row[nodes] = rows
-        self.pooled[nodes] = valid & (u >= lam)
-
-    def _top(self, key: torch.Tensor, ok: torch.Tensor, n: int, offset: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Slots of the `n` highest `key` (ties: earlier slot first) and whether each is a real
-        pick (`ok`); an empty pick is the null slot."""
-        order = torch.sort(key, descending=True, stable=True).indices[:n]
-        good = ok[order]
-        if order.shape[0] < n:
-            order = torch.cat([order, order.new_zeros(n - order.shape[0])])
-            good = torch.cat([good, good.new_zeros(n - good.shape[0])])
-        return torch.where(good, order + offset if offset else order, self.null), good
+        self.row_of.copy_(self.row_of_init)
+        self.cur_row.copy_(self.cur_row_init)
 
     # ---------------------------------------------------------------- round
     def _root(self, root_token: int, root_feature: torch.Tensor, u: Optional[torch.Tensor]) -> None:
-        rt = self.rt
-        self.info[0, TOKEN] = int(root_token)
-        self.info[0, VALID] = 1
-        self.anc[0, 0] = True
+        rt, k = self.rt, self.k
+        self.root_tok.fill_(int(root_token))
         feat = root_feature.reshape(1, -1).to(rt.dtype)
         self.row_feat[0] = feat[0]
         logp = rt.log_probs(feat, 0)
         self.row_logp[0] = logp[0]
-        root = self.step_rows[:1]  # node 0, row 0
-        ok = self.true1
-        top = torch.topk(logp, self.k, dim=-1)
-        top1 = self._forwarded(root, root, 1, top.values[:, 0], ok)
-        self._new_nodes(1, root, top.values.double(), top.indices, root, ok[:, None].expand(1, self.k), self.via[:1])
+        torch.topk(logp, k, dim=-1, out=(self.row_topv[:1], self.row_topi[:1]))
+        self.score[1 : 1 + k] = self.row_topv[0]
+        self.draft[1 : 1 + k] = self.row_topi[0]
         if self.pool_on:
-            self._admit(root, root, top1, rt.halt_probability(feat).double(), u[:1], ok)
+            lam = rt.halt_probability(feat).double()
+            self._admit(0, 1, lam, u)
 
-    def _step(self, s: int, u: Optional[torch.Tensor]) -> None:
-        bw, m, k = self.bw, self.m, self.k
-        prev = 1 if s == 1 else 1 + k + (s - 2) * self.per_step * k
-        prev_n = k if s == 1 else self.per_step * k
-        block = 1 + k + (s - 1) * self.per_step * k
-        r0 = 1 + (s - 1) * self.per_step
-        fvalid = self.info[prev : prev + prev_n, VALID].bool()
-        adv, adv_ok = self._top(torch.where(fvalid, self.score[prev : prev + prev_n], NEG), fvalid, bw, prev)
-        rows = r0 + self.step_rows
-        nodes, ok = adv, adv_ok
+    def _admit(self, r0: int, n: int, lam: torch.Tensor, u: torch.Tensor) -> None:
+        """Appendix C.1: the forwarded nodes of rows `r0 .. r0+n-1` enter the pool with probability `1 - lambda_0`."""
+        sl = slice(r0, r0 + n)
+        self.bid_base[sl] = torch.log1p(-self.row_topv[sl, 0].double().exp())  # -inf when max_t pi_one = 1
+        self.survive[sl] = 1.0 - lam
+        torch.logical_and(self.row_ok[sl], u[sl] >= lam, out=self.pooled[sl])
+
+    def _frontier(self, st: _Step) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The B_w highest-scoring valid slots of the previous block (ties: earlier slot first); null when short."""
+        sl = slice(st.prev, st.prev + st.prev_n)
+        valid = self.valid[sl]
+        order = torch.sort(torch.where(valid, self.score[sl], NEG), descending=True, stable=True).indices[: self.bw]
+        ok = valid[order]
+        adv = torch.where(ok, order + st.prev, self.null)
+        if st.pad.shape[0]:
+            adv, ok = torch.cat([adv, st.pad]), torch.cat([ok, st.pad < 0])
+        return adv, ok
+
+    def _pool_pick(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The m highest bids of the pool (Eq. 8: `s(v) + log(1 - max_t pi_one(t|v))`), as one-pass rows;
+        ties: earlier node first. Empty picks are the null row."""
+        by_node = torch.sort(self.row_node).indices  # rows in node order
+        bid = torch.where(self.pooled, self.score[self.row_node] + self.bid_base, NEG)[by_node]
+        rec = by_node[torch.sort(bid, descending=True, stable=True).indices[: self.m]]
+        ok = self.pooled[rec]
+        return torch.where(ok, rec, self.null_row), ok
+
+    def _step(self, st: _Step, u: Optional[torch.Tensor]) -> None:
+        bw, m, k, p = self.bw, self.m, self.k, self.per_step
+        adv, adv_ok = self._frontier(st)
+        rec, nodes, ok = None, adv, adv_ok
         if m:
-            rec, rec_ok = self._top(torch.where(self.pooled, self.score + self.bid_base, NEG), self.pooled, m)
-            nodes, ok = torch.cat([adv, rec]), torch.cat([adv_ok, rec_ok])
-        depth = self.depth_r[rec] + 1 if m else None  # the carried rows' new depth
-        logp, lam = self._forward(nodes, r0, depth)
-        top = torch.topk(logp[:bw], k, dim=-1)
-        top1 = self._forwarded(adv, rows[:bw], block, top.values[:, 0], adv_ok)
-        vals, ids, kids_ok = top.values.double(), top.indices, adv_ok[:, None].expand(bw, k)
+            rec, rec_ok = self._pool_pick()
+            nodes, ok = torch.cat([adv, self.row_node[rec]]), torch.cat([adv_ok, rec_ok])
+        anc = self.anc.index_select(0, nodes)  # [p, N]: the rows' nodes' ancestors-or-self
+        logp, lam, depth = self._forward(st, adv, rec, anc)
+        sl = slice(st.r0, st.r0 + bw)
+        torch.topk(logp[:bw], k, dim=-1, out=(self.row_topv[sl], self.row_topi[sl]))
+        self.row_of.index_copy_(0, adv, st.rows[:bw])
+        self.row_node[st.r0 : st.r0 + p] = nodes
+        self.row_ok[st.r0 : st.r0 + p] = ok
+        vals, ids, kids_ok = self.row_topv[sl].double(), self.row_topi[sl], adv_ok[:, None].expand(bw, k)
         if m:
-            self._admit(adv, rows[:bw], top1, lam[:bw], u[r0 : r0 + bw], adv_ok)
-            r_vals, r_ids, r_ok = self._reconsider(rec, rec_ok, depth, rows[bw:], logp[bw:], lam[bw:], u[r0 + bw : r0 + bw + m])
+            self.row_logp[sl] = logp[:bw]  # pi_one of the frontier rows, read if they are repriced
+            self._admit(st.r0, bw, lam[:bw], u)
+            r_vals, r_ids, r_ok = self._reconsider(st, rec, rec_ok, depth, logp[bw:], lam[bw:], u[st.r0 + bw : st.r0 + p])
             vals, ids, kids_ok = torch.cat([vals, r_vals]), torch.cat([ids, r_ids]), torch.cat([kids_ok, r_ok])
         # created after Eq. 9's shifts, from their parents' repriced scores: as if shifted with them
-        self._new_nodes(block, nodes, vals, ids, rows, kids_ok, self.via)
-        self.row_ok[r0 : r0 + self.per_step] = ok
+        blk = slice(st.block, st.block + p * k)
+        self.score[blk] = (self.score[nodes][:, None] + vals).view(-1)
+        self.draft[blk] = ids.reshape(-1)
+        self.valid[blk] = kids_ok.reshape(-1)
+        torch.logical_or(anc[:, None], st.eye, out=self.anc[blk].view(p, k, -1))
 
-    def _forward(self, nodes: torch.Tensor, r0: int, depth: Optional[torch.Tensor]):
+    def _forward(self, st: _Step, adv: torch.Tensor, rec: Optional[torch.Tensor], anc: torch.Tensor):
         """ONE call of `M` over the step's frontier and reconsidered rows; their readouts."""
-        rt, bw, m, n = self.rt, self.bw, self.m, self.per_step
-        info = self.info[nodes]
-        emb, hidden = rt.embed(info[:bw, TOKEN]), self.row_feat[info[:bw, SRC]]
+        rt, bw, m, n, r0 = self.rt, self.bw, self.m, self.per_step, st.r0
+        draft = self.draft[adv]
+        emb, hidden = rt.embed(rt.to_target_ids(draft)), self.row_feat[self.slot_row[adv]]
         if m:  # Eq. 3's input slots for the carried rows, from their current depth's feature
-            r_emb, r_hidden = rt.reconsideration_inputs(self.row_feat[self.cur_row[nodes[bw:]]])
+            r_emb, r_hidden = rt.reconsideration_inputs(self.row_feat[self.cur_row[rec]])
             emb, hidden = torch.cat([emb.to(r_emb.dtype), r_emb]), torch.cat([hidden, r_hidden])
-        pos = self.root_pos + info[:, DEPTH]
-        self.mask[r0 : r0 + n, self.ctx :] = torch.where(self.vis[nodes] | self.own[r0 : r0 + n], 0.0, NEG)
+        pos = anc.sum(1) + (self.root_pos - 1)  # position = root's + depth; depth = ancestors-or-self - 1
+        visible = torch.mm(anc.float(), self.src_onehot) + st.own  # tree rows each row may see, and its own
+        self.mask[r0 : r0 + n, self.ctx :] = torch.where(visible > 0, 0.0, NEG)
         mask = self.mask[r0 : r0 + n]
         col = self.ctx + r0
         recon = self.recon_row_mask if m else None
@@ -262,19 +302,21 @@ class TensorTreeBuilder:
                 rt.forward_tree_rows(emb[bw:], hidden[bw:], pos[bw:], col + bw, mask[bw:], self.max_pos, recon[bw:])])
         self.row_feat[r0 : r0 + n] = feats
         if not m:
-            return rt.log_probs(feats, 0), None
-        lam = rt.halt_probability(feats).double()
-        logp = rt.log_probs(feats, torch.cat([self.zero_depth, depth]))
-        self.row_logp[r0 : r0 + bw] = logp[:bw]  # pi_one of the frontier rows, read if they are repriced
-        return logp, lam
+            return rt.log_probs(feats, 0), None, None
+        depth = self.depth_r[rec] + 1  # the carried rows' new depth
+        if self.split_readout:  # a second head: read each part with its own head only (depths >= 1 share it)
+            logp = torch.cat([rt.log_probs(feats[:bw], 0), rt.log_probs(feats[bw:], 1)])
+        else:
+            logp = rt.log_probs(feats, 0)
+        return logp, rt.halt_probability(feats).double(), depth
 
-    def _reconsider(self, rec, rec_ok, d, rows, logp_d, lam, u):
-        """One depth deeper (`d`) for the carried bids; the halted ones are repriced (Eq. 9).
+    def _reconsider(self, st: _Step, rec, rec_ok, d, logp_d, lam, u):
+        """One depth deeper (`d`) for the carried bids (one-pass rows `rec`); the halted ones are repriced (Eq. 9).
 
         Returns the new children `(log pi_mix [m, k], draft ids, valid)`: the top-k of pi_mix
         that are not children yet."""
         self.depth_r[rec] = d
-        self.cur_row[rec] = rows
+        self.cur_row[rec] = st.rows[self.bw :]
         cap = d >= self.rt.max_depth
         halt_here = torch.where(cap, 1.0, lam)
         survive = self.survive[rec]
@@ -282,35 +324,36 @@ class TensorTreeBuilder:
         self.survive[rec] = survive * (1.0 - halt_here)
         halt = rec_ok & (cap | (u < lam))
         self.pooled[rec] = rec_ok & ~halt
-        logp_one = self.row_logp[self.row_of[rec].clamp(min=0)]
-        kids = self.first_child[rec][:, None] + self.arange_k  # v's one-pass children
-        kid_draft = self.info[kids, DRAFT]
+        logp_one = self.row_logp[rec]
+        kids = self.kids_of_row[rec]  # v's one-pass children
+        kid_draft = self.row_topi[rec]
         # pi_mix's top-k in fp32 over the vocabulary, log pi_mix in float64 where it is read
         new_ids = torch.topk(torch.lerp(logp_one.exp(), logp_d.exp(), q.float()), self.k, dim=-1).indices
         ids = torch.cat([kid_draft, new_ids], dim=1)
         one, deep = logp_one.gather(1, ids).double().exp(), logp_d.gather(1, ids).double().exp()
         log_mix = torch.log(one + q * (deep - one)).clamp(max=0.0)  # Eq. 9, [m, 2k]
-        self._shift_existing(rec, halt, kids.reshape(-1), log_mix[:, : self.k])
+        self._shift_existing(self.row_node[rec], halt, kids.view(-1), log_mix[:, : self.k])
         exists = (new_ids[:, :, None] == kid_draft[:, None, :]).any(-1)
         return log_mix[:, self.k :], new_ids, halt[:, None] & ~exists
 
-    def _shift_existing(self, rec, halt, kids, log_mix) -> None:
+    def _shift_existing(self, v, halt, kids, log_mix) -> None:
         """Eq. 9 on the existing children: `s(c) = s(v) + log pi_mix(c|v)`, the same delta to every descendant."""
-        new = self.score[rec][:, None] + log_mix
-        delta = torch.where(halt[:, None], new - self.score[kids].view(-1, self.k), 0.0).reshape(-1)
-        moved = self.anc.index_select(1, kids).double() @ torch.stack([delta, (delta != 0).double()], dim=1)
-        self.score += moved[:, 0]
-        self.info[:, REPRICED] |= (moved[:, 1] > 0).long()
+        new = self.score[v][:, None] + log_mix
+        delta = torch.where(halt[:, None], new - self.score[kids].view(-1, self.k), 0.0).view(-1)
+        self.score += torch.mv(self.anc.index_select(1, kids).double(), delta)
+        self.shifted[kids] |= delta != 0
 
     # ------------------------------------------------------------------ cut
     def _cut(self):
         """Keep the root and the `B` highest-scoring nodes, in verification order; ancestor mask."""
-        n = self.n_nodes + 1
-        valid = self.info[:, VALID].bool()
-        valid_nr = valid.clone()
-        valid_nr[0] = False
-        ranked, ok = self._top(torch.where(valid_nr, self.score, NEG), valid_nr, self.cfg.budget)
-        depth = self.info[ranked, DEPTH]
+        n, b = self.n_nodes + 1, self.cfg.budget
+        order = torch.sort(torch.where(self.valid, self.score, NEG), descending=True, stable=True).indices[:b]
+        ok = self.valid[order]
+        if order.shape[0] < b:
+            pad = order.new_full((b - order.shape[0],), self.null)
+            order, ok = torch.cat([order, pad]), torch.cat([ok, pad < 0])
+        ranked = torch.where(ok, order, self.null)
+        depth = self.anc[ranked].sum(1)
         order = torch.sort(torch.where(ok, depth * n + ranked, n * n)).indices
         kept = torch.cat([ranked.new_zeros(1), ranked[order]])
         ok = torch.cat([ok.new_ones(1), ok[order]])
@@ -321,24 +364,28 @@ class TensorTreeBuilder:
 
     def _pack(self, kept, ok, where) -> torch.Tensor:
         """Everything the host needs from the round, as one int64 vector (doubles as their bits)."""
-        info = self.info[kept]
-        parent = torch.where(kept == 0, -1, where[info[:, PARENT]])
+        rt, anc = self.rt, self.anc[kept]
+        token = torch.where(kept == 0, self.root_tok, rt.to_target_ids(self.draft[kept]))
+        parent = torch.where(kept == 0, -1, where[self.row_node[self.slot_row[kept]]])
         score = torch.where(ok, self.score[kept], NEG)
         by_score = torch.sort(score, descending=True, stable=True).indices
-        onepass = self.info[(self.first_child[kept][:, None] + self.arange_k).clamp(max=self.null), TOKEN]
+        repriced = torch.mv(anc.float(), (self.via_slot | self.shifted).float()) > 0
+        row = self.row_of[kept]
+        top1 = self.row_topv[row, 0].double().exp()
         parts = [
-            ok.long(), kept, info[:, TOKEN], info[:, DEPTH], parent, info[:, VIA], info[:, REPRICED], by_score,
-            self.forwarded[kept].long(), self.top1[kept].view(torch.long), score.view(torch.long),
-            onepass.reshape(-1), self._counts(),
+            ok.long(), kept, token, anc.sum(1) - 1, parent, self.via_slot[kept].long(), repriced.long(), by_score,
+            (row >= 0).long(), top1.view(torch.long), score.view(torch.long),
+            rt.to_target_ids(self.row_topi[row]).reshape(-1), self._counts(),
         ]
         return torch.cat(parts)
 
     def _counts(self) -> torch.Tensor:
         """Reconsideration rows, steps that forwarded a row, halts per depth 0..R."""
-        rows = self.row_ok[1:].view(self.cfg.gamma - 1, self.per_step)
-        halted = (~self.pooled[: self.null]) & (self.depth_r[: self.null] > 0)
+        rows = self.row_ok[1 : self.n_rows].view(self.cfg.gamma - 1, self.per_step)
+        depth = self.depth_r[: self.n_rows]  # the null row's depth counts empty picks
+        halted = ~self.pooled[: self.n_rows] & (depth > 0)
         halts = torch.zeros(self.rt.max_depth + 1, dtype=torch.long, device=rows.device)
-        halts.index_add_(0, self.depth_r[: self.null], halted.long())
+        halts.index_add_(0, depth, halted.long())
         return torch.cat([rows[:, self.bw :].sum().view(1), rows.any(1).sum().view(1), halts])
 
     @torch.no_grad()
@@ -352,14 +399,14 @@ class TensorTreeBuilder:
         self.root_pos = rt.length - 1
         self.max_pos = self.root_pos + cfg.gamma
         rt.reserve(self.ctx + self.n_rows)
-        self.mask = torch.full((self.n_rows, self.ctx + self.n_rows), NEG, device=rt.device, dtype=rt.dtype)
-        self.mask[:, : self.ctx] = 0.0
+        # the additive tree-attention mask of the round: every context column open; each step writes its rows' tree part
+        self.mask = torch.zeros((self.n_rows, self.ctx + self.n_rows), device=rt.device, dtype=rt.dtype)
         u = None
         if self.pool_on:
             u = round_uniforms(uniform_count(cfg), generator).to(rt.device, non_blocking=True)
         self._root(root_token, root_feature, u)
-        for s in range(1, cfg.gamma):
-            self._step(s, u)
+        for st in self.steps:
+            self._step(st, u)
         kept, ok, where = self._cut()
         mask = self.anc[kept][:, kept]
         host = self._pack(kept, ok, where).cpu()  # the round's one synchronisation
@@ -393,9 +440,16 @@ class TensorTreeBuilder:
         )
 
     def state(self) -> Dict[str, torch.Tensor]:
-        """The round's node tensors (copies), for tests and diagnostics."""
+        """The round's node tensors (copies) in the per-node layout of `info` (see its columns), for tests and diagnostics."""
+        anc, via = self.anc, self.via_slot
+        token = self.rt.to_target_ids(self.draft)
+        token[0] = self.root_tok[0]
+        info = torch.stack([
+            self.row_node[self.slot_row], anc.sum(1) - 1, self.draft, token, self.slot_row, via.long(),
+            (torch.mv(anc.float(), (via | self.shifted).float()) > 0).long(), self.valid.long(),
+        ], dim=1)
+        info[0, VALID] = 1
         return {
-            "score": self.score.clone(), "info": self.info.clone(), "row_logp": self.row_logp.clone(),
-            "row_of": self.row_of.clone(), "cur_row": self.cur_row.clone(), "depth_r": self.depth_r.clone(),
+            "score": self.score.clone(), "info": info, "row_logp": self.row_logp.clone(), "row_of": self.row_of.clone(),
+            "cur_row": self.cur_row.clone(), "depth_r": self.depth_r.clone(), "row_node": self.row_node.clone(),
         }
-
