@@ -96,6 +96,132 @@ def forward_floor(rt, cfg, rows: int, root_feature, recon: int = 0):
     return run
 
 
+MODEL_CALLS = ("forward_tree_rows", "forward_rows", "log_probs", "halt_probability", "reconsideration_inputs", "embed")
+
+
+class ModelClock:
+    """Times the runtime's model calls (the drafter's compute: calls of M, readouts, self-query, gate,
+    embedding) by shadowing them on the instance; the rest of a round is the builder's bookkeeping."""
+
+    def __init__(self, rt, sync, clock) -> None:
+        self.rt, self.sync, self.clock = rt, sync, clock
+        self.by_call = dict.fromkeys(MODEL_CALLS, 0.0)
+
+    @property
+    def spent(self) -> float:
+        return sum(self.by_call.values())
+
+    def reset(self) -> None:
+        self.by_call = dict.fromkeys(MODEL_CALLS, 0.0)
+
+    def __enter__(self):
+        for name in MODEL_CALLS:
+            setattr(self.rt, name, self._timed(name, getattr(self.rt, name)))
+        return self
+
+    def _timed(self, name, fn):
+        def timed(*a, **kw):
+            self.sync()
+            t0 = self.clock()
+            out = fn(*a, **kw)
+            self.sync()
+            self.by_call[name] += self.clock() - t0
+            return out
+        return timed
+
+    def __exit__(self, *exc) -> None:
+        for name in MODEL_CALLS:
+            delattr(self.rt, name)
+
+
+def breakdown(fns, runtimes, repeats: int, sync, clock):
+    """Per variant: median round time and its model part, timed with `ModelClock` (a separate pass, so the
+    main timing runs without the wrappers)."""
+    out = {}
+    for (b, v), fn in fns.items():
+        if b == "floor":
+            continue
+        rounds, model = [], []
+        with ModelClock(runtimes[VARIANTS[v]["drafter"]][0], sync, clock) as mc:
+            for rep in range(repeats + 2):
+                mc.reset()
+                sync()
+                t0 = clock()
+                fn(rep)
+                sync()
+                if rep >= 2:
+                    rounds.append(clock() - t0)
+                    model.append(mc.by_call)
+        i = sorted(range(len(rounds)), key=rounds.__getitem__)[len(rounds) // 2]  # the median round, whole
+        spent = sum(model[i].values())
+        out[f"{b}/{v}"] = {"round_s": rounds[i], "model_s": spent, "bookkeeping_s": rounds[i] - spent,
+                           "model_s_by_call": {k: t for k, t in model[i].items() if t}}
+    return out
+
+
+def op_counts(fns, runtimes):
+    """Per variant, one round under torch.profiler: top-level torch ops issued by the builder (outside the
+    model calls) and inside the model calls, and host reads that dispatch (`aten::item`; `tolist` does not)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    out = {}
+    for (b, v), fn in fns.items():
+        if b == "floor":
+            continue
+        rt = runtimes[VARIANTS[v]["drafter"]][0]
+        for name in MODEL_CALLS:
+            real = getattr(rt, name)
+            setattr(rt, name, lambda *a, _r=real, **kw: _ranged(_r, a, kw, record_function))
+        try:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                fn(0)
+        finally:
+            for name in MODEL_CALLS:
+                delattr(rt, name)
+        events = prof.events()
+        top = [e for e in events if e.cpu_parent is None]
+        model = [e for e in top if e.name == "model_call"]
+        out[f"{b}/{v}"] = {
+            "bookkeeping_ops": len(top) - len(model),
+            "model_ops": sum(len(e.cpu_children) for e in model),
+            "model_calls": len(model),
+            "item_reads": sum(e.name == "aten::item" for e in events),
+        }
+    return out
+
+
+def _ranged(fn, a, kw, record_function):
+    with record_function("model_call"):
+        return fn(*a, **kw)
+
+
+def rows_cost(rt, rows_list, repeats: int, sync, clock):
+    """One call of M over N tree rows plus their readout, alone (the drafter's per-step compute), for each N,
+    interleaved, median: how the drafter's compute grows with the rows of a step."""
+    ctx = rt.length
+    rt.reserve(ctx + max(rows_list))
+    d = rt.drafter.config.hidden_size
+    g = torch.Generator().manual_seed(1)
+    calls = {}
+    for n in rows_list:
+        emb, hidden = (torch.randn(n, d, generator=g).to(rt.device, rt.dtype) for _ in range(2))
+        pos = torch.full((n,), ctx, device=rt.device)
+        mask = torch.zeros(n, ctx + n, device=rt.device, dtype=rt.dtype)
+        calls[n] = {"layer": lambda e=emb, h=hidden, p=pos, m=mask: rt.forward_tree_rows(e, h, p, ctx, m, ctx + 1),
+                    "readout": lambda h=hidden: rt.log_probs(h, 0)}
+    times = {(n, part): [] for n in rows_list for part in ("layer", "readout")}
+    with torch.no_grad():
+        for rep in range(repeats + 3):
+            for (n, part) in times:
+                sync()
+                t0 = clock()
+                calls[n][part]()
+                sync()
+                if rep >= 3:
+                    times[(n, part)].append(clock() - t0)
+    return {str(n): {part: statistics.median(times[(n, part)]) for part in ("layer", "readout")} for n in rows_list}
+
+
 def time_all(fns, warmup: int, repeats: int, sync, clock):
     times = {name: [] for name in fns}
     for rep in range(warmup + repeats):
@@ -138,6 +264,7 @@ def summarise(times, recon_rows, args):
         "repeats": args.repeats,
         "threads": torch.get_num_threads(),
         "device": args.device,
+        "dtype": args.dtype,
         "clock": args.clock,
         "machine": args.machine,
         "command": "python " + " ".join(sys.argv),
@@ -148,7 +275,7 @@ def markdown(result) -> str:
     s = result["shape"]
     lines = [
         f"One drafting round, B={s['budget']} k={s['k']} B_w={s['bw']} gamma={s['gamma']} m={s['m']} R={s['max_depth']}, "
-        f"context {s['context']}, median of {result['repeats']} ({result['device']}, {result['threads']} threads, "
+        f"context {s['context']}, median of {result['repeats']} ({result['device']}, {result['dtype']}, {result['threads']} threads, "
         f"{result['clock']} clock; "
         f"{result['machine']}).",
         "",
@@ -165,8 +292,34 @@ def markdown(result) -> str:
               + ", ".join(f"{name} {1e3 * t:.2f} ms" for name, t in floor.items())
               + f", PR / EAGLE {result['floor_pr_over_eagle']:.3f}.",
         f"Reconsideration rows per round: {result['recon_rows_per_round']} over "
-        f"{result['batched_forwards_per_round']} batched forwards.", "", f"Command: `{result['command']}`", ""]
+        f"{result['batched_forwards_per_round']} batched forwards."]
+    lines += breakdown_markdown(result) + ["", f"Command: `{result['command']}`", ""]
     return "\n".join(lines)
+
+
+def breakdown_markdown(result) -> list:
+    """Where a round's time goes (model calls vs the builder's bookkeeping), op counts, and the rows probe."""
+    lines = ["", "Where a round goes (a separate pass with the model calls timed; ops: top-level torch ops of one round "
+             "under torch.profiler; item: host reads that dispatch, `tolist` does not):", "",
+             "| builder | variant | round ms | model ms | bookkeeping ms | bookkeeping ops | model ops | model calls | item |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for key, t in result["breakdown"].items():
+        ops = result["ops"][key]
+        b, v = key.split("/")
+        lines.append(f"| {b} | {v} | {1e3 * t['round_s']:.2f} | {1e3 * t['model_s']:.2f} | {1e3 * t['bookkeeping_s']:.2f} | "
+                     f"{ops['bookkeeping_ops']} | {ops['model_ops']} | {ops['model_calls']} | {ops['item_reads']} |")
+    lines += ["", "Model ms by call (the same rounds): " + "; ".join(
+        f"{key}: " + ", ".join(f"{name} {1e3 * x:.2f}" for name, x in t["model_s_by_call"].items())
+        for key, t in result["breakdown"].items() if key.startswith("tensor/")) + "."]
+    rows = result["rows_cost_s"]
+    first = min(rows, key=int)
+    lines += ["", "The PR drafter's step compute alone vs rows per call (one call of M + readout, median ms; x the "
+              f"{first}-row step): " + ", ".join(
+                  f"{n} rows: M {1e3 * r['layer']:.3f} + readout {1e3 * r['readout']:.3f} = "
+                  f"{1e3 * (r['layer'] + r['readout']):.3f} "
+                  f"(x{(r['layer'] + r['readout']) / (rows[first]['layer'] + rows[first]['readout']):.3f})"
+                  for n, r in rows.items()) + "."]
+    return lines
 
 
 def main(argv=None) -> int:
@@ -216,6 +369,10 @@ def main(argv=None) -> int:
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     result = summarise(time_all(fns, args.warmup, args.repeats, sync, clock), recon_rows, args)
+    result["breakdown"] = breakdown(fns, runtimes, args.repeats, sync, clock)
+    result["ops"] = op_counts(fns, runtimes)
+    probe = sorted({args.bw, args.bw + args.m, 2 * args.bw})
+    result["rows_cost_s"] = rows_cost(runtimes["pr"][0], probe, 3 * args.repeats, sync, clock)
     table = markdown(result)
     print(table)
     from pr_specforge.data.io import atomic_write_json, atomic_write_text
