@@ -87,16 +87,15 @@ def forward_floor(rt, cfg, rows: int, root_feature, recon: int = 0):
                 q_emb, _ = rt.reconsideration_inputs(hidden[-recon:])
                 inputs = torch.cat([emb[:-recon], q_emb])
             feats = rt.forward_tree_rows(inputs, hidden, pos, ctx + 1 + (s - 1) * rows, mask, ctx + cfg.gamma)
-            if recon:
-                rt.halt_probability(feats)
-            logp = rt.log_probs(feats, 0)
+            logp = rt.readout_and_halt(feats)[0] if recon else rt.log_probs(feats, 0)
             hidden = feats
         return logp
 
     return run
 
 
-MODEL_CALLS = ("forward_tree_rows", "forward_rows", "log_probs", "halt_probability", "reconsideration_inputs", "embed")
+MODEL_CALLS = ("forward_tree_rows", "forward_rows", "log_probs", "halt_probability", "readout_and_halt",
+               "reconsideration_inputs", "embed")
 
 
 class ModelClock:

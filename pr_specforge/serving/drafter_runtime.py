@@ -159,6 +159,16 @@ class DrafterRuntime:
         return self.drafter.halt_probability(feature)
 
     @torch.no_grad()
+    def readout_and_halt(self, feature: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """`(log_probs(feature, 0), halt_probability(feature))` of a PR drafter, the same values, with the
+        final norm computed once when the head and the gate both read `norm(f)` (the default)."""
+        d = self.drafter
+        if not (d.norm_output and d.pr_settings.gate_reads_normed):
+            return self.log_probs(feature, 0), self.halt_probability(feature)
+        normed = d.norm(feature)
+        return torch.log_softmax(d.lm_head(normed).float(), dim=-1), d.pr_halt_gate(normed)
+
+    @torch.no_grad()
     def reconsideration_inputs(self, feature: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """The input slots of a reconsideration pass (Eq. 3), as training builds them."""
         return self.drafter.reconsideration_inputs(feature)

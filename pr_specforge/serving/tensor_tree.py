@@ -109,18 +109,35 @@ class TensorDraftTree:
         return self.via_recon_list[j]
 
 
-@dataclass(frozen=True)
 class _Step:
-    """The fixed slices and index tensors of one step."""
+    """One step's fixed slices: index tensors, and views of the builder's buffers (made once per shape,
+    so a step writes its rows and slots without slicing anything)."""
 
-    prev: int  # first slot of the previous step's block (the frontier candidates)
-    prev_n: int
-    block: int  # first slot of this step's block
-    r0: int  # first row of this step
-    rows: torch.Tensor  # [B_w + m] its rows
-    pad: torch.Tensor  # [max(0, B_w - prev_n)] null picks when the previous block is smaller than B_w
-    eye: torch.Tensor  # [B_w + m, k, N] bool: each new slot's own bit in the ancestor matrix
-    own: torch.Tensor  # [B_w + m, rows] fp32: each row's own column in the tree part of the mask
+    def __init__(self, tb: "TensorTreeBuilder", s: int) -> None:
+        k, p, bw, dev = tb.k, tb.per_step, tb.bw, tb.rt.device
+        n = tb.n_nodes + 1
+        self.block, self.r0 = 1 + k + (s - 1) * p * k, 1 + (s - 1) * p
+        self.prev, self.prev_n = (1, k) if s == 1 else (self.block - p * k, p * k)
+        self.rows = torch.arange(self.r0, self.r0 + p, device=dev)
+        self.pad = torch.full((max(0, bw - self.prev_n),), tb.null, device=dev)  # null picks when the previous block is short
+        self.eye = torch.zeros(p * k, n, device=dev, dtype=torch.bool)  # each new slot's own bit in the ancestor matrix
+        self.eye[:, self.block : self.block + p * k] = torch.eye(p * k, device=dev, dtype=torch.bool)
+        self.eye = self.eye.view(p, k, n)
+        self.own = torch.zeros(p, tb.n_rows, device=dev)  # each row's own column in the tree part of the mask
+        self.own[:, self.r0 : self.r0 + p] = torch.eye(p, device=dev)
+
+    def bind(self, tb: "TensorTreeBuilder") -> None:
+        k, p, bw = tb.k, tb.per_step, tb.bw
+        prev, blk, rows, fr = slice(self.prev, self.prev + self.prev_n), slice(self.block, self.block + p * k), \
+            slice(self.r0, self.r0 + p), slice(self.r0, self.r0 + bw)
+        self.valid_prev, self.score_prev = tb.valid[prev], tb.score[prev]
+        self.score_blk, self.draft_blk = tb.score[blk].view(p, k), tb.draft[blk].view(p, k)
+        self.valid_blk, self.anc_blk = tb.valid[blk].view(p, k), tb.anc[blk].view(p, k, -1)
+        self.row_node, self.row_ok, self.row_feat = tb.row_node[rows], tb.row_ok[rows], tb.row_feat[rows]
+        self.topv, self.topi, self.top1, self.logp = tb.row_topv[fr], tb.row_topi[fr], tb.row_topv[fr, 0], tb.row_logp[fr]
+        self.ok_fr, self.pooled, self.bid_base, self.survive = tb.row_ok[fr], tb.pooled[fr], tb.bid_base[fr], tb.survive[fr]
+        self.u_fr, self.u_rec = tb.u[fr], tb.u[self.r0 + bw : self.r0 + p]
+        self.rows_fr, self.rows_rec = self.rows[:bw], self.rows[bw:]
 
 
 class TensorTreeBuilder:
@@ -138,6 +155,8 @@ class TensorTreeBuilder:
         self.null_row = self.n_rows
         self._layout()
         self._allocate()
+        for st in self.steps:
+            st.bind(self)
 
     # ------------------------------------------------------------- layout
     def _layout(self) -> None:
@@ -148,24 +167,13 @@ class TensorTreeBuilder:
         slot_row[1 : 1 + k] = 0
         kids = torch.full((r, k), self.null, **i64)
         kids[0] = torch.arange(1, 1 + k, **i64)
-        self.steps: List[_Step] = []
-        for s in range(1, self.cfg.gamma):
-            block, r0 = 1 + k + (s - 1) * p * k, 1 + (s - 1) * p
-            rows = torch.arange(r0, r0 + p, **i64)
-            slot_row[block : block + p * k] = rows.repeat_interleave(k)
-            kids[r0 : r0 + p] = torch.arange(block, block + p * k, **i64).view(p, k)
-            prev_n = k if s == 1 else p * k
-            eye = torch.zeros(p * k, n, device=dev, dtype=torch.bool)
-            eye[:, block : block + p * k] = torch.eye(p * k, device=dev, dtype=torch.bool)
-            own = torch.zeros(p, r - 1, device=dev)
-            own[:, r0 : r0 + p] = torch.eye(p, device=dev)
-            self.steps.append(_Step(
-                prev=1 if s == 1 else block - p * k, prev_n=prev_n, block=block, r0=r0, rows=rows,
-                pad=torch.full((max(0, self.bw - prev_n),), self.null, **i64), eye=eye.view(p, k, n), own=own))
-        self.slot_row, self.kids_of_row = slot_row, kids
         self.via_slot = torch.zeros(n, device=dev, dtype=torch.bool)
+        self.steps = [_Step(self, s) for s in range(1, self.cfg.gamma)]
         for st in self.steps:
+            slot_row[st.block : st.block + p * k] = st.rows.repeat_interleave(k)
+            kids[st.r0 : st.r0 + p] = torch.arange(st.block, st.block + p * k, **i64).view(p, k)
             self.via_slot[st.block + self.bw * k : st.block + p * k] = True
+        self.slot_row, self.kids_of_row = slot_row, kids
         onehot = torch.zeros(n, r, device=dev)
         onehot[torch.arange(n, device=dev), slot_row] = 1.0
         self.src_onehot = onehot[:, : r - 1].contiguous()  # [N, rows]: the tree row each slot's branch continues from
@@ -179,7 +187,7 @@ class TensorTreeBuilder:
         self.draft = torch.zeros(n, **i64)
         self.valid = torch.zeros(n, device=dev, dtype=torch.bool)
         self.valid[1 : 1 + k] = True  # the root's children (the root itself is kept apart from the cut)
-        self.shifted = torch.zeros(n, device=dev, dtype=torch.bool)  # an edge into the node was repriced (Eq. 9)
+        self.shifted = torch.zeros(n, device=dev)  # > 0: an edge into the node was repriced (Eq. 9)
         self.anc = torch.zeros(n, n, device=dev, dtype=torch.bool)  # anc[x, a]: a is x or one of its ancestors
         self.anc[0, 0] = self.anc[self.null, self.null] = True  # the null slot at depth 0 keeps empty rows' positions sane
         self.anc[1 : 1 + k, 0] = True
@@ -196,6 +204,7 @@ class TensorTreeBuilder:
         self.row_topi = torch.zeros(r, k, **i64)
         self.row_ok = torch.zeros(r, device=dev, dtype=torch.bool)  # the row held a node
         self.row_ok[0] = True
+        self.u = torch.zeros(r, **f64)  # the round's uniforms: u[r] is row r's
         # the pool, on one-pass rows
         self.pooled = torch.zeros(r, device=dev, dtype=torch.bool)
         self.bid_base = torch.zeros(r, **f64)  # log(1 - max_t pi_one(t|v)): Eq. 8 minus s(v)
@@ -212,7 +221,7 @@ class TensorTreeBuilder:
         self.cur_row.copy_(self.cur_row_init)
 
     # ---------------------------------------------------------------- round
-    def _root(self, root_token: int, root_feature: torch.Tensor, u: Optional[torch.Tensor]) -> None:
+    def _root(self, root_token: int, root_feature: torch.Tensor) -> None:
         rt, k = self.rt, self.k
         self.root_tok.fill_(int(root_token))
         feat = root_feature.reshape(1, -1).to(rt.dtype)
@@ -223,22 +232,21 @@ class TensorTreeBuilder:
         self.score[1 : 1 + k] = self.row_topv[0]
         self.draft[1 : 1 + k] = self.row_topi[0]
         if self.pool_on:
-            lam = rt.halt_probability(feat).double()
-            self._admit(0, 1, lam, u)
+            self._admit(self.row_topv[:1, 0], rt.halt_probability(feat).double(), self.u[:1], self.row_ok[:1],
+                        self.pooled[:1], self.bid_base[:1], self.survive[:1])
 
-    def _admit(self, r0: int, n: int, lam: torch.Tensor, u: torch.Tensor) -> None:
-        """Appendix C.1: the forwarded nodes of rows `r0 .. r0+n-1` enter the pool with probability `1 - lambda_0`."""
-        sl = slice(r0, r0 + n)
-        self.bid_base[sl] = torch.log1p(-self.row_topv[sl, 0].double().exp())  # -inf when max_t pi_one = 1
-        self.survive[sl] = 1.0 - lam
-        torch.logical_and(self.row_ok[sl], u[sl] >= lam, out=self.pooled[sl])
+    @staticmethod
+    def _admit(top1_logp, lam, u, ok, pooled, bid_base, survive) -> None:
+        """Appendix C.1: forwarded nodes enter the pool with probability `1 - lambda_0` (views of their rows)."""
+        torch.log1p(top1_logp.double().exp_().neg_(), out=bid_base)  # -inf when max_t pi_one = 1
+        torch.neg(lam, out=survive).add_(1.0)
+        torch.ge(u, lam, out=pooled)
+        pooled.logical_and_(ok)
 
     def _frontier(self, st: _Step) -> Tuple[torch.Tensor, torch.Tensor]:
         """The B_w highest-scoring valid slots of the previous block (ties: earlier slot first); null when short."""
-        sl = slice(st.prev, st.prev + st.prev_n)
-        valid = self.valid[sl]
-        order = torch.sort(torch.where(valid, self.score[sl], NEG), descending=True, stable=True).indices[: self.bw]
-        ok = valid[order]
+        order = torch.sort(torch.where(st.valid_prev, st.score_prev, NEG), descending=True, stable=True).indices[: self.bw]
+        ok = st.valid_prev[order]
         adv = torch.where(ok, order + st.prev, self.null)
         if st.pad.shape[0]:
             adv, ok = torch.cat([adv, st.pad]), torch.cat([ok, st.pad < 0])
@@ -253,45 +261,44 @@ class TensorTreeBuilder:
         ok = self.pooled[rec]
         return torch.where(ok, rec, self.null_row), ok
 
-    def _step(self, st: _Step, u: Optional[torch.Tensor]) -> None:
-        bw, m, k, p = self.bw, self.m, self.k, self.per_step
+    def _step(self, st: _Step) -> None:
+        bw, m, k = self.bw, self.m, self.k
         adv, adv_ok = self._frontier(st)
         rec, nodes, ok = None, adv, adv_ok
         if m:
             rec, rec_ok = self._pool_pick()
             nodes, ok = torch.cat([adv, self.row_node[rec]]), torch.cat([adv_ok, rec_ok])
         anc = self.anc.index_select(0, nodes)  # [p, N]: the rows' nodes' ancestors-or-self
-        logp, lam, depth = self._forward(st, adv, rec, anc)
-        sl = slice(st.r0, st.r0 + bw)
-        torch.topk(logp[:bw], k, dim=-1, out=(self.row_topv[sl], self.row_topi[sl]))
-        self.row_of.index_copy_(0, adv, st.rows[:bw])
-        self.row_node[st.r0 : st.r0 + p] = nodes
-        self.row_ok[st.r0 : st.r0 + p] = ok
-        vals, ids, kids_ok = self.row_topv[sl].double(), self.row_topi[sl], adv_ok[:, None].expand(bw, k)
-        if m:
-            self.row_logp[sl] = logp[:bw]  # pi_one of the frontier rows, read if they are repriced
-            self._admit(st.r0, bw, lam[:bw], u)
-            r_vals, r_ids, r_ok = self._reconsider(st, rec, rec_ok, depth, logp[bw:], lam[bw:], u[st.r0 + bw : st.r0 + p])
-            vals, ids, kids_ok = torch.cat([vals, r_vals]), torch.cat([ids, r_ids]), torch.cat([kids_ok, r_ok])
+        logp, lam = self._forward(st, adv, rec, anc)
+        torch.topk(logp[:bw] if m else logp, k, dim=-1, out=(st.topv, st.topi))
+        self.row_of.index_copy_(0, adv, st.rows_fr)
+        st.row_node.copy_(nodes)
+        st.row_ok.copy_(ok)
+        if not m:
+            vals, ids, kids_ok = st.topv.double(), st.topi, adv_ok[:, None]
+        else:
+            st.logp.copy_(logp[:bw])  # pi_one of the frontier rows, read if they are repriced
+            self._admit(st.top1, lam[:bw], st.u_fr, st.ok_fr, st.pooled, st.bid_base, st.survive)
+            r_vals, r_ids, r_ok = self._reconsider(st, rec, rec_ok, logp[bw:], lam[bw:])
+            vals, ids = torch.cat([st.topv.double(), r_vals]), torch.cat([st.topi, r_ids])
+            kids_ok = torch.cat([adv_ok[:, None].expand(bw, k), r_ok])
         # created after Eq. 9's shifts, from their parents' repriced scores: as if shifted with them
-        blk = slice(st.block, st.block + p * k)
-        self.score[blk] = (self.score[nodes][:, None] + vals).view(-1)
-        self.draft[blk] = ids.reshape(-1)
-        self.valid[blk] = kids_ok.reshape(-1)
-        torch.logical_or(anc[:, None], st.eye, out=self.anc[blk].view(p, k, -1))
+        torch.add(self.score[nodes][:, None], vals, out=st.score_blk)
+        st.draft_blk.copy_(ids)
+        st.valid_blk.copy_(kids_ok)
+        torch.logical_or(anc[:, None], st.eye, out=st.anc_blk)
 
     def _forward(self, st: _Step, adv: torch.Tensor, rec: Optional[torch.Tensor], anc: torch.Tensor):
-        """ONE call of `M` over the step's frontier and reconsidered rows; their readouts."""
+        """ONE call of `M` over the step's frontier and reconsidered rows; their readouts (and lambda for PR)."""
         rt, bw, m, n, r0 = self.rt, self.bw, self.m, self.per_step, st.r0
-        draft = self.draft[adv]
-        emb, hidden = rt.embed(rt.to_target_ids(draft)), self.row_feat[self.slot_row[adv]]
+        emb, hidden = rt.embed(rt.to_target_ids(self.draft[adv])), self.row_feat[self.slot_row[adv]]
         if m:  # Eq. 3's input slots for the carried rows, from their current depth's feature
             r_emb, r_hidden = rt.reconsideration_inputs(self.row_feat[self.cur_row[rec]])
             emb, hidden = torch.cat([emb.to(r_emb.dtype), r_emb]), torch.cat([hidden, r_hidden])
         pos = anc.sum(1) + (self.root_pos - 1)  # position = root's + depth; depth = ancestors-or-self - 1
-        visible = torch.mm(anc.float(), self.src_onehot) + st.own  # tree rows each row may see, and its own
-        self.mask[r0 : r0 + n, self.ctx :] = torch.where(visible > 0, 0.0, NEG)
+        visible = torch.addmm(st.own, anc.float(), self.src_onehot)  # tree rows each row may see, and its own
         mask = self.mask[r0 : r0 + n]
+        mask[:, self.ctx :] = torch.where(visible > 0, 0.0, NEG)
         col = self.ctx + r0
         recon = self.recon_row_mask if m else None
         if self.coforward or not m:
@@ -300,39 +307,38 @@ class TensorTreeBuilder:
             feats = torch.cat([
                 rt.forward_tree_rows(emb[:bw], hidden[:bw], pos[:bw], col, mask[:bw], self.max_pos, recon[:bw]),
                 rt.forward_tree_rows(emb[bw:], hidden[bw:], pos[bw:], col + bw, mask[bw:], self.max_pos, recon[bw:])])
-        self.row_feat[r0 : r0 + n] = feats
+        st.row_feat.copy_(feats)
         if not m:
-            return rt.log_probs(feats, 0), None, None
-        depth = self.depth_r[rec] + 1  # the carried rows' new depth
+            return rt.log_probs(feats, 0), None
         if self.split_readout:  # a second head: read each part with its own head only (depths >= 1 share it)
-            logp = torch.cat([rt.log_probs(feats[:bw], 0), rt.log_probs(feats[bw:], 1)])
+            logp, lam = torch.cat([rt.log_probs(feats[:bw], 0), rt.log_probs(feats[bw:], 1)]), rt.halt_probability(feats)
         else:
-            logp = rt.log_probs(feats, 0)
-        return logp, rt.halt_probability(feats).double(), depth
+            logp, lam = rt.readout_and_halt(feats)
+        return logp, lam.double()
 
-    def _reconsider(self, st: _Step, rec, rec_ok, d, logp_d, lam, u):
-        """One depth deeper (`d`) for the carried bids (one-pass rows `rec`); the halted ones are repriced (Eq. 9).
+    def _reconsider(self, st: _Step, rec, rec_ok, logp_d, lam):
+        """One depth deeper for the carried bids (one-pass rows `rec`); the halted ones are repriced (Eq. 9).
 
         Returns the new children `(log pi_mix [m, k], draft ids, valid)`: the top-k of pi_mix
         that are not children yet."""
-        self.depth_r[rec] = d
-        self.cur_row[rec] = st.rows[self.bw :]
+        d = self.depth_r[rec] + 1
+        self.depth_r.index_copy_(0, rec, d)
+        self.cur_row.index_copy_(0, rec, st.rows_rec)
         cap = d >= self.rt.max_depth
         halt_here = torch.where(cap, 1.0, lam)
         survive = self.survive[rec]
         q = (survive * halt_here)[:, None]  # Eq. 4's q(d) = lambda_d prod_{s<d}(1 - lambda_s), prod alone at R
-        self.survive[rec] = survive * (1.0 - halt_here)
-        halt = rec_ok & (cap | (u < lam))
-        self.pooled[rec] = rec_ok & ~halt
+        self.survive.index_copy_(0, rec, survive * (1.0 - halt_here))
+        halt = rec_ok & (cap | (st.u_rec < lam))
+        self.pooled.index_copy_(0, rec, rec_ok & ~halt)
         logp_one = self.row_logp[rec]
-        kids = self.kids_of_row[rec]  # v's one-pass children
-        kid_draft = self.row_topi[rec]
+        kid_draft = self.row_topi[rec]  # v's one-pass children
         # pi_mix's top-k in fp32 over the vocabulary, log pi_mix in float64 where it is read
         new_ids = torch.topk(torch.lerp(logp_one.exp(), logp_d.exp(), q.float()), self.k, dim=-1).indices
         ids = torch.cat([kid_draft, new_ids], dim=1)
         one, deep = logp_one.gather(1, ids).double().exp(), logp_d.gather(1, ids).double().exp()
         log_mix = torch.log(one + q * (deep - one)).clamp(max=0.0)  # Eq. 9, [m, 2k]
-        self._shift_existing(self.row_node[rec], halt, kids.view(-1), log_mix[:, : self.k])
+        self._shift_existing(self.row_node[rec], halt, self.kids_of_row[rec].view(-1), log_mix[:, : self.k])
         exists = (new_ids[:, :, None] == kid_draft[:, None, :]).any(-1)
         return log_mix[:, self.k :], new_ids, halt[:, None] & ~exists
 
@@ -341,7 +347,7 @@ class TensorTreeBuilder:
         new = self.score[v][:, None] + log_mix
         delta = torch.where(halt[:, None], new - self.score[kids].view(-1, self.k), 0.0).view(-1)
         self.score += torch.mv(self.anc.index_select(1, kids).double(), delta)
-        self.shifted[kids] |= delta != 0
+        self.shifted.index_add_(0, kids, (delta != 0).float())
 
     # ------------------------------------------------------------------ cut
     def _cut(self):
@@ -369,7 +375,7 @@ class TensorTreeBuilder:
         parent = torch.where(kept == 0, -1, where[self.row_node[self.slot_row[kept]]])
         score = torch.where(ok, self.score[kept], NEG)
         by_score = torch.sort(score, descending=True, stable=True).indices
-        repriced = torch.mv(anc.float(), (self.via_slot | self.shifted).float()) > 0
+        repriced = torch.mv(anc.float(), self.via_slot.float() + self.shifted) > 0
         row = self.row_of[kept]
         top1 = self.row_topv[row, 0].double().exp()
         parts = [
@@ -401,12 +407,11 @@ class TensorTreeBuilder:
         rt.reserve(self.ctx + self.n_rows)
         # the additive tree-attention mask of the round: every context column open; each step writes its rows' tree part
         self.mask = torch.zeros((self.n_rows, self.ctx + self.n_rows), device=rt.device, dtype=rt.dtype)
-        u = None
         if self.pool_on:
-            u = round_uniforms(uniform_count(cfg), generator).to(rt.device, non_blocking=True)
-        self._root(root_token, root_feature, u)
+            self.u[: self.n_rows].copy_(round_uniforms(uniform_count(cfg), generator), non_blocking=True)
+        self._root(root_token, root_feature)
         for st in self.steps:
-            self._step(st, u)
+            self._step(st)
         kept, ok, where = self._cut()
         mask = self.anc[kept][:, kept]
         host = self._pack(kept, ok, where).cpu()  # the round's one synchronisation
@@ -446,7 +451,7 @@ class TensorTreeBuilder:
         token[0] = self.root_tok[0]
         info = torch.stack([
             self.row_node[self.slot_row], anc.sum(1) - 1, self.draft, token, self.slot_row, via.long(),
-            (torch.mv(anc.float(), (via | self.shifted).float()) > 0).long(), self.valid.long(),
+            (torch.mv(anc.float(), via.float() + self.shifted) > 0).long(), self.valid.long(),
         ], dim=1)
         info[0, VALID] = 1
         return {

@@ -155,3 +155,15 @@ def test_the_evaluator_uses_the_tensor_builder_unless_told_otherwise():
         EvalSettings(tree_builder="nodes")
     with pytest.raises(ValueError, match="tree_builder"):
         SpeculativeDecoder(tiny_target(), make_drafters()[0], TreeConfig(), tree_builder="nodes")
+
+
+@pytest.mark.parametrize("gate_reads_normed", [True, False])
+def test_readout_and_halt_is_log_probs_and_halt_probability(models, gate_reads_normed, monkeypatch):
+    """The shared-norm readout the tensor builder uses gives exactly the separate calls' values."""
+    target, _, pr = models
+    eager_gate(pr, -1.0)
+    monkeypatch.setattr(pr, "pr_settings", dataclasses.replace(pr.pr_settings, gate_reads_normed=gate_reads_normed))
+    rt, _, _ = primed_runtime(pr, target)
+    feats = torch.randn(5, pr.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    logp, lam = rt.readout_and_halt(feats)
+    assert torch.equal(logp, rt.log_probs(feats, 0)) and torch.equal(lam, rt.halt_probability(feats))
