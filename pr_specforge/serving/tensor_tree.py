@@ -238,7 +238,8 @@ class TensorTreeBuilder:
     @staticmethod
     def _admit(top1_logp, lam, u, ok, pooled, bid_base, survive) -> None:
         """Appendix C.1: forwarded nodes enter the pool with probability `1 - lambda_0` (views of their rows)."""
-        torch.log1p(top1_logp.double().exp_().neg_(), out=bid_base)  # -inf when max_t pi_one = 1
+        # (top1_logp is fp32: .double() copies, so exp_ and neg_ work on the copy) -inf when max_t pi_one = 1
+        torch.log1p(top1_logp.double().exp_().neg_(), out=bid_base)
         torch.neg(lam, out=survive).add_(1.0)
         torch.ge(u, lam, out=pooled)
         pooled.logical_and_(ok)
