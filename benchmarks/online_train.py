@@ -62,7 +62,7 @@ def train(recipe: str, out: str, steps: int, overrides: list, threads: int) -> l
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     if proc.returncode:
         raise SystemExit(f"training failed ({' '.join(cmd)}):\n{(proc.stdout + proc.stderr)[-3000:]}")
-    from pr_specforge.telemetry import read_metrics
+    from pr_specforge.training.telemetry import read_metrics
 
     return read_metrics(out)
 

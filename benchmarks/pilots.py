@@ -84,7 +84,7 @@ def train_overrides(args, work: Path, name: str, run: Path) -> List[str]:
 def train_stage(args, work: Path, name: str, run: Path, recipe: str, log_file: Path):
     def go() -> None:
         from pr_specforge.pipeline import log_command, train_command
-        from pr_specforge.train import run_train
+        from pr_specforge.training.train import run_train
 
         overrides = train_overrides(args, work, name, run)  # here, not earlier: warm starts need the eagle3 pilot
         ckpt = latest_checkpoint(run, required=False)
@@ -120,7 +120,7 @@ def stages(args, work: Path, name: str) -> List[Stage]:
             "--seed", str(args.seed), "--no-progress"]
     return [
         Stage(f"{name}: train", run / "train.done", train_stage(args, work, name, run, recipe, pilots / "commands.log")),
-        Stage(f"{name}: diagnose", pilots / "diagnose" / f"{name}.json", lambda: call("pr_specforge.diagnose", [str(run), *diag])()),
+        Stage(f"{name}: diagnose", pilots / "diagnose" / f"{name}.json", lambda: call("pr_specforge.training.diagnose", [str(run), *diag])()),
         Stage(f"{name}: export", export / "config.json", lambda: call("pr_specforge.export", [
             latest_checkpoint(run), str(export), "--to", "hf", "--target", str(work / "target"), "--overwrite"])()),
         Stage(f"{name}: serve", ev / "summary.json", call("pr_specforge.eval.cli", serve)),

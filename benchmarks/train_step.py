@@ -49,9 +49,9 @@ def build(args):
 
     from pr_specforge._specforge import LlamaForCausalLMEagle3, OnlineEagle3Model
     from pr_specforge.config import PRConfig
-    from pr_specforge.integration import make_strategy
+    from pr_specforge.training.registration import make_strategy
     from pr_specforge.modeling import LlamaForCausalLMEagle3PR, PRDraftSettings, build_pr_config
-    from pr_specforge.objective.ttt import OnlinePRModel
+    from pr_specforge.training.objective.ttt import OnlinePRModel
     from pr_specforge._specforge import Eagle3TrainStrategy, install_cpu_loss
 
     cfg = LlamaConfig(

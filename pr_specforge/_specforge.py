@@ -7,7 +7,7 @@ module-level factories, and the private methods our subclasses build on: `_prepa
 `prepare_teacher`, `step_acc_and_loss`), so a SpecForge upgrade touches one file.
 
 Runtime patches: importing this module changes nothing in SpecForge. The patches
-are explicit calls, made by training (`pr_specforge.train.install_training_runtime`)
+are explicit calls, made by training (`pr_specforge.training.train.install_training_runtime`)
 and by the few tools that run SpecForge's loss on CPU:
   * `install_cpu_loss`: SpecForge's soft cross-entropy (`specforge.core.loss.LogSoftmaxLoss`)
     is a Triton kernel, which cannot run on CPU; CPU tensors go to the same math in

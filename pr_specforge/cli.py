@@ -25,9 +25,9 @@ _DELEGATED = {
     "data": ("pr_specforge.data.cli", "prepare data: conversations, regeneration, hidden states, validation"),
     "eval": ("pr_specforge.eval.cli", "offline acceptance-length evaluation (EAGLE-3 vs PR)"),
     "export": ("pr_specforge.export", "export a training checkpoint for SGLang or as an HF directory"),
-    "plot": ("pr_specforge.telemetry", "render a run's metrics JSONL to PNG"),
+    "plot": ("pr_specforge.training.telemetry", "render a run's metrics JSONL to PNG"),
     "run": ("pr_specforge.pipeline", "the embedded default: SmolLM2-135M on CPU, prepare -> train -> export -> evaluate"),
-    "diagnose": ("pr_specforge.diagnose", "a checkpoint's per-depth accuracy, gate use and recovered share on held-out features"),
+    "diagnose": ("pr_specforge.training.diagnose", "a checkpoint's per-depth accuracy, gate use and recovered share on held-out features"),
     "experiment": ("pr_specforge.experiment", "the SmolLM2 EAGLE-3 vs PR experiment (resumable stages)"),
 }
 
@@ -92,7 +92,7 @@ def _main(argv: List[str]) -> int:
     args = _parser().parse_args(argv)
     if args.command == "train":
         from pr_specforge.config import ConfigError
-        from pr_specforge.train import TrainingInterrupted, run_train
+        from pr_specforge.training.train import TrainingInterrupted, run_train
 
         try:
             return run_train(args.config, args.overrides, dry_run=args.dry_run, start_over=args.start_over)

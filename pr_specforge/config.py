@@ -9,7 +9,7 @@ config carries under `pr_config` (`max_depth`, the self-query width, what the ga
 reads), declared and validated once; `PRConfig`, the whole `pr:` section (those plus
 the objective's settings; parse, validate). Light: imports neither torch nor SpecForge.
 Does not own SpecForge's own config (parsed by SpecForge) or recipe loading and
-dotted overrides (`pr_specforge.train`).
+dotted overrides (`pr_specforge.training.recipe`).
 """
 
 from __future__ import annotations

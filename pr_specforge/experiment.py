@@ -194,7 +194,7 @@ class Experiment:
 
     def train(self, name: str):
         def run() -> None:
-            from pr_specforge.train import run_train
+            from pr_specforge.training.train import run_train
 
             overrides = self.train_overrides(name)
             ckpt = latest_checkpoint(self.runs[name], required=False)
@@ -210,7 +210,7 @@ class Experiment:
 
     def diagnose(self) -> None:
         for name in RECIPES:  # the PR file last: it is the stage's output
-            self.call_stage("pr_specforge.diagnose", [str(self.runs[name]), "--features", str(self.held / "features"),
+            self.call_stage("pr_specforge.training.diagnose", [str(self.runs[name]), "--features", str(self.held / "features"),
                                                        "--json", str(self.diags[name]), "--seed", str(self.args.seed), "--no-progress"])
 
     def export(self) -> None:
@@ -277,7 +277,7 @@ def _train_summary(run_dir: Path, window: int = 100) -> dict:
     """End-of-training telemetry: one-pass and PR metrics averaged over the last `window` logged
     training steps (single steps are noisy at batch 1), the median optimizer step time, and the
     last held-out evaluation (`eval/*`, SpecForge's eval loop) with its step."""
-    from pr_specforge.telemetry import read_metrics
+    from pr_specforge.training.telemetry import read_metrics
 
     try:
         rows = read_metrics(str(run_dir))
@@ -465,7 +465,7 @@ def _md_training(report: dict) -> List[str]:
 
 def _md_heldout(report: dict) -> List[str]:
     """`pr-specforge diagnose` on the held-out features."""
-    from pr_specforge.objective.metrics import CONFIDENCE_BAND_NAMES
+    from pr_specforge.training.objective.metrics import CONFIDENCE_BAND_NAMES
 
     lines: List[str] = []
     held = report.get("heldout") or {}

@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from pr_specforge.backends.checkpoint import RECIPE_STATE_KEY  # the resolved recipe inside a checkpoint
+from pr_specforge.training.backends.checkpoint import RECIPE_STATE_KEY  # the resolved recipe inside a checkpoint
 from pr_specforge.modeling.drafter import (
     EAGLE3_ARCHITECTURE,
     PR_ARCHITECTURE,

@@ -81,7 +81,7 @@ def features_done(feats: Path) -> bool:
 
 #: module -> the `pr-specforge` sub-command that runs it (for logged command lines)
 _COMMANDS = {"pr_specforge.data.cli": "data", "pr_specforge.eval.cli": "eval", "pr_specforge.export": "export",
-             "pr_specforge.diagnose": "diagnose", "pr_specforge.telemetry": "plot"}
+             "pr_specforge.training.diagnose": "diagnose", "pr_specforge.training.telemetry": "plot"}
 
 
 def log_command(line: str, log_file: Optional[Path] = None) -> None:
@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> str:
     ]
 
     def train() -> None:
-        from pr_specforge.train import run_train
+        from pr_specforge.training.train import run_train
 
         log_command(train_command(args.recipe, overrides))
         rc = run_train(args.recipe, overrides)
@@ -288,14 +288,14 @@ def run(args: argparse.Namespace) -> str:
     timings = run_stages(stages, work / "stage_times.json")
     if (run_dir / "metrics.jsonl").exists():
         try:
-            call_stage("pr_specforge.telemetry", [str(run_dir)])
+            call_stage("pr_specforge.training.telemetry", [str(run_dir)])
         except Exception as e:  # a plot must never hide a finished run
             log.warning("plot failed: %s", e)
     return summary(work, run_dir, export_sglang, export_hf, eval_dir, timings)
 
 
 def _last_metrics(run_dir: Path) -> Dict[str, float]:
-    from pr_specforge.telemetry import read_metrics
+    from pr_specforge.training.telemetry import read_metrics
 
     try:
         rows = read_metrics(str(run_dir))

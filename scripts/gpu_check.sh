@@ -30,7 +30,7 @@ for run in ddp zero1 zero2; do
 done
 "$PY" - "$WORK" <<'PY'
 import sys
-from pr_specforge.telemetry import read_metrics
+from pr_specforge.training.telemetry import read_metrics
 root = sys.argv[1]
 ref = {r["step"]: r for r in read_metrics(f"{root}/out_ddp")}
 ok = len(ref) == 20

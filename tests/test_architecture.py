@@ -101,13 +101,14 @@ def test_print_and_system_exit_only_in_cli_entry_points():
 def test_light_modules_import_without_torch_and_the_adapter_patches_nothing():
     code = (
         "import sys\n"
-        "import pr_specforge.config, pr_specforge.train, pr_specforge.cli, pr_specforge.backends.config\n"
+        "import pr_specforge.config, pr_specforge.cli, pr_specforge.training, pr_specforge.training.recipe\n"
+        "import pr_specforge.training.train, pr_specforge.training.preflight, pr_specforge.training.backends.config\n"
         "heavy = sorted(m for m in ('torch', 'specforge') if m in sys.modules)\n"
         "assert not heavy, f'light modules imported {heavy}'\n"
         "import specforge.algorithms.eagle3.model as m, specforge.training.trainer as t, specforge.training.assembly as a\n"
         "before = (m.LogSoftmaxLoss, t.CheckpointManager, t.FSDPTrainingBackend, a._configured_logger)\n"
-        "import pr_specforge._specforge, pr_specforge.modeling, pr_specforge.integration, pr_specforge.objective.ttt\n"
-        "import pr_specforge.telemetry, pr_specforge.backends.checkpoint, pr_specforge.backends.deepspeed\n"
+        "import pr_specforge._specforge, pr_specforge.modeling, pr_specforge.training.registration, pr_specforge.training.objective.ttt\n"
+        "import pr_specforge.training.telemetry, pr_specforge.training.backends.checkpoint, pr_specforge.training.backends.deepspeed\n"
         "after = (m.LogSoftmaxLoss, t.CheckpointManager, t.FSDPTrainingBackend, a._configured_logger)\n"
         "assert before == after, 'importing pr_specforge patched SpecForge'\n"
     )

@@ -141,7 +141,7 @@ class TransformersCapture:
 
     def forward(self, input_ids, attention_mask):
         """Batched `(final [B,L,H], aux [B,L,3H])` on the model's device: the one feature path,
-        used by `capture` (offline files) and by online training (`pr_specforge.online`)."""
+        used by `capture` (offline files) and by online training (`pr_specforge.training.online`)."""
         import torch
 
         with torch.inference_mode():

@@ -26,7 +26,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from pr_specforge.data.io import append_jsonl, read_jsonl_rows
-from pr_specforge.objective.metrics import CONFIDENCE_BANDS
+from pr_specforge.training.objective.metrics import CONFIDENCE_BANDS
 from pr_specforge.serving import TREE_BUILDERS, SpeculativeDecoder, TreeConfig, autoregressive_decode
 
 CONF_BUCKETS = 10

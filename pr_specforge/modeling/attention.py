@@ -11,7 +11,7 @@ in one batched call of the decoder layer.
 
 Owns: `chain_attention` (softmax over [context | chain | own] per row).
 Does not own: projections, RoPE (`LlamaForCausalLMEagle3PR.layer_qkv`), or which
-keys form a chain (`pr_specforge.objective.ttt`).
+keys form a chain (`pr_specforge.training.objective.ttt`).
 """
 
 from __future__ import annotations

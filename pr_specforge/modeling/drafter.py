@@ -14,7 +14,7 @@ Owns:
     draft step and reconsideration rows of different positions and caches run
     in ONE batched call of `M` (co-forwarding, Eq. 5).
 
-Does not own: the training objective (`pr_specforge.objective`), the serving tree
+Does not own: the training objective (`pr_specforge.training.objective`), the serving tree
 (`pr_specforge.serving`), or checkpoint export (`pr_specforge.export`).
 """
 

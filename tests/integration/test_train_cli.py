@@ -186,7 +186,7 @@ def test_held_out_eval_features_are_checked_before_training(tmp_path):
 
 def test_pr_strategy_defaults_to_sdpa_and_refuses_an_explicit_other_backend(tmp_path):
     from pr_specforge.config import ConfigError
-    from pr_specforge.train import load_recipe
+    from pr_specforge.training.recipe import load_recipe
 
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump({"model": {"target_model_path": "t"}, "data": {"hidden_states_path": "f"},
@@ -210,7 +210,7 @@ def test_rerun_resumes_start_over_discards_ctrl_c_and_bad_files_are_one_line(wor
     import time
 
     from pr_specforge.cli import main
-    from pr_specforge.telemetry import MetricsSink
+    from pr_specforge.training.telemetry import MetricsSink
 
     out = tmp_path / "out"
     cmd = ["train", "-c", workspace, f"output_dir={out}", "training.save_interval=1"]

@@ -66,7 +66,7 @@ def run_case(name: str) -> Dict[str, Any]:
     """One forward + backward of the case; the recorded numbers."""
     from pr_specforge._specforge import OnlineEagle3Model, install_cpu_loss
     from pr_specforge.config import PRConfig
-    from pr_specforge.objective.ttt import OnlinePRModel
+    from pr_specforge.training.objective.ttt import OnlinePRModel
 
     install_cpu_loss()
     depth, pr_fields, opts = CASES[name]

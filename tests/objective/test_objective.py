@@ -8,7 +8,7 @@ import torch
 from pr_specforge._specforge import OnlineEagle3Model
 from pr_specforge.config import PRConfig
 from pr_specforge.modeling import PR_PARAM_PREFIXES, halting_distribution
-from pr_specforge.objective.ttt import OnlinePRModel, _Group, marginal_entropy
+from pr_specforge.training.objective.ttt import OnlinePRModel, _Group, marginal_entropy
 from tests.helpers import make_batch, make_drafters
 
 TTT = 4
@@ -344,8 +344,8 @@ def test_mix_context_changes_only_the_mixed_rollout():
 
 def test_confidence_banded_telemetry_partitions_the_positions_and_matches_the_logits():
     from pr_specforge.eval.evaluator import BANDS
-    from pr_specforge.objective.metrics import CONFIDENCE_BAND_NAMES, CONFIDENCE_BANDS
-    from pr_specforge.telemetry import panel_name
+    from pr_specforge.training.objective.metrics import CONFIDENCE_BAND_NAMES, CONFIDENCE_BANDS
+    from pr_specforge.training.telemetry import panel_name
 
     assert CONFIDENCE_BANDS == BANDS  # training telemetry and the evaluator's Table 7 use the same bands
     _, pr, _ = make_drafters(max_depth=2, seed=3)
@@ -375,7 +375,7 @@ def test_confidence_banded_telemetry_partitions_the_positions_and_matches_the_lo
 
     # misses in the serving sense (target not in depth 0's top-k) are a subset of depth-0 top-1 misses,
     # and so are their recoveries; the count matches the returned depth-0 logits and the target
-    from pr_specforge.objective.metrics import RECOVER_TOPK
+    from pr_specforge.training.objective.metrics import RECOVER_TOPK
 
     rec_k, outside = rm["pr/recovered_outside_topk"]
     rec, wrong0 = rm["pr/recovered_share"]

@@ -96,7 +96,7 @@ def test_adapter_gets_gradient_only_from_reconsideration_rows():
 
 
 def test_gate_init_bias_sets_lambda_everywhere():
-    from pr_specforge.integration import prepare_draft
+    from pr_specforge.training.registration import prepare_draft
 
     _, pr = pr_drafter()
     prepare_draft(pr, PRConfig(gate_init_bias=-1.5))

@@ -6,7 +6,7 @@ import torch
 
 from pr_specforge.config import PRConfig
 from pr_specforge.modeling import PR_PARAM_PREFIXES
-from pr_specforge.objective.ttt import OnlinePRModel
+from pr_specforge.training.objective.ttt import OnlinePRModel
 from tests.helpers import make_batch
 from tests.objective.test_objective import TTT, eagle_grads, spec_forward
 from tests.recipe_options.test_drafter_options import pr_drafter, randomise

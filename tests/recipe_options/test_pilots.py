@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from pr_specforge.train import load_recipe
+from pr_specforge.training.recipe import load_recipe
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

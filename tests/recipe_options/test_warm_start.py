@@ -10,7 +10,7 @@ import torch
 
 from pr_specforge.export import export_checkpoint
 from pr_specforge.modeling import PR_PARAM_PREFIXES
-from pr_specforge.warm_start import InitFromError, init_one_pass_from
+from pr_specforge.training.warm_start import InitFromError, init_one_pass_from
 from tests.export.conftest import ENV
 from tests.helpers import write_workspace
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from pr_specforge.config import ConfigError
-from pr_specforge.train import load_recipe, read_recipe_mapping
+from pr_specforge.training.recipe import load_recipe, read_recipe_mapping
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPES = sorted(glob.glob(os.path.join(REPO, "recipes", "*.yaml")))

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from pr_specforge.telemetry import METRICS_FILE, MetricsSink, panel_name, plot_run, read_metrics
+from pr_specforge.training.telemetry import METRICS_FILE, MetricsSink, panel_name, plot_run, read_metrics
 from tests.helpers import write_workspace
 
 ENV = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")

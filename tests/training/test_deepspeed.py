@@ -2,7 +2,7 @@
 
 Same tiny target, features, seed and data order => the same per-step losses. All
 runs are fp32 (the workspace's model.torch_dtype), so the backend runs DeepSpeed in
-fp32 (see pr_specforge/backends/deepspeed.py) and both backends do the same math:
+fp32 (see pr_specforge/training/backends/deepspeed.py) and both backends do the same math:
 gloo all-reduce of 2 ranks' fp32 grads, the same clip formula up to where 1e-6 sits,
 torch AdamW, SpecForge's cosine schedule.
 
@@ -30,7 +30,7 @@ import pytest
 import torch
 import yaml
 
-from pr_specforge.telemetry import read_metrics
+from pr_specforge.training.telemetry import read_metrics
 from tests.helpers import write_workspace
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

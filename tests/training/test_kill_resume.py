@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from pr_specforge.backends.checkpoint import RECIPE_STATE_KEY, SAVE_SLEEP_ENV
-from pr_specforge.telemetry import read_metrics
+from pr_specforge.training.backends.checkpoint import RECIPE_STATE_KEY, SAVE_SLEEP_ENV
+from pr_specforge.training.telemetry import read_metrics
 from tests.helpers import write_workspace
 
 ENV = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", WANDB_MODE="disabled")

@@ -15,8 +15,9 @@ import torch
 import yaml
 
 from pr_specforge.data.hidden_states import prepare_hidden_states
-from pr_specforge.telemetry import read_metrics
-from pr_specforge.train import assembled_run, load_recipe
+from pr_specforge.training.telemetry import read_metrics
+from pr_specforge.training.recipe import load_recipe
+from pr_specforge.training.train import assembled_run
 from tests.data.conftest import CONVERSATIONS, build_tokenizer, write_jsonl
 from tests.helpers import make_tiny_target
 
@@ -68,7 +69,7 @@ def write_recipe(root, name, strategy, online, out=None, nproc=1, **training):
 
 def first_steps(recipe_path, n, state=None):
     """Loss, gradients and input ids of the first `n` batches (drafter weights from `state` if given)."""
-    from pr_specforge.integration import _unwrap
+    from pr_specforge.training.registration import _unwrap
 
     out = []
     with assembled_run(load_recipe(recipe_path)) as (strategy, loader):
@@ -116,7 +117,7 @@ def test_online_recipe_errors_name_the_field(workspace, tmp_path):
         load_recipe(path, ["data.train_data_path=", f"data.hidden_states_path={workspace / 'features'}"])
     recipe = load_recipe(path)
     assert recipe.config.data.hidden_states_path == str(workspace / "conv.jsonl")  # SpecForge runs its local runtime
-    from pr_specforge.train import resolved_payload
+    from pr_specforge.training.recipe import resolved_payload
 
     data = resolved_payload(recipe)["data"]  # ... but the stored recipe keeps the user's form
     assert data["online"] is True and data["train_data_path"] == str(workspace / "conv.jsonl")

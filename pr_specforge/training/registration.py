@@ -5,8 +5,8 @@ and providers (built from SpecForge's EAGLE-3 ones, so EAGLE-3 offline features
 and vocab maps train PR unchanged), and `build_registry`, which returns
 SpecForge's built-in registry with `pr` added.
 
-Does not own: the objective math (`pr_specforge.objective`), recipe parsing and
-process launch (`pr_specforge.train`).
+Does not own: the objective math (`pr_specforge.training.objective`), recipe parsing and
+process launch (`training.recipe`, `training.train`).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def prepare_draft(draft, pr: PRConfig) -> None:
     """The recipe's start for a freshly built drafter: gate bias, `init_from`, `freeze_one_pass`.
 
     On resume SpecForge then loads the checkpoint over all of it (frozen tensors stay frozen)."""
-    from pr_specforge import warm_start
+    from pr_specforge.training import warm_start
 
     if pr.max_depth > 0 and pr.gate_init_bias != 0.0:
         draft.set_gate_bias(pr.gate_init_bias)
@@ -167,7 +167,7 @@ class _Providers:
 
     def build_training_model(self, config, draft_model, draft_config, target_config, tokenizer):
         from pr_specforge._specforge import build_eagle3_model
-        from pr_specforge.objective.ttt import OnlinePRModel
+        from pr_specforge.training.objective.ttt import OnlinePRModel
 
         parts = build_eagle3_model(config, draft_model, draft_config, target_config, tokenizer)
         model = OnlinePRModel(

@@ -25,12 +25,12 @@ One function per equation:
   `continuation_row`      Eq. 12  step `j + 1` continues from step `j`'s halt depth.
 Per-depth logits come from one readout, `OnlinePRModel.readout`.
 
-The loss (`pr_specforge.objective.loss`):
+The loss (`pr_specforge.training.objective.loss`):
   L = sum_j w_j [ l^0_A + sum_{r>=1} sg[q_r] l^r_B + sum_{r>=0} q_r sg[l^r_B] ] - beta * H(q_bar).
 With R = 0 there is nothing to route: L is SpecForge's EAGLE-3 loss exactly.
 
 Does not own: the drafter's parameters (`pr_specforge.modeling`), the telemetry
-(`pr_specforge.objective.metrics`), SpecForge integration (`pr_specforge.integration`).
+(`pr_specforge.training.objective.metrics`), SpecForge integration (`pr_specforge.training.registration`).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from pr_specforge._specforge import OnlineEagle3Model, padding, soft_cross_entro
 from pr_specforge.config import PR_ATTENTION_BACKEND, PRConfig, check_attention_backend
 from pr_specforge.modeling.attention import KV, chain_attention, strict_causal_mask
 from pr_specforge.modeling.drafter import LlamaForCausalLMEagle3PR, halting_distribution
-from pr_specforge.objective.loss import LossTerms, MixedStep, marginal_entropy, pr_objective  # noqa: F401
-from pr_specforge.objective.metrics import mixed_rollout_metrics, step_predictions
+from pr_specforge.training.objective.loss import LossTerms, MixedStep, marginal_entropy, pr_objective  # noqa: F401
+from pr_specforge.training.objective.metrics import mixed_rollout_metrics, step_predictions
 
 
 @dataclass

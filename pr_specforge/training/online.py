@@ -47,7 +47,7 @@ import torch
 from pr_specforge import _specforge as sf
 from pr_specforge._specforge import Eagle3TrainStrategy, LocalFeatureStore, OfflineManifestReader
 from pr_specforge.config import ConfigError
-from pr_specforge.integration import PRTrainStrategy
+from pr_specforge.training.registration import PRTrainStrategy
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def pop_online_keys(raw: Dict[str, Any], overrides, where: str) -> Tuple[Optiona
     its colocated offline form: the conversations file moves from `data.train_data_path` to
     `data.hidden_states_path`. Returns `(online request or None, recipe, SpecForge overrides)`.
     """
-    from pr_specforge.train import _parse_value
+    from pr_specforge.training.recipe import _parse_value
 
     data = dict(raw.get("data") or {})
     keys = {k: data.pop(k) for k in (ONLINE_KEY, DTYPE_KEY) if k in data}

@@ -11,7 +11,7 @@ SpecForge's own `model.draft_checkpoint_path` warm start cannot do this: it refu
 checkpoint of another strategy and any missing tensor (every `pr_` tensor is missing
 from an EAGLE-3 drafter).
 
-Does not own: building the drafter (`pr_specforge.integration`).
+Does not own: building the drafter (`pr_specforge.training.registration`).
 """
 
 from __future__ import annotations

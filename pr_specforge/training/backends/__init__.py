@@ -7,6 +7,6 @@ writes (`checkpoint`), and the DeepSpeed ZeRO-1/2 backend (`deepspeed`).
 Does not own: the trainer loop or the FSDP/DDP backend (SpecForge's).
 """
 
-from pr_specforge.backends.config import BACKEND_SECTION, BackendConfig
+from pr_specforge.training.backends.config import BACKEND_SECTION, BackendConfig
 
 __all__ = ["BACKEND_SECTION", "BackendConfig"]

@@ -13,7 +13,7 @@ panel-grouping names (`gate_usage/...`, `depth_marginal/...`; see
 Also owns the plot.
 
 Does not own: the tracker backends (SpecForge's `specforge/tracker.py`) or the
-metric values (`pr_specforge.integration`, SpecForge's trainer).
+metric values (`pr_specforge.training.registration`, SpecForge's trainer).
 """
 
 from __future__ import annotations

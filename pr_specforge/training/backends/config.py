@@ -4,7 +4,7 @@
       name: deepspeed                       # or fsdp (SpecForge's FSDP1/DDP, the default)
       config: recipes/deepspeed/zero2.json  # a DeepSpeed JSON (ZeRO stage 1 or 2)
 
-SpecForge's strict `Config` has no such key, so `pr_specforge.train.load_recipe`
+SpecForge's strict `Config` has no such key, so `pr_specforge.training.recipe.load_recipe`
 strips this section and validates it here, against the SpecForge config it
 must run beside (impossible combinations fail at load time).
 """

@@ -15,7 +15,7 @@ batch under `no_grad` in eval mode. PR's telemetry comes out as (numerator, deno
 sums; they are summed over the whole set before dividing.
 
 Owns: the aggregation and the table. Does not own the metrics' definitions
-(`pr_specforge.objective.ttt`) or the data pipeline (SpecForge's).
+(`pr_specforge.training.objective.ttt`) or the data pipeline (SpecForge's).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def diagnose(run_dir: str, features: str, checkpoint: Optional[str] = None, limi
     """Run the checkpoint's training objective over `features` without updating it; return the metrics."""
     import yaml
 
-    from pr_specforge.train import check_feature_dir
+    from pr_specforge.training.preflight import check_feature_dir
 
     run = Path(run_dir)
     recipe_path = run / "resolved_recipe.yaml"
@@ -74,7 +74,8 @@ def _diagnose(recipe_path: Path, scratch: str, run: Path, ckpt: str, features: s
     import torch
 
     from pr_specforge import _specforge as sf
-    from pr_specforge.train import assembled_run, load_recipe
+    from pr_specforge.training.recipe import load_recipe
+    from pr_specforge.training.train import assembled_run
 
     recipe = load_recipe(str(recipe_path), [
         f"data.hidden_states_path={os.path.abspath(features)}", "data.eval_hidden_states_path=",
@@ -104,7 +105,7 @@ def _diagnose(recipe_path: Path, scratch: str, run: Path, ckpt: str, features: s
 def _load_draft_weights(strategy, ckpt: str) -> None:
     """The checkpoint's draft weights into the assembled run's drafter (eval mode)."""
     from pr_specforge import _specforge as sf
-    from pr_specforge.integration import _unwrap
+    from pr_specforge.training.registration import _unwrap
 
     module = strategy.trainable_module()
     state = sf.CheckpointManager.read_resume_state(ckpt, require_full_state=False)["draft_state_dict"]
@@ -147,7 +148,7 @@ def _sums(strategy, loader, limit: Optional[int], progress: bool):
 
 def render(report: Dict) -> str:
     """A short text table of one diagnosis."""
-    from pr_specforge.objective.metrics import CONFIDENCE_BAND_NAMES, RECOVER_TOPK
+    from pr_specforge.training.objective.metrics import CONFIDENCE_BAND_NAMES, RECOVER_TOPK
 
     lines = [f"{report['run']} @ {os.path.basename(report['checkpoint'])} on {report['features']} "
              f"({report['batches']} batches, {report['positions']:.0f} positions)",

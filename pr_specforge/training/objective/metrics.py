@@ -3,7 +3,7 @@
 Read-only over the objective's per-step records (`objective.loss.MixedStep`), under
 `torch.no_grad`: nothing here reaches the loss. Every metric is a `(numerator,
 denominator)` pair, so SpecForge's tracker reduces it across ranks as sums before
-dividing. The names (`pr/...`) are what `pr_specforge.telemetry` maps onto panels.
+dividing. The names (`pr/...`) are what `pr_specforge.training.telemetry` maps onto panels.
 
 Owns: the confidence bands of the banded telemetry (the evaluator's Table 7 bands),
 `RECOVER_TOPK`, `step_predictions` and `mixed_rollout_metrics`.
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Dict, List, Sequence, Tuple
 import torch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from pr_specforge.objective.loss import MixedStep
+    from pr_specforge.training.objective.loss import MixedStep
 
 #: depth-0 top-1 probability bands (the evaluator's Table 7 bands): `< 0.5`, `0.5 .. 0.9`, `>= 0.9`
 CONFIDENCE_BANDS = (0.5, 0.9)

@@ -1,0 +1,220 @@
+"""Checks a training run makes before its first step, each failing in one line naming the file and the fix.
+
+Owns: the target directory check, the vocab map check (readable, a map, the sizes
+the drafter needs, and the map the features were made with: the features'
+`manifest.json` records its fingerprint), and the guard on a run directory that
+already holds checkpoints (resume it, or start over only when told to).
+
+Also owns `check_run(recipe)`, every check `pr-specforge train` makes after loading the recipe
+(the draft config's architecture, the target, the vocab map, the first feature file of each
+feature directory against the draft config), and `check_feature_dir` (`diagnose` uses it too).
+
+Does not own: recipe parsing (`training.recipe`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Optional
+
+from pr_specforge.config import ConfigError
+
+
+def _looks_local(path: str) -> bool:
+    """A path meant on this disk (vs a hub id such as `org/name`)."""
+    if path.startswith((".", "/", "~")) or path.count("/") > 1:
+        return True
+    head = path.split("/", 1)[0]
+    return "/" not in path or os.path.isdir(head)
+
+
+def check_target(path: Optional[str]) -> Optional[dict]:
+    """`model.target_model_path` is a directory with a readable config.json; returns that config.
+
+    A hub id (`org/name`, nothing of that name on disk) is left to SpecForge."""
+    if not path:
+        return None
+    fix = "give a model directory (pr-specforge data smollm2-target --output DIR makes the default one)"
+    if not os.path.exists(path):
+        if _looks_local(path):
+            raise ConfigError(f"model.target_model_path: {path!r} does not exist; {fix}")
+        return None
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        raise ConfigError(f"model.target_model_path: {path} has no config.json, so it is not a model directory; {fix}")
+    try:
+        with open(config) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"model.target_model_path: {config} is not valid JSON ({e})") from None
+
+
+def check_vocab_map(path: Optional[str], draft: Optional[dict], features: Optional[str]) -> None:
+    """`model.vocab_mapping_path` is a vocab map of the drafter's sizes, and the one `features` were made with."""
+    if not path:
+        return
+    from pr_specforge.data.hidden_states import MANIFEST
+    from pr_specforge.data.vocab import VOCAB_MAPPING_RELPATH, read_vocab_mapping, vocab_fingerprint, vocab_mapping_problems
+
+    made_by = "pr-specforge data hidden-states writes FEATURES/" + VOCAB_MAPPING_RELPATH
+    if not os.path.isfile(path):
+        raise ConfigError(f"model.vocab_mapping_path: {path!r} does not exist ({made_by})")
+    try:
+        mapping = read_vocab_mapping(path)
+    except ValueError as e:
+        raise ConfigError(f"model.vocab_mapping_path: {e} ({made_by})") from None
+    if draft is not None:
+        vocab = int(draft.get("vocab_size") or 0)
+        size = draft.get("draft_vocab_size")
+        problems = vocab_mapping_problems(path, mapping, vocab, int(size) if size is not None else None)
+        if problems:
+            raise ConfigError(f"model.vocab_mapping_path: {problems[0]} (the draft config "
+                              f"model.draft_model_config has vocab_size {vocab}, draft_vocab_size {size})")
+    manifest = os.path.join(features or "", MANIFEST)
+    if features and os.path.isfile(manifest):
+        with open(manifest) as f:
+            recorded = json.load(f).get("vocab_fingerprint")
+        if recorded is not None and recorded != vocab_fingerprint(mapping):
+            own = os.path.join(features, VOCAB_MAPPING_RELPATH)
+            raise ConfigError(
+                f"model.vocab_mapping_path: {path} is not the map the features in {features} were made with "
+                f"(fingerprint {vocab_fingerprint(mapping)}, {manifest} records {recorded}); use {own}")
+
+
+def run_checkpoints(output_dir: str) -> Optional[str]:
+    """The newest complete checkpoint directory under a run directory, or None."""
+    from pr_specforge.pipeline import latest_checkpoint
+
+    if not os.path.isdir(output_dir):
+        return None
+    return latest_checkpoint(output_dir, required=False)
+
+
+def resume_or_start_over(output_dir: str, resume_from: Optional[str], start_over: bool) -> Optional[str]:
+    """What a run in `output_dir` resumes from: the given `resume_from`, else the directory's own
+    newest checkpoint (a rerun continues, it never restarts over finished work). With `start_over`
+    the directory's checkpoints and metrics are deleted first and nothing is resumed."""
+    from pr_specforge.training.telemetry import METRICS_FILE
+
+    latest = run_checkpoints(output_dir)
+    if start_over:
+        if resume_from:
+            raise ConfigError("--start-over with training.resume_from: choose one")
+        if latest is not None:
+            for name in os.listdir(output_dir):
+                full = os.path.join(output_dir, name)
+                if "-step" in name and os.path.isdir(full):
+                    shutil.rmtree(full)
+                elif name == METRICS_FILE or (name.endswith("-latest") and os.path.islink(full)):
+                    os.unlink(full)
+        return None
+    if resume_from or latest is None:
+        return resume_from
+    return output_dir
+
+
+def _first_feature_file(root: str) -> Optional[str]:
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            if name.endswith((".ckpt", ".ckpt.gz")):
+                return os.path.join(dirpath, name)
+    return None
+
+
+def check_run(recipe) -> None:
+    """Cheap checks that turn deep trainer failures into errors naming the file and field."""
+    import json
+
+    from pr_specforge.modeling.drafter import EAGLE3_ARCHITECTURE, PR_ARCHITECTURE
+
+    cfg = recipe.config
+    draft_path = cfg.model.draft_model_config
+    draft = None
+    if draft_path:
+        if not os.path.isfile(draft_path):
+            raise ConfigError(f"model.draft_model_config: {draft_path!r} does not exist")
+        with open(draft_path) as f:
+            try:
+                draft = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"model.draft_model_config: {draft_path} is not valid JSON ({e})") from None
+        arch = (draft.get("architectures") or [None])[0]
+        if cfg.training.strategy in ("pr", "eagle3") and arch not in (EAGLE3_ARCHITECTURE, PR_ARCHITECTURE):
+            raise ConfigError(
+                f"model.draft_model_config: {draft_path} has architectures[0]={arch!r}, which is not an EAGLE-3 "
+                f"drafter; the {cfg.training.strategy} strategy needs {EAGLE3_ARCHITECTURE!r}"
+            )
+    check_target(cfg.model.target_model_path)
+    if recipe.online is not None:
+        from pr_specforge.training.online import check_inputs
+
+        check_inputs(recipe.online)  # the online run builds its own vocab map
+    else:
+        check_vocab_map(cfg.model.vocab_mapping_path, draft, cfg.data.hidden_states_path)
+    for field in ("hidden_states_path", "eval_hidden_states_path"):
+        if field == "hidden_states_path" and recipe.online is not None:
+            continue
+        sample = check_feature_dir(f"data.{field}", getattr(cfg.data, field), draft, draft_path)
+        if (field == "eval_hidden_states_path" and sample is not None and cfg.training.strategy == "eagle3"
+                and str(cfg.model.torch_dtype) == "float32" and str(sample["hidden_state"].dtype) != "torch.float32"):
+            # SpecForge 0.2.0's eval loop feeds stored features to the drafter uncast; the failure would
+            # come as a dtype error deep in torch at the first eval step, hours into training.
+            raise ConfigError(
+                f"data.eval_hidden_states_path: features are {sample['hidden_state'].dtype} but model.torch_dtype is "
+                "float32, and SpecForge's eagle3 eval loop does not cast them; set model.torch_dtype=bfloat16 "
+                "or train without held-out eval"
+            )
+
+
+def _check_manifest_status(field: str, feats: str) -> None:
+    import json
+
+    path = os.path.join(feats, "manifest.json")
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            status = json.load(f).get("status", "complete")
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{field}: {path} is not valid JSON ({e})") from None
+    if status != "complete":
+        raise ConfigError(f"{field}: {path} has status {status!r}: the `pr-specforge data hidden-states` run writing "
+                          f"{feats} did not finish; rerun the same command to complete it")
+
+
+def check_feature_dir(field: str, feats: Optional[str], draft: Optional[dict], draft_path: Optional[str]):
+    """The first feature file under `feats`, checked against the draft config; None when unset."""
+    if not feats:
+        return None
+    if not os.path.isdir(feats):
+        raise ConfigError(f"{field}: {feats!r} is not a directory (prepare features first)")
+    first = _first_feature_file(feats)
+    if first is None:
+        raise ConfigError(f"{field}: no .ckpt feature files under {feats}")
+    _check_manifest_status(field, feats)
+    import torch
+
+    from pr_specforge.data.io import brief
+
+    try:
+        sample = torch.load(first, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, not a torch file, pickled objects
+        raise ConfigError(f"feature file {first}: does not load ({brief(e)}); "
+                          f"delete it and rerun the `pr-specforge data hidden-states` command that wrote {feats}") from None
+    if not isinstance(sample, dict):
+        raise ConfigError(f"feature file {first}: holds a {type(sample).__name__}, not a SpecForge EAGLE-3 feature dict")
+    missing = [k for k in ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state") if k not in sample]
+    if missing:
+        raise ConfigError(f"feature file {first}: missing key(s) {missing}; not a SpecForge EAGLE-3 feature file")
+    if draft is not None:
+        target_hidden = int(draft.get("target_hidden_size") or draft.get("hidden_size"))
+        width = int(sample["aux_hidden_state"].shape[-1])
+        if width != 3 * target_hidden:
+            raise ConfigError(
+                f"feature file {first}: aux_hidden_state width {width} != 3 x target_hidden_size "
+                f"({target_hidden}) of {draft_path}; the features come from a different target"
+            )
+    return sample

@@ -1,0 +1,235 @@
+"""Recipe loading: SpecForge's strict config plus the strict `pr:` and `backend:` sections.
+
+    extends: _base/paper.yaml        # optional: deep-merge this recipe over another (relative path)
+    model: {...}  data: {...}  training: {...}     # SpecForge's `Config` (strict)
+    pr: {...}                        # `pr_specforge.config.PRConfig` (strict)
+    backend: {name: deepspeed, config: ...}        # `training.backends.config.BackendConfig`
+
+Owns: reading a recipe and its `extends:` chain, dotted overrides for every section
+(`section.field=value`, `pr.field=value`, `backend.field=value`), `model.torch_dtype: auto`,
+SpecForge's validation errors in one line each with the fix, and `resolved_payload` (the
+resolved recipe a run stores beside its checkpoints and inside each one).
+
+Does not own: the meaning of the `pr:` fields (`pr_specforge.config`), of `backend:`
+(`training.backends.config`) or of `data.online` (`training.online`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence, Tuple
+
+import yaml
+
+from pr_specforge.config import PR_ATTENTION_BACKEND, ConfigError, PRConfig, check_attention_backend
+from pr_specforge.training.backends.config import BACKEND_SECTION, BackendConfig
+
+PR_SECTION = "pr"
+#: `extends: other.yaml` (relative to the recipe's directory) deep-merges this recipe over that one.
+EXTENDS_KEY = "extends"
+
+
+@dataclass
+class Recipe:
+    """A resolved recipe: SpecForge's `Config`, PR settings and the raw mapping they came from."""
+
+    config: Any  # specforge.config.Config
+    pr: PRConfig
+    raw: Dict[str, Any]
+    path: str
+    backend: BackendConfig = BackendConfig()
+    online: Any = None  # pr_specforge.training.online.OnlineSettings when data.online is true
+
+
+def _parse_value(text: str) -> Any:
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def split_overrides(overrides: Sequence[str]) -> Tuple[List[str], Dict[str, Any]]:
+    """Split dotted overrides into SpecForge's and `pr.*` ones (parsed as YAML scalars)."""
+    spec, pr = [], {}
+    for item in overrides:
+        if item.startswith(BACKEND_SECTION + "."):
+            continue  # read by `_backend_overrides`
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form section.field=value")
+        key, value = item.split("=", 1)
+        if key.startswith(PR_SECTION + "."):
+            field = key[len(PR_SECTION) + 1 :]
+            if "." in field:
+                raise ConfigError(f"override {item!r}: pr settings are flat (pr.FIELD=value)")
+            pr[field] = _parse_value(value)
+        else:
+            spec.append(item)
+    return spec, pr
+
+
+def _backend_overrides(overrides: Sequence[str]) -> Dict[str, Any]:
+    out = {}
+    for item in overrides:
+        if item.startswith(BACKEND_SECTION + ".") and "=" in item:
+            key, value = item.split("=", 1)
+            out[key[len(BACKEND_SECTION) + 1 :]] = _parse_value(value)
+    return out
+
+
+def _deep_merge(base: Dict[str, Any], top: Dict[str, Any]) -> Dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def read_recipe_mapping(path: str, _chain: Tuple[str, ...] = ()) -> Dict[str, Any]:
+    """The recipe's raw mapping with its `extends:` chain resolved (later files win, mappings merge)."""
+    if not os.path.isfile(path):
+        where = f" (extended by {_chain[-1]})" if _chain else ""
+        raise ConfigError(f"recipe {path!r} does not exist{where}")
+    with open(path) as f:
+        try:
+            raw = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"recipe {path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"recipe {path}: expected a mapping at the top level")
+    base = raw.pop(EXTENDS_KEY, None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError(f"recipe {path}: {EXTENDS_KEY} must be one recipe path (relative to {os.path.dirname(path) or '.'}), got {base!r}")
+    base_path = os.path.normpath(base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base))
+    chain = _chain + (os.path.abspath(path),)
+    if os.path.abspath(base_path) in chain:
+        raise ConfigError(f"recipe {path}: {EXTENDS_KEY} cycle through {base_path}; a recipe cannot extend itself")
+    return _deep_merge(read_recipe_mapping(base_path, chain), raw)
+
+
+def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
+    """Read a recipe YAML/JSON; validate SpecForge's part, the `pr:` and `backend:` parts strictly."""
+    from pr_specforge.training.online import online_settings, pop_online_keys
+
+    raw = read_recipe_mapping(path)
+    spec_over, pr_over = split_overrides(overrides)
+    online_request, raw, spec_over = pop_online_keys(raw, spec_over, path)
+    pr_raw = dict(raw.get(PR_SECTION) or {})
+    pr_raw.update(pr_over)
+    pr = PRConfig.from_mapping(pr_raw, where=f"{path}: pr")
+    backend_raw = raw.get(BACKEND_SECTION)
+    backend_over = _backend_overrides(overrides)
+    if backend_over:
+        backend_raw = {**(backend_raw or {}), **backend_over}
+    backend = BackendConfig.from_mapping(backend_raw, where=f"{path}: {BACKEND_SECTION}", recipe_dir=os.path.dirname(path) or ".")
+    spec_raw = {k: v for k, v in raw.items() if k not in (PR_SECTION, BACKEND_SECTION)}
+    spec_raw, spec_over = _resolve_auto_dtype(spec_raw, spec_over)
+    config = _specforge_config(spec_raw, spec_over, path)
+    backend_given = "attention_backend" in (spec_raw.get("training") or {}) or any(
+        o.split("=", 1)[0] == "training.attention_backend" for o in spec_over)
+    if config.training.strategy == "pr" and not backend_given:
+        # SpecForge's default (flex_attention) cannot run PR's composed rows; sdpa is PR's layout.
+        config = _specforge_config(spec_raw, [*spec_over, f"training.attention_backend={PR_ATTENTION_BACKEND}"], path)
+    backend.validate_against(config, where=f"{path}: {BACKEND_SECTION}")
+    if PR_SECTION in raw or config.training.strategy == "pr":
+        if config.training.strategy not in ("pr",):
+            raise ConfigError(
+                f"recipe {path}: has a `pr:` section but training.strategy={config.training.strategy!r}; "
+                "set training.strategy=pr (or drop the pr: section for a plain EAGLE-3 run)"
+            )
+    if config.training.strategy == "pr":
+        check_attention_backend(config.training.attention_backend, where=f"recipe {path}: training.attention_backend")
+    online = online_settings(config, online_request, path)
+    resolved = copy.deepcopy(raw)
+    resolved[PR_SECTION] = pr.to_dict()
+    resolved[BACKEND_SECTION] = backend.to_dict()
+    if online is not None:
+        resolved.setdefault("data", {}).update(online.to_recipe())
+    return Recipe(config=config, pr=pr, raw=resolved, path=path, backend=backend, online=online)
+
+
+def _resolve_auto_dtype(spec_raw: Dict[str, Any], overrides: List[str]):
+    """`model.torch_dtype: auto` (recipe or override) -> the offline drafter's dtype (`dtypes.offline_dtype`)."""
+    from pr_specforge.dtypes import offline_dtype
+
+    device = "cpu"
+    if (spec_raw.get("model") or {}).get("torch_dtype") == "auto" or "model.torch_dtype=auto" in overrides:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = offline_dtype("auto", device)
+    model = dict(spec_raw.get("model") or {})
+    if model.get("torch_dtype") == "auto":
+        model["torch_dtype"] = dtype
+        spec_raw = {**spec_raw, "model": model}
+    overrides = [f"model.torch_dtype={dtype}" if o == "model.torch_dtype=auto" else o for o in overrides]
+    return spec_raw, overrides
+
+
+def _specforge_config(spec_raw: Dict[str, Any], overrides: Sequence[str], path: str):
+    from pydantic import ValidationError
+    from pr_specforge._specforge import Config
+    from pr_specforge._specforge import apply_overrides, migrate_legacy_config
+
+    try:
+        config = Config.model_validate(migrate_legacy_config(copy.deepcopy(spec_raw)))
+        if overrides:
+            _check_override_paths(config, overrides)
+            config = apply_overrides(config, list(overrides))
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(p) for p in err.get("loc", ()))
+            lines.append(f"  {loc or '<root>'}: {err.get('msg')}{_fix_hint(err)}")
+        raise ConfigError(f"recipe {path}: invalid SpecForge config:\n" + "\n".join(lines)) from None
+    return config
+
+
+def _check_override_paths(config, overrides: Sequence[str]) -> None:
+    """An override of a field SpecForge's config does not have: one line naming it and the near names."""
+    import difflib
+
+    raw = config.model_dump()
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form section.field=value")
+        path = item.split("=", 1)[0]
+        node, walked = raw, []
+        for key in path.split("."):
+            if not isinstance(node, dict) or key not in node:
+                names = sorted(node) if isinstance(node, dict) else []
+                near = difflib.get_close_matches(key, names, n=3)
+                where = ".".join(walked) or "the recipe's top level"
+                hint = f"; did you mean {', '.join('.'.join([*walked, n]) for n in near)}?" if near else \
+                    f"; {where} has: {', '.join(names)}" if names else ""
+                raise ConfigError(f"override {item!r}: {where} has no field {key!r}{hint}")
+            node = node[key]
+            walked.append(key)
+
+
+def _fix_hint(err: Dict[str, Any]) -> str:
+    """The fix for a SpecForge validation error, in words."""
+    kind, ctx = err.get("type", ""), err.get("ctx") or {}
+    if kind == "extra_forbidden":
+        return "; remove it (SpecForge's config is strict: PR settings go under pr:, the engine under backend:)"
+    for bound, words in (("gt", "greater than"), ("ge", "at least"), ("lt", "less than"), ("le", "at most")):
+        if bound in ctx:
+            return f"; set it to a value {words} {ctx[bound]}"
+    if kind == "literal_error" and "expected" in ctx:
+        return f"; use one of {ctx['expected']}"
+    if kind == "missing":
+        return "; add it to the recipe"
+    return ""
+
+
+def resolved_payload(recipe: Recipe) -> Dict[str, Any]:
+    """The resolved recipe: SpecForge's config dump plus the `pr:` and `backend:` sections."""
+    payload = recipe.config.model_dump(mode="json")
+    if recipe.config.training.strategy == "pr":  # a `pr:` section on another strategy is refused on reload
+        payload[PR_SECTION] = recipe.pr.to_dict()
+    payload[BACKEND_SECTION] = recipe.backend.to_dict()
+    if recipe.online is not None:  # the user's form: conversations + data.online, not the JSONL as "features"
+        payload["data"].update(recipe.online.to_recipe())
+    return payload

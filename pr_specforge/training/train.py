@@ -1,0 +1,237 @@
+"""`pr-specforge train`: a recipe run by SpecForge's trainer, in this process or under torchrun.
+
+    pr-specforge train -c recipes/smollm2-135m-cpu.yaml training.max_steps=20 pr.max_depth=2
+    torchrun --nproc_per_node 4 -m pr_specforge.cli train -c recipes/llama3.1-8b-pr.yaml
+
+Owns: the process launch (in-process for one rank or under torchrun; self-launch through
+torchrun for several ranks, re-entering THIS cli so every rank has the patched registry),
+resume-by-default, Ctrl-C, the runtime patches a run installs (`install_training_runtime`)
+and `assembled_run` (SpecForge's assembled trainer in one process, for `diagnose`, tests
+and benchmarks).
+
+Does not own: recipe loading (`training.recipe`), the pre-flight checks (`training.preflight`),
+the `pr` algorithm (`training.registration`), the trainer loop, checkpoints and tracker
+(SpecForge's; the recipe-carrying checkpoint manager and the JSONL metrics sink are hooked
+in from `training.backends.checkpoint` and `training.telemetry`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+from typing import List, Sequence
+
+import yaml
+
+from pr_specforge.config import ConfigError
+from pr_specforge.training.preflight import check_run
+from pr_specforge.training.recipe import Recipe, load_recipe, resolved_payload
+
+log = logging.getLogger(__name__)
+
+def _in_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def run_train(recipe_path: str, overrides: Sequence[str], dry_run: bool = False, start_over: bool = False) -> int:
+    recipe = load_recipe(recipe_path, overrides)
+    check_run(recipe)
+    if dry_run:
+        return 0
+    recipe, overrides = _resume_by_default(recipe, recipe_path, list(overrides), start_over)
+    cfg = recipe.config
+    world = cfg.deployment.trainer.nnodes * cfg.deployment.trainer.nproc_per_node
+    if not _in_torchrun() and world > 1:
+        if cfg.deployment.trainer.nnodes > 1:
+            raise ConfigError(
+                "multi-node runs: launch every node with `torchrun --nnodes N --nproc_per_node P "
+                "--node_rank R --master_addr ... -m pr_specforge.cli train -c RECIPE` (see recipes/launch/torchrun.sh)"
+            )
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={cfg.deployment.trainer.nproc_per_node}",
+               "-m", "pr_specforge.cli", "train", "-c", recipe_path, *overrides]
+        log.info("self-launching %d ranks: %s", world, " ".join(cmd))
+        return _self_launch(cmd, cfg.output_dir)
+    return _run_worker(recipe)
+
+
+#: set in the ranks `pr-specforge train` launches itself: an interrupted rank exits quietly, the launcher reports.
+SELF_LAUNCHED_ENV = "PR_SPECFORGE_SELF_LAUNCHED"
+
+
+class TrainingInterrupted(Exception):
+    """Ctrl-C: the message says what was kept and how to resume."""
+
+
+def interrupted_message(output_dir: str) -> str:
+    from pr_specforge.training.preflight import run_checkpoints
+
+    latest = run_checkpoints(output_dir)
+    if latest is None:
+        return (f"interrupted before the first checkpoint; {output_dir} holds none (training.save_interval sets how "
+                "often one is written); rerun the same command to train from step 0")
+    return (f"interrupted; checkpoints kept in {output_dir} (newest: {os.path.basename(latest)}); "
+            "rerun the same command to resume from it")
+
+
+def _self_launch(cmd: List[str], output_dir: str) -> int:
+    """torchrun in its own session: Ctrl-C reaches this process only, which interrupts the ranks
+    (they stop quietly) and reports in one line, instead of torchrun's and every rank's tracebacks."""
+    import signal
+
+    proc = subprocess.Popen(cmd, env={**os.environ, SELF_LAUNCHED_ENV: "1"}, start_new_session=True)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        for pid in _children(proc.pid):
+            try:
+                os.kill(pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+        while True:
+            try:
+                proc.wait()
+                break
+            except KeyboardInterrupt:
+                continue
+        raise TrainingInterrupted(interrupted_message(output_dir)) from None
+
+
+def _children(pid: int) -> List[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def _resume_by_default(recipe: Recipe, recipe_path: str, overrides: List[str], start_over: bool):
+    """A run directory holding checkpoints is resumed unless the user said `--start-over` (which discards them)."""
+    from pr_specforge.training.preflight import resume_or_start_over
+
+    cfg = recipe.config
+    if start_over and int(os.environ.get("RANK", "0")) != 0:
+        return recipe, overrides  # rank 0 discards the old checkpoints; no rank resumes
+    resume = resume_or_start_over(cfg.output_dir, cfg.training.resume_from, start_over)
+    if start_over:
+        log.info("--start-over: discarded the checkpoints and metrics in %s; training from step 0", cfg.output_dir)
+    if resume is None or resume == cfg.training.resume_from:
+        return recipe, overrides
+    log.info("%s holds checkpoints: resuming from the newest (pass --start-over to discard them and train from step 0)",
+             cfg.output_dir)
+    overrides = [*overrides, f"training.resume_from={resume}"]
+    return load_recipe(recipe_path, overrides), overrides
+
+
+def _run_worker(recipe: Recipe) -> int:
+    from pr_specforge.training.registration import ALGORITHM_NAME, build_registry
+    from pr_specforge._specforge import bind_run, resolve_run
+    from pr_specforge._specforge import train_resolved_run as _train
+
+    cfg = recipe.config
+    if cfg.training.strategy != ALGORITHM_NAME:
+        # eagle3 baselines run through the same entry point, with the same registry.
+        log.info("training.strategy=%s (not pr): running SpecForge's own algorithm", cfg.training.strategy)
+    cfg, registry = run_config(recipe)
+    resolved = resolve_run(cfg, registry)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    _write_resolved_recipe(recipe)
+    install_training_runtime(recipe)
+    interrupted: List[bool] = []
+    with _watch_sigint(interrupted):
+        try:
+            _train(bind_run(resolved.config, resolved.algorithm))  # returns the final step count, not a status
+        except BaseException:
+            # After Ctrl-C a rank may fail with its peer's closed connection rather than KeyboardInterrupt.
+            if not interrupted:
+                raise
+            if os.environ.get(SELF_LAUNCHED_ENV) == "1":
+                return 0  # the launcher reports, once
+            raise TrainingInterrupted(interrupted_message(cfg.output_dir)) from None
+    return 0
+
+
+def run_config(recipe: Recipe):
+    """`(SpecForge config, registry)` a run trains with: `pr` registered, and for `data.online`
+    the vocab map, the online step and the conversation reader (`pr_specforge.training.online`)."""
+    from pr_specforge.training.registration import build_registry
+
+    registry = build_registry(recipe.pr)
+    if recipe.online is None:
+        return recipe.config, registry
+    from pr_specforge.training.online import prepare_online_run
+
+    return prepare_online_run(recipe.config, recipe.online, registry)
+
+
+@contextlib.contextmanager
+def assembled_run(recipe: Recipe):
+    """SpecForge's assembled trainer for `recipe` in this process (one rank), never fitted:
+    yields `(strategy, loader)` for tests and benchmarks that drive steps themselves."""
+    from pr_specforge import _specforge as sf
+
+    sf.install_cpu_loss()
+    cfg, registry = run_config(recipe)
+    resolved = sf.resolve_run(cfg, registry)
+    os.environ["FSDP_SHARDING"] = cfg.training.fsdp_sharding  # as SpecForge's CLI does: the backend reads it
+    sf.bootstrap_single_process_env()
+    sf.init_distributed(timeout=cfg.training.dist_timeout)
+    try:
+        trainer = sf.build_training_run(resolved.config, algorithm=resolved.algorithm).trainer
+        yield sf.trainer_strategy(trainer), sf.trainer_loader(trainer)
+    finally:
+        sf.destroy_distributed()
+
+
+@contextlib.contextmanager
+def _watch_sigint(seen: List[bool]):
+    """Append to `seen` when SIGINT arrives (which still raises KeyboardInterrupt); restore the handler after."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        seen.append(True)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def install_training_runtime(recipe: Recipe) -> None:
+    """Every runtime patch training needs, in one place (nothing is patched at import time):
+    SpecForge's loss on CPU, recipe-carrying atomic checkpoints, the metrics JSONL sink, and
+    the chosen backend."""
+    from pr_specforge._specforge import install_cpu_loss, install_feature_file_errors
+    from pr_specforge.training.backends.checkpoint import install_checkpoint_manager
+    from pr_specforge.training.telemetry import install_metrics_sink
+
+    install_cpu_loss()
+    install_feature_file_errors()
+    install_checkpoint_manager(resolved_payload(recipe))
+    install_metrics_sink()
+    if recipe.backend.name == "deepspeed":
+        from pr_specforge.training.backends.deepspeed import install_deepspeed_backend
+
+        install_deepspeed_backend(recipe.backend, recipe.config)
+
+
+def _write_resolved_recipe(recipe: Recipe) -> None:
+    """Store the resolved recipe (SpecForge config dump + pr section) in the output dir, atomically."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        return
+    payload = resolved_payload(recipe)
+    from pr_specforge.data.io import atomic_write_text
+
+    atomic_write_text(os.path.join(recipe.config.output_dir, "resolved_recipe.yaml"),
+                      yaml.safe_dump(payload, sort_keys=False))
