@@ -2,7 +2,7 @@
 
 import pytest
 
-from pr_specforge.experiment import paired_bootstrap_gain
+from pr_specforge.eval.statistics import paired_bootstrap_gain
 
 
 def _rows(pairs):
@@ -49,7 +49,8 @@ def test_a_workdir_is_not_reused_with_other_settings(tmp_path):
 def test_every_evaluated_seed_is_compared_and_rendered_side_by_side(tmp_path):
     import json
 
-    from pr_specforge.experiment import render_markdown, seed_comparisons
+    from pr_specforge.eval.experiment_report import render_markdown
+    from pr_specforge.eval.statistics import seed_comparisons
 
     def write_eval(name, pr_accepted):
         d = tmp_path / name

@@ -1,0 +1,73 @@
+"""The experiment's statistics: PR's acceptance-length gain over EAGLE-3 with a paired bootstrap CI.
+
+Owns: `paired_bootstrap_gain` (one set x budget x temperature cell, from the evaluator's
+per-prompt rows), `comparisons` (every cell of some `pr-specforge eval` output directories
+that served both an `eagle3` and a `pr` drafter) and `seed_comparisons` (every training
+seed evaluated in an experiment workdir).
+
+Does not own: tau's definition (the evaluator's: sum of accepted tokens over sum of rounds)
+or the report (`experiment_report`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List
+
+from pr_specforge.data.io import read_jsonl_rows
+
+
+def paired_bootstrap_gain(rows_a: Dict[str, dict], rows_b: Dict[str, dict], n: int = 2000, seed: int = 0) -> dict:
+    """PR's relative tau gain over EAGLE-3, `tau_b / tau_a - 1`, with a 95% paired bootstrap CI.
+
+    `rows_x[prompt] = {"accepted": int, "rounds": int}`; tau of a set of prompts is
+    sum(accepted) / sum(rounds) (the evaluator's definition); prompts are resampled
+    with replacement, the same prompts for both drafters (paired).
+    """
+    import numpy as np
+
+    prompts = sorted(set(rows_a) & set(rows_b))
+    if not prompts:
+        raise ValueError("no prompt was evaluated for both drafters")
+    acc = np.array([[rows_a[p]["accepted"], rows_b[p]["accepted"]] for p in prompts], dtype=float)
+    rnd = np.array([[rows_a[p]["rounds"], rows_b[p]["rounds"]] for p in prompts], dtype=float)
+    tau = acc.sum(0) / rnd.sum(0)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(prompts), size=(n, len(prompts)))
+    boot = acc[idx].sum(1) / rnd[idx].sum(1)  # [n, 2]
+    gains = boot[:, 1] / boot[:, 0] - 1.0
+    diffs = boot[:, 1] - boot[:, 0]
+    return {
+        "prompts": len(prompts),
+        "tau_eagle3": float(tau[0]), "tau_pr": float(tau[1]),
+        "gain_abs": float(tau[1] - tau[0]),
+        "gain_rel": float(tau[1] / tau[0] - 1.0),
+        "gain_rel_ci95": [float(np.percentile(gains, 2.5)), float(np.percentile(gains, 97.5))],
+        "gain_abs_ci95": [float(np.percentile(diffs, 2.5)), float(np.percentile(diffs, 97.5))],
+    }
+
+
+def comparisons(eval_dirs, n: int, seed: int) -> List[dict]:
+    """PR vs EAGLE-3 per set x budget x temperature from the evaluators' per-prompt rows."""
+    cells = []
+    for eval_dir in eval_dirs:
+        per_prompt: Dict[tuple, Dict[str, dict]] = {}
+        for row in read_jsonl_rows(Path(eval_dir) / "results.jsonl"):
+            per_prompt.setdefault((row["draft"], row["set"], row["budget"], row["temperature"]), {})[row["prompt"]] = row
+        for (draft, set_name, budget, temp), rows in per_prompt.items():
+            if draft != "pr" or ("eagle3", set_name, budget, temp) not in per_prompt:
+                continue
+            stats = paired_bootstrap_gain(per_prompt[("eagle3", set_name, budget, temp)], rows, n=n, seed=seed)
+            cells.append({"set": set_name, "budget": budget, "temperature": temp, **stats})
+    cells.sort(key=lambda c: (c["budget"], c["temperature"], c["set"]))
+    return cells
+
+
+def seed_comparisons(work: Path, n: int) -> Dict[int, List[dict]]:
+    """Every training seed evaluated in `work` (finished `eval-b*-seedN` stages) -> its comparisons."""
+    seeds: Dict[int, List[Path]] = {}
+    for summary in sorted(work.glob("eval-b*-seed*/summary.json")):
+        seed = summary.parent.name.rsplit("seed", 1)[-1]
+        if seed.isdigit():
+            seeds.setdefault(int(seed), []).append(summary.parent)
+    return {seed: comparisons(dirs, n, seed) for seed, dirs in sorted(seeds.items())}
