@@ -26,7 +26,8 @@ from typing import Dict, List, Optional, Sequence
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from pr_specforge.pipeline import Stage, call_stage, latest_checkpoint, run_stages  # noqa: E402
+from pr_specforge.stages import STAGE_ERRORS, Stage, StageBuilder, run_stages  # noqa: E402
+from pr_specforge.training.preflight import latest_checkpoint  # noqa: E402
 
 EAGLE3 = "eagle3"
 #: variant -> (recipe, `pr.` overrides). Warm starts read the `eagle3` pilot's checkpoint (filled in at run time).
@@ -70,9 +71,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def train_overrides(args, work: Path, name: str, run: Path) -> List[str]:
-    feats = work / "features"
-    out = [f"model.target_model_path={work / 'target'}", f"model.vocab_mapping_path={feats / 'vocab_mapping' / 'vocab_mapping.pt'}",
-           f"data.hidden_states_path={feats}", f"data.max_length={args.max_length}", f"output_dir={run}",
+    out = [*StageBuilder(work).feature_overrides(run, args.max_length),
            f"training.max_steps={args.steps}", f"training.learning_rate={args.lr}", f"training.seed={args.seed}",
            f"training.save_interval={args.steps}", *VARIANTS[name][1]]
     if name in WARM:  # continue from the EAGLE-3 pilot's weights for `--steps` more steps (fresh optimiser, both)
@@ -81,49 +80,33 @@ def train_overrides(args, work: Path, name: str, run: Path) -> List[str]:
     return out
 
 
-def train_stage(args, work: Path, name: str, run: Path, recipe: str, log_file: Path):
-    def go() -> None:
-        from pr_specforge.pipeline import log_command, train_command
-        from pr_specforge.training.train import run_train
-
-        overrides = train_overrides(args, work, name, run)  # here, not earlier: warm starts need the eagle3 pilot
-        ckpt = latest_checkpoint(run, required=False)
-        if ckpt:
-            overrides.append(f"training.resume_from={ckpt}")
-        log_command(train_command(recipe, overrides), log_file)
-        if run_train(recipe, overrides):
-            raise SystemExit(f"pilot {name}: training failed")
-        (run / "train.done").write_text("ok\n")
-    return go
+def serve_settings(args, name: str, export: Path) -> dict:
+    """`StageBuilder.eval_argv` settings of a pilot's served check (PR pilots also at m = 0, and decomposed if asked)."""
+    is_pr = VARIANTS[name][0] != VARIANTS[EAGLE3][0]
+    return dict(drafts={name: export}, prompts=SETS, limit=args.limit, budgets=[args.budget], temperatures=[0],
+                max_new_tokens=args.max_new_tokens,
+                extra=["--skip", args.skip, "--seed", args.seed, "--no-progress", *(["--also-one-pass"] if is_pr else []),
+                       *(["--decompose"] if args.decompose and is_pr else [])])
 
 
 def serve_argv(args, work: Path, name: str, export: Path, ev: Path) -> List[str]:
-    """`pr-specforge eval` arguments of a pilot's served check (PR pilots also at m = 0, and decomposed if asked)."""
-    is_pr = VARIANTS[name][0] != VARIANTS[EAGLE3][0]
-    return ["--target", str(work / "target"), "--draft", f"{name}={export}", "--prompts", *SETS, "--skip", str(args.skip),
-            "--limit", str(args.limit), "--budget", str(args.budget), "--temperature", "0", "--seed", str(args.seed),
-            "--max-new-tokens", str(args.max_new_tokens), "--out-dir", str(ev), "--json", str(ev / "summary.json"),
-            "--no-progress", *(["--also-one-pass"] if is_pr else []), *(["--decompose"] if args.decompose and is_pr else [])]
+    """`pr-specforge eval` arguments of a pilot's served check."""
+    return StageBuilder(work).eval_argv(ev, **serve_settings(args, name, export))
 
 
 def stages(args, work: Path, name: str) -> List[Stage]:
     pilots = Path(args.out)
     run, export, ev = pilots / "runs" / name, pilots / "export" / name, pilots / "eval" / name
+    diag = pilots / "diagnose" / f"{name}.json"
     recipe = str(REPO_ROOT / "recipes" / VARIANTS[name][0])
-    (pilots / "diagnose").mkdir(parents=True, exist_ok=True)
-
-    def call(module: str, argv: List[str]):
-        return lambda: call_stage(module, argv, pilots / "commands.log")
-
-    serve = serve_argv(args, work, name, export, ev)
-    diag = ["--features", str(work / "heldout" / "features"), "--json", str(pilots / "diagnose" / f"{name}.json"),
-            "--seed", str(args.seed), "--no-progress"]
+    diag.parent.mkdir(parents=True, exist_ok=True)
+    build = StageBuilder(work, log_file=pilots / "commands.log")
     return [
-        Stage(f"{name}: train", run / "train.done", train_stage(args, work, name, run, recipe, pilots / "commands.log")),
-        Stage(f"{name}: diagnose", pilots / "diagnose" / f"{name}.json", lambda: call("pr_specforge.training.diagnose", [str(run), *diag])()),
-        Stage(f"{name}: export", export / "config.json", lambda: call("pr_specforge.export", [
-            latest_checkpoint(run), str(export), "--to", "hf", "--target", str(work / "target"), "--overwrite"])()),
-        Stage(f"{name}: serve", ev / "summary.json", call("pr_specforge.eval.cli", serve)),
+        # overrides made when the stage runs, not earlier: warm starts need the eagle3 pilot
+        build.train_stage(f"{name}: train", recipe, run, lambda: train_overrides(args, work, name, run)),
+        Stage(f"{name}: diagnose", diag, lambda: build.diagnose(run, work / "heldout" / "features", diag, args.seed)),
+        Stage(f"{name}: export", export / "config.json", lambda: build.export(run, export, "hf")),
+        build.eval_stage(f"{name}: serve", ev, **serve_settings(args, name, export)),
     ]
 
 
@@ -181,7 +164,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for name in order:
             print(f"{name}: pr-specforge train -c recipes/{VARIANTS[name][0]} " + " ".join(train_overrides(args, work, name, Path(args.out) / "runs" / name)))
         return 0
-    run_stages([s for name in order for s in stages(args, work, name)], Path(args.out) / "stage_times.json")
+    try:
+        run_stages([s for name in order for s in stages(args, work, name)], Path(args.out) / "stage_times.json")
+    except STAGE_ERRORS as e:
+        print(f"pilots: {e}", file=sys.stderr)
+        return 1
     rows = []
     for name in order:
         diag_path, summ_path = Path(args.out) / "diagnose" / f"{name}.json", Path(args.out) / "eval" / name / "summary.json"

@@ -18,18 +18,37 @@ import argparse
 import logging
 import os
 import sys
-from typing import List, Optional
+from typing import Callable, List, Optional
 
-# Sub-commands whose argument parsing lives in their own module (they take the rest of argv).
+# Sub-commands whose argument parsing lives with their entry function (they take the rest of argv).
 _DELEGATED = {
-    "data": ("pr_specforge.data.cli", "prepare data: conversations, regeneration, hidden states, validation"),
-    "eval": ("pr_specforge.eval.cli", "offline acceptance-length evaluation (EAGLE-3 vs PR)"),
-    "export": ("pr_specforge.export", "export a training checkpoint for SGLang or as an HF directory"),
-    "plot": ("pr_specforge.training.telemetry", "render a run's metrics JSONL to PNG"),
-    "run": ("pr_specforge.pipeline", "the embedded default: SmolLM2-135M on CPU, prepare -> train -> export -> evaluate"),
-    "diagnose": ("pr_specforge.training.diagnose", "a checkpoint's per-depth accuracy, gate use and recovered share on held-out features"),
-    "experiment": ("pr_specforge.experiment", "the SmolLM2 EAGLE-3 vs PR experiment (resumable stages)"),
+    "data": "prepare data: conversations, regeneration, hidden states, validation",
+    "eval": "offline acceptance-length evaluation (EAGLE-3 vs PR)",
+    "export": "export a training checkpoint for SGLang or as an HF directory",
+    "plot": "render a run's metrics JSONL to PNG",
+    "run": "the embedded default: SmolLM2-135M on CPU, prepare -> train -> export -> evaluate",
+    "diagnose": "a checkpoint's per-depth accuracy, gate use and recovered share on held-out features",
+    "experiment": "the SmolLM2 EAGLE-3 vs PR experiment (resumable stages)",
 }
+
+
+def _entry(command: str) -> Callable[[List[str]], int]:
+    """A delegated sub-command's `main(argv)`, imported only when that command runs."""
+    if command == "data":
+        from pr_specforge.data.cli import main
+    elif command == "eval":
+        from pr_specforge.eval.cli import main
+    elif command == "export":
+        from pr_specforge.export import main
+    elif command == "plot":
+        from pr_specforge.training.telemetry import main
+    elif command == "run":
+        from pr_specforge.pipeline import main
+    elif command == "diagnose":
+        from pr_specforge.training.diagnose import main
+    else:
+        from pr_specforge.experiment import main
+    return main
 
 
 _TRAIN_FLAGS = ("--dry-run", "--start-over")
@@ -45,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="discard the checkpoints and metrics already in output_dir and train from step 0 "
                             "(without it, a run directory holding checkpoints is resumed from the newest)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. training.max_steps=20 pr.max_depth=2")
-    for name, (_, help_text) in _DELEGATED.items():
+    for name, help_text in _DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
@@ -82,10 +101,7 @@ def _main(argv: List[str]) -> int:
         _configure_compile()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if argv and argv[0] in _DELEGATED:
-        import importlib
-
-        module = importlib.import_module(_DELEGATED[argv[0]][0])
-        return int(module.main(argv[1:]) or 0)
+        return int(_entry(argv[0])(argv[1:]) or 0)
     if argv and argv[0] == "train":  # flags may follow the overrides (`train -c R x.y=1 --start-over`)
         flags = [a for a in argv[1:] if a in _TRAIN_FLAGS]
         argv = [argv[0], *flags, *(a for a in argv[1:] if a not in _TRAIN_FLAGS)]

@@ -36,17 +36,12 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from pr_specforge.eval.experiment_report import build_report, render_markdown, write_report
-from pr_specforge.pipeline import (
-    REPO_ROOT, STAGE_ERRORS, Stage, StageFailed, check_settings, features_done, latest_checkpoint, log_command, run_stages,
-    train_command,
-)
-from pr_specforge.pipeline import call_stage as _call_stage
+from pr_specforge.stages import HELDOUT_PROMPTS, REPO_ROOT, STAGE_ERRORS, Stage, StageBuilder, check_settings, run_stages, train_command
 
 log = logging.getLogger(__name__)
 
 RECIPES = {"eagle3": REPO_ROOT / "recipes" / "smollm2-135m-cpu-eagle3.yaml", "pr": REPO_ROOT / "recipes" / "smollm2-135m-cpu.yaml"}
-BENCHMARKS = ("mtbench", "gsm8k", "humaneval")
+BENCHMARKS = HELDOUT_PROMPTS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -78,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     args.command = "pr-specforge experiment " + shlex.join(sys.argv[1:] if argv is None else argv)
+    from pr_specforge.eval.experiment_report import render_markdown  # (pr_specforge.eval loads torch)
+
     try:
         report = Experiment(args).run()
     except STAGE_ERRORS as e:
@@ -94,14 +91,16 @@ class Experiment:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.work = work = Path(args.workdir).resolve()
-        self.target, self.convs = work / "target", work / "conversations.jsonl"
-        self.regen, self.feats, self.held = work / "regenerated.jsonl", work / "features", work / "heldout"
+        self.build = StageBuilder(work, log_file=work / "commands.log")
+        self.held = work / "heldout"
         self.runs = {name: work / "runs" / f"{name}-seed{args.seed}" for name in RECIPES}
         self.exports = {name: work / "export" / f"{name}-seed{args.seed}" for name in RECIPES}
         self.evals = {"b48": work / f"eval-b48-seed{args.seed}", "b24": work / f"eval-b24-seed{args.seed}"}
         self.diags = {name: work / "diagnose" / f"{name}-seed{args.seed}.json" for name in RECIPES}
 
     def run(self) -> Dict:
+        from pr_specforge.eval.experiment_report import build_report, write_report
+
         args, work = self.args, self.work
         work.mkdir(parents=True, exist_ok=True)
         # data settings are shared by every seed; seeds and reports may differ between invocations
@@ -120,69 +119,44 @@ class Experiment:
         write_report(report, Path(prefix))
         return report
 
-    def call_stage(self, module: str, stage_argv: List[str]) -> None:
-        _call_stage(module, stage_argv, log_file=self.work / "commands.log")
-
-    def data(self, *argv: str) -> None:
-        self.call_stage("pr_specforge.data.cli", [*argv])
-
-    def conversations(self, out: Path, limit: int, *extra: str) -> None:
-        holdout = sum((["--holdout-prompts", b] for b in BENCHMARKS), [])
-        self.data("conversations", "--source", "sharegpt-package", "--output", str(out), "--limit", str(limit),
-                  "--max-turns", "1", *extra, *holdout)
-
-    def regenerate(self, conversations: Path, out: Path, done: Path):
-        def run() -> None:
-            self.data("regenerate", "--target", str(self.target), "--input", str(conversations), "--output", str(out),
-                      "--max-new-tokens", str(self.args.max_new_tokens), "--batch-size", "32", "--temperature", "0",
-                      "--max-prompt-chars", str(self.args.max_prompt_chars))
-            done.write_text("ok\n")
-        return run
-
-    def hidden_states(self, conversations: Path, out: Path) -> None:
-        self.data("hidden-states", "--target", str(self.target), "--input", str(conversations), "--output", str(out),
-                  "--max-length", str(self.args.max_length), "--draft-vocab-size", str(self.args.draft_vocab_size))
-
     def shared_stages(self) -> List[Stage]:
-        held, work = self.held, self.work
+        args, build, held = self.args, self.build, self.held
+        regenerate = dict(max_new_tokens=args.max_new_tokens, max_prompt_chars=args.max_prompt_chars, batch_size=32)
         stages = [
-            Stage("target", self.target / "config.json", lambda: self.data("smollm2-target", "--output", str(self.target))),
-            Stage("conversations", self.convs, lambda: self.conversations(self.convs, self.args.conversations)),
-            Stage("regenerate", work / "regenerated.done", self.regenerate(self.convs, self.regen, work / "regenerated.done")),
-            Stage("features", self.feats / "manifest.json", lambda: (
-                self.hidden_states(self.regen, self.feats), self.data("validate", str(self.feats), "--target", str(self.target))),
-                done=lambda: features_done(self.feats)),
+            build.target_stage(),
+            build.conversations_stage(args.conversations),
+            build.regenerate_stage(**regenerate),
+            build.features_stage(args.max_length, args.draft_vocab_size),
         ]
-        if self.args.heldout:
+        if args.heldout:
             stages += [
-                Stage("heldout-conversations", held / "conversations.jsonl", lambda: self.conversations(
-                    held / "conversations.jsonl", self.args.heldout, "--exclude-ids", str(self.convs))),
-                Stage("heldout-regenerate", held / "regenerated.done",
-                      self.regenerate(held / "conversations.jsonl", held / "regenerated.jsonl", held / "regenerated.done")),
-                Stage("heldout-features", held / "features" / "manifest.json",
-                      lambda: self.hidden_states(held / "regenerated.jsonl", held / "features"),
-                      done=lambda: features_done(held / "features")),
+                build.conversations_stage(args.heldout, held / "conversations.jsonl", "heldout-conversations",
+                                          extra=["--exclude-ids", str(build.convs)]),
+                build.regenerate_stage(**regenerate, conversations=held / "conversations.jsonl",
+                                       out=held / "regenerated.jsonl", name="heldout-regenerate"),
+                build.features_stage(args.max_length, args.draft_vocab_size, held / "regenerated.jsonl", held / "features",
+                                     "heldout-features", validate=False),
             ]
         return stages
 
     def seeded_stages(self) -> List[Stage]:
-        runs, evals = self.runs, self.evals
+        args, build, evals = self.args, self.build, self.evals
+        drafts = {name: self.exports[name] for name in RECIPES}
+        evaluate = dict(drafts=drafts, prompts=args.benchmarks, limit=args.eval_limit, max_new_tokens=args.eval_max_new_tokens,
+                        extra=["--k", "6", "--bw", "6", "--gamma", "8", "--m", "3", "--seed", args.seed, "--no-progress"])
         return [
-            Stage("train-eagle3", runs["eagle3"] / "train.done", self.train("eagle3")),
-            Stage("train-pr", runs["pr"] / "train.done", self.train("pr")),
-            *([Stage("diagnose", self.diags["pr"], self.diagnose)] if self.args.heldout else []),
+            *(build.train_stage(f"train-{name}", str(RECIPES[name]), self.runs[name], lambda name=name: self.train_overrides(name))
+              for name in RECIPES),
+            *([Stage("diagnose", self.diags["pr"], self.diagnose)] if args.heldout else []),
             Stage("export", self.exports["pr"] / "config.json", self.export),
-            Stage("eval-b48", evals["b48"] / "summary.json", self.evaluate("b48", [48], [0.0, 1.0])),
-            Stage("eval-b24", evals["b24"] / "summary.json", self.evaluate("b24", [24], [0.0])),
+            build.eval_stage("eval-b48", evals["b48"], budgets=[48], temperatures=[0.0, 1.0], **evaluate),
+            build.eval_stage("eval-b24", evals["b24"], budgets=[24], temperatures=[0.0], **evaluate),
         ]
 
     def train_overrides(self, name: str) -> List[str]:
         args = self.args
         overrides = [
-            f"model.target_model_path={self.target}",
-            f"model.vocab_mapping_path={self.feats / 'vocab_mapping' / 'vocab_mapping.pt'}",
-            f"data.hidden_states_path={self.feats}", f"data.max_length={args.max_length}",
-            f"output_dir={self.runs[name]}", f"training.num_epochs={args.epochs}",
+            *self.build.feature_overrides(self.runs[name], args.max_length), f"training.num_epochs={args.epochs}",
             f"training.learning_rate={args.lr}", f"training.seed={args.seed}",
             f"training.save_interval={args.save_interval}",
         ]
@@ -190,40 +164,13 @@ class Experiment:
             overrides += [f"data.eval_hidden_states_path={self.held / 'features'}", f"training.eval_interval={args.eval_interval}"]
         return overrides
 
-    def train(self, name: str):
-        def run() -> None:
-            from pr_specforge.training.train import run_train
-
-            overrides = self.train_overrides(name)
-            ckpt = latest_checkpoint(self.runs[name], required=False)
-            if ckpt:
-                log.info("resuming %s from %s", name, ckpt)
-                overrides.append(f"training.resume_from={ckpt}")
-            log_command(train_command(str(RECIPES[name]), overrides), self.work / "commands.log")
-            rc = run_train(str(RECIPES[name]), overrides)
-            if rc:
-                raise StageFailed(f"training {name} failed: exit {rc}")
-            (self.runs[name] / "train.done").write_text("ok\n")
-        return run
-
     def diagnose(self) -> None:
         for name in RECIPES:  # the PR file last: it is the stage's output
-            self.call_stage("pr_specforge.training.diagnose", [str(self.runs[name]), "--features", str(self.held / "features"),
-                                                       "--json", str(self.diags[name]), "--seed", str(self.args.seed), "--no-progress"])
+            self.build.diagnose(self.runs[name], self.held / "features", self.diags[name], self.args.seed)
 
     def export(self) -> None:
         for name in RECIPES:
-            self.call_stage("pr_specforge.export", [latest_checkpoint(self.runs[name]), str(self.exports[name]), "--to", "hf",
-                                                    "--target", str(self.target), "--overwrite"])
-
-    def evaluate(self, key: str, budgets: Sequence[int], temps: Sequence[float]):
-        args, exports = self.args, self.exports
-        return lambda: self.call_stage("pr_specforge.eval.cli", [
-            "--target", str(self.target), "--draft", f"eagle3={exports['eagle3']}", "--draft", f"pr={exports['pr']}",
-            "--prompts", *args.benchmarks, "--limit", str(args.eval_limit), "--budget", *map(str, budgets),
-            "--temperature", *map(str, temps), "--max-new-tokens", str(args.eval_max_new_tokens),
-            "--k", "6", "--bw", "6", "--gamma", "8", "--m", "3", "--seed", str(args.seed),
-            "--out-dir", str(self.evals[key]), "--json", str(self.evals[key] / "summary.json"), "--no-progress"])
+            self.build.export(self.runs[name], self.exports[name], "hf")
 
 
 # ---------------------------------------------------------------- stage times

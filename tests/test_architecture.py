@@ -7,7 +7,7 @@
 * No file over 600 lines and no function over 80 lines in `pr_specforge/`.
 * `print` and `raise SystemExit` only in CLI entry points (a `main` function, or a `cli.py`
   module); library functions raise exceptions and log.
-* Light modules (recipe errors, recipe loading, the CLI) import without torch or SpecForge,
+* Light modules (recipe errors, recipe loading, the CLI, the stages) import without torch or SpecForge,
   and importing the adapter patches nothing in SpecForge.
 """
 
@@ -103,6 +103,7 @@ def test_light_modules_import_without_torch_and_the_adapter_patches_nothing():
         "import sys\n"
         "import pr_specforge.config, pr_specforge.cli, pr_specforge.training, pr_specforge.training.recipe\n"
         "import pr_specforge.training.train, pr_specforge.training.preflight, pr_specforge.training.backends.config\n"
+        "import pr_specforge.stages, pr_specforge.pipeline, pr_specforge.experiment\n"
         "heavy = sorted(m for m in ('torch', 'specforge') if m in sys.modules)\n"
         "assert not heavy, f'light modules imported {heavy}'\n"
         "import specforge.algorithms.eagle3.model as m, specforge.training.trainer as t, specforge.training.assembly as a\n"

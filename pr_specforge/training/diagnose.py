@@ -32,7 +32,7 @@ from pr_specforge.config import ConfigError
 
 
 def _resolve_checkpoint(run_dir: Path, checkpoint: Optional[str]) -> str:
-    from pr_specforge.pipeline import latest_checkpoint
+    from pr_specforge.training.preflight import latest_checkpoint
 
     if checkpoint:
         if not Path(checkpoint).exists():

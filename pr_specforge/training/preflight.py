@@ -2,7 +2,8 @@
 
 Owns: the target directory check, the vocab map check (readable, a map, the sizes
 the drafter needs, and the map the features were made with: the features'
-`manifest.json` records its fingerprint), and the guard on a run directory that
+`manifest.json` records its fingerprint), `latest_checkpoint` (a run directory's newest
+complete checkpoint, by SpecForge's rule) and the guard on a run directory that
 already holds checkpoints (resume it, or start over only when told to).
 
 Also owns `check_run(recipe)`, every check `pr-specforge train` makes after loading the recipe
@@ -83,10 +84,29 @@ def check_vocab_map(path: Optional[str], draft: Optional[dict], features: Option
                 f"(fingerprint {vocab_fingerprint(mapping)}, {manifest} records {recorded}); use {own}")
 
 
+def latest_checkpoint(run_dir, required: bool = True) -> Optional[str]:
+    """The newest complete `<run_id>-stepN` checkpoint directory of a SpecForge run.
+
+    Completeness is SpecForge's own rule (`CheckpointManager.latest_dir`: its `-latest` pointer, else
+    the highest step whose `training_state.pt` exists), so a kill in the middle of a save resumes
+    from the checkpoint before it. A directory holding several runs gives the highest step of any.
+    """
+    from pathlib import Path
+
+    from pr_specforge._specforge import latest_checkpoint_dir
+
+    steps = [p.name.rsplit("-step", 1) for p in Path(run_dir).glob("*-step*")]
+    run_ids = sorted({run_id for run_id, step in steps if step.isdigit()})
+    ckpts = [d for d in (latest_checkpoint_dir(str(run_dir), run_id) for run_id in run_ids) if d]
+    if not ckpts:
+        if required:
+            raise FileNotFoundError(f"no checkpoint under {run_dir}; did training save one (training.save_interval)?")
+        return None
+    return max(ckpts, key=lambda d: int(d.rsplit("-step", 1)[-1]))
+
+
 def run_checkpoints(output_dir: str) -> Optional[str]:
     """The newest complete checkpoint directory under a run directory, or None."""
-    from pr_specforge.pipeline import latest_checkpoint
-
     if not os.path.isdir(output_dir):
         return None
     return latest_checkpoint(output_dir, required=False)

@@ -35,7 +35,7 @@ def test_pairing_uses_only_prompts_evaluated_for_both():
 
 
 def test_a_workdir_is_not_reused_with_other_settings(tmp_path):
-    from pr_specforge.pipeline import check_settings
+    from pr_specforge.stages import check_settings
 
     path = tmp_path / "run_settings.json"
     check_settings(path, {"conversations": 256, "max_steps": 300})

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from pr_specforge.pipeline import Stage, run_stages
+from pr_specforge.stages import Stage, run_stages
 
 
 def test_finished_stages_are_skipped_and_wall_time_survives_a_failed_attempt(tmp_path):
@@ -68,7 +68,7 @@ def test_old_workdirs_move_seeded_stage_times_to_seed0_once(tmp_path):
 
 
 def test_resume_skips_a_checkpoint_killed_mid_save(tmp_path):
-    from pr_specforge.pipeline import latest_checkpoint
+    from pr_specforge.training.preflight import latest_checkpoint
 
     assert latest_checkpoint(tmp_path, required=False) is None
     for step in (500, 1000, 1500):
@@ -87,7 +87,7 @@ def test_an_unfinished_features_stage_is_not_done(tmp_path):
     """`data hidden-states` writes manifest.json (`in_progress`) first: its existence is no sign of a finished stage."""
     import json
 
-    from pr_specforge.pipeline import features_done
+    from pr_specforge.stages import features_done
 
     feats = tmp_path / "features"
     feats.mkdir()
@@ -99,3 +99,87 @@ def test_an_unfinished_features_stage_is_not_done(tmp_path):
     (feats / "manifest.json").write_text(json.dumps({"status": "complete"}))
     run_stages([Stage("features", feats / "manifest.json", lambda: ran.append(2), done=lambda: features_done(feats))])
     assert ran == [1]
+
+
+def _record_commands(monkeypatch, tmp_path):
+    """Every stage command a StageBuilder would run (entry functions and training replaced by recorders)."""
+    import pr_specforge.training.preflight as preflight
+    import pr_specforge.training.train as train
+    from pr_specforge.stages import StageBuilder
+
+    calls = []
+    monkeypatch.setattr(StageBuilder, "call", lambda self, command, main, argv: calls.append([command, *map(str, argv)]))
+    monkeypatch.setattr(train, "run_train", lambda recipe, overrides: calls.append(["train", "-c", recipe, *overrides]) or 0)
+    monkeypatch.setattr(preflight, "latest_checkpoint", lambda run_dir, required=True: f"{run_dir}/CKPT" if required else None)
+    return calls
+
+
+def test_run_builds_its_stage_commands_through_the_stage_builder(tmp_path, monkeypatch):
+    from pr_specforge import pipeline
+    from pr_specforge.stages import StageBuilder
+
+    calls = _record_commands(monkeypatch, tmp_path)
+    (tmp_path / "runs" / "pr").mkdir(parents=True)
+    args = pipeline._parser().parse_args(["--workdir", str(tmp_path), "training.learning_rate=1e-4"])
+    stages = pipeline.stages(args, StageBuilder(tmp_path))
+    run_stages(stages)
+    w = str(tmp_path)
+    held = ["--holdout-prompts", "mtbench", "--holdout-prompts", "gsm8k", "--holdout-prompts", "humaneval"]
+    assert [s.name for s in stages] == ["target", "conversations", "regenerate", "features", "train", "export", "evaluate"]
+    assert calls == [
+        ["data", "smollm2-target", "--output", f"{w}/target"],
+        ["data", "conversations", "--source", "sharegpt-package", "--output", f"{w}/conversations.jsonl", "--limit", "256",
+         "--max-turns", "1", *held],
+        ["data", "regenerate", "--target", f"{w}/target", "--input", f"{w}/conversations.jsonl", "--output",
+         f"{w}/regenerated.jsonl", "--max-new-tokens", "96", "--batch-size", "16", "--temperature", "0", "--max-prompt-chars", "2000"],
+        ["data", "hidden-states", "--target", f"{w}/target", "--input", f"{w}/regenerated.jsonl", "--output", f"{w}/features",
+         "--max-length", "512", "--draft-vocab-size", "8192"],
+        ["data", "validate", f"{w}/features", "--target", f"{w}/target"],
+        ["train", "-c", args.recipe, f"model.target_model_path={w}/target",
+         f"model.vocab_mapping_path={w}/features/vocab_mapping/vocab_mapping.pt", f"data.hidden_states_path={w}/features",
+         "data.max_length=512", f"output_dir={w}/runs/pr", "training.max_steps=300", "training.learning_rate=1e-4"],
+        ["export", f"{w}/runs/pr/CKPT", f"{w}/export/pr-sglang", "--to", "sglang", "--target", f"{w}/target", "--overwrite"],
+        ["export", f"{w}/runs/pr/CKPT", f"{w}/export/pr-hf", "--to", "hf", "--target", f"{w}/target", "--overwrite"],
+        ["eval", "--target", f"{w}/target", "--draft", f"pr={w}/export/pr-hf", "--prompts", "mtbench", "--limit", "3",
+         "--budget", "24", "--temperature", "0", "--max-new-tokens", "32", "--also-one-pass", "--out-dir", f"{w}/eval",
+         "--json", f"{w}/eval/summary.json"],
+    ]
+    assert (tmp_path / "regenerated.done").exists() and (tmp_path / "runs" / "pr" / "train.done").exists()
+
+
+def test_experiment_builds_its_stage_commands_through_the_stage_builder(tmp_path, monkeypatch):
+    from pr_specforge.experiment import Experiment, _parser
+
+    calls = _record_commands(monkeypatch, tmp_path)
+    (tmp_path / "runs" / "eagle3-seed0").mkdir(parents=True)
+    (tmp_path / "runs" / "pr-seed0").mkdir(parents=True)
+    (tmp_path / "heldout").mkdir()
+    exp = Experiment(_parser().parse_args(["--workdir", str(tmp_path), "--seed", "0"]))
+    shared, seeded = exp.shared_stages(), exp.seeded_stages()
+    assert [s.name for s in shared + seeded] == [
+        "target", "conversations", "regenerate", "features", "heldout-conversations", "heldout-regenerate",
+        "heldout-features", "train-eagle3", "train-pr", "diagnose", "export", "eval-b48", "eval-b24"]
+    run_stages(shared + seeded)
+    w = str(tmp_path)
+    by_command = {}
+    for call in calls:
+        by_command.setdefault(call[0], []).append(call[1:])
+    assert ["validate", f"{w}/features", "--target", f"{w}/target"] in by_command["data"]
+    assert not any(c[:2] == ["validate", f"{w}/heldout/features"] for c in by_command["data"])  # held-out: not validated
+    assert ["conversations", "--source", "sharegpt-package", "--output", f"{w}/heldout/conversations.jsonl", "--limit", "200",
+            "--max-turns", "1", "--exclude-ids", f"{w}/conversations.jsonl", "--holdout-prompts", "mtbench",
+            "--holdout-prompts", "gsm8k", "--holdout-prompts", "humaneval"] in by_command["data"]
+    for (flag, recipe, *overrides), name in zip(by_command["train"], ("eagle3", "pr")):
+        assert recipe.endswith("smollm2-135m-cpu-eagle3.yaml" if name == "eagle3" else "smollm2-135m-cpu.yaml")
+        assert overrides == [*exp.build.feature_overrides(tmp_path / "runs" / f"{name}-seed0", 2048), "training.num_epochs=2",
+                             "training.learning_rate=0.0003", "training.seed=0", "training.save_interval=500",
+                             f"data.eval_hidden_states_path={w}/heldout/features", "training.eval_interval=2000"]
+    assert [c[2] for c in by_command["diagnose"]] == [f"{w}/heldout/features"] * 2
+    assert by_command["export"] == [[f"{w}/runs/{n}-seed0/CKPT", f"{w}/export/{n}-seed0", "--to", "hf", "--target", f"{w}/target",
+                                     "--overwrite"] for n in ("eagle3", "pr")]
+    b48 = by_command["eval"][0]
+    assert b48[b48.index("--temperature") + 1: b48.index("--temperature") + 3] == ["0.0", "1.0"]
+    assert ["--draft", f"eagle3={w}/export/eagle3-seed0", "--draft", f"pr={w}/export/pr-seed0"] == b48[2:6]
+    assert b48[b48.index("--k"): b48.index("--k") + 11] == ["--k", "6", "--bw", "6", "--gamma", "8", "--m", "3", "--seed", "0",
+                                                            "--no-progress"]
+    assert (tmp_path / "commands.log").read_text().count("pr-specforge train -c") == 2

@@ -1,0 +1,269 @@
+"""Resumable stages, and the one stage builder `run`, `experiment` and the pilot screening share.
+
+    builder = StageBuilder(Path("work/x"), log_file=Path("work/x/commands.log"))
+    run_stages([builder.target_stage(), builder.conversations_stage(256), ...], Path("work/x/stage_times.json"))
+
+A stage is skipped once its output exists (each writes it last), so rerunning a command
+resumes where it stopped; `run_stages` keeps each stage's wall time across interruptions.
+
+`StageBuilder` owns the stages' argument lists over one work directory (`target/`,
+`conversations.jsonl`, `regenerated.jsonl`, `features/`, run directories): target,
+conversations, regenerate, features, train, diagnose, export, eval. Each stage calls its
+command's entry function in this process (`pr-specforge data|diagnose|export|eval|plot`'s
+`main(argv)`, `train`'s `run_train`, imported when the stage runs), logs the equivalent
+`pr-specforge ...` command line and appends it to the builder's `log_file`.
+
+Does not own: which stages a command runs, or any stage's work.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class StageFailed(RuntimeError):
+    """A stage's command returned non-zero; the message names the command."""
+
+
+#: what a stage-running command reports in one line and exits 1 on (bad settings, no checkpoint, a failed stage)
+STAGE_ERRORS = (StageFailed, FileNotFoundError, ValueError)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+#: evaluation prompt sets whose prompts are held out of the training conversations
+HELDOUT_PROMPTS = ("mtbench", "gsm8k", "humaneval")
+
+
+class Stage:
+    """A pipeline stage: skipped once `done()` (by default: `output` exists; a stage writes it last)."""
+
+    def __init__(self, name: str, output: Path, run: Callable[[], None], done: Optional[Callable[[], bool]] = None):
+        self.name, self.output, self.run = name, output, run
+        self.done = done or output.exists
+
+
+def features_done(feats: Path) -> bool:
+    """A features stage finished: its `manifest.json` says complete (`data hidden-states` writes it
+    `in_progress` at the start, so its mere existence is no sign of a finished stage)."""
+    manifest = feats / "manifest.json"
+    if not manifest.exists():
+        return False
+    try:
+        return json.loads(manifest.read_text()).get("status") == "complete"
+    except json.JSONDecodeError:
+        return False
+
+
+def log_command(line: str, log_file: Optional[Path] = None) -> None:
+    """Log a stage's equivalent command line; append it to `log_file` when given."""
+    log.info("stage command: %s", line)
+    if log_file is not None:
+        with open(log_file, "a") as f:
+            f.write(line + "\n")
+
+
+def command_line(subcommand: str, argv: Sequence[str]) -> str:
+    """The `pr-specforge SUBCOMMAND ARGV...` line a stage is equivalent to."""
+    import shlex
+
+    return "pr-specforge " + shlex.join([subcommand, *argv])
+
+
+def train_command(recipe: str, overrides: Sequence[str]) -> str:
+    """The command line equivalent to `run_train(recipe, overrides)`."""
+    return command_line("train", ["-c", str(recipe), *overrides])
+
+
+def train_command(recipe: str, overrides: Sequence[str]) -> str:
+    """The command line equivalent to `run_train(recipe, overrides)`."""
+    return command_line("train", ["-c", str(recipe), *overrides])
+
+
+def check_settings(path: Path, settings: Dict) -> None:
+    """Stages skip when their output exists, so a workdir must not be reused with other settings."""
+    from pr_specforge.config import ConfigError
+    from pr_specforge.data.io import atomic_write_json
+
+    settings = json.loads(json.dumps(settings))
+    if path.exists():
+        before = json.loads(path.read_text())
+        changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
+        if changed:
+            detail = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items()))
+            raise ConfigError(
+                f"{path.parent} was made with other settings ({detail}); its finished stages would be reused "
+                "as they are. Use a new --workdir, or delete this one to start over."
+            )
+        return
+    atomic_write_json(path, settings)
+
+
+def run_stages(stages: List[Stage], times_path: Optional[Path] = None, heartbeat_s: float = 60.0) -> Dict[str, float]:
+    """Run the stages in order, skipping finished ones; return each stage's wall time.
+
+    Wall time accumulates across interrupted runs: while a stage runs, its running total is
+    saved every `heartbeat_s` seconds (so a kill loses at most that much of the account), and
+    once more when the stage ends, whether it finished or failed.
+    """
+    import threading
+
+    from pr_specforge.data.io import atomic_write_json
+
+    timings: Dict[str, float] = {}
+    if times_path is not None and times_path.exists():
+        timings.update(json.loads(times_path.read_text()))
+    lock = threading.Lock()
+
+    def save(name: str, total: float) -> None:
+        with lock:
+            timings[name] = total
+            if times_path is not None:
+                atomic_write_json(times_path, timings)
+
+    for stage in stages:
+        if stage.done():
+            log.info("stage %-13s skipped (%s exists)", stage.name, stage.output)
+            timings.setdefault(stage.name, 0.0)
+            continue
+        log.info("stage %-13s running", stage.name)
+        base, t0 = timings.get(stage.name, 0.0), time.perf_counter()
+        done = threading.Event()
+
+        def beat(name=stage.name, base=base, t0=t0, done=done) -> None:
+            while not done.wait(heartbeat_s):
+                save(name, base + time.perf_counter() - t0)
+
+        thread = threading.Thread(target=beat, daemon=True)
+        thread.start()
+        try:
+            stage.run()
+        finally:
+            done.set()
+            thread.join()
+            save(stage.name, base + time.perf_counter() - t0)
+        log.info("stage %-13s done in %.1f s", stage.name, time.perf_counter() - t0)
+    return {stage.name: timings[stage.name] for stage in stages}
+
+
+class StageBuilder:
+    """The stages over one work directory; see the module docstring."""
+
+    def __init__(self, work: Path, log_file: Optional[Path] = None) -> None:
+        self.work, self.log_file = work, log_file
+        self.target, self.convs = work / "target", work / "conversations.jsonl"
+        self.regen, self.feats = work / "regenerated.jsonl", work / "features"
+
+    def call(self, command: str, main: Callable[[List[str]], int], argv: Sequence) -> None:
+        """Run `pr-specforge COMMAND ARGV` as `main(argv)` in this process; non-zero stops the stages."""
+        argv = [str(a) for a in argv]
+        log_command(command_line(command, argv), self.log_file)
+        rc = main(argv)
+        if rc:
+            raise StageFailed(f"stage command failed (pr-specforge {command} {' '.join(argv)}): exit {rc}")
+
+    def data(self, *argv) -> None:
+        from pr_specforge.data.cli import main
+
+        self.call("data", main, argv)
+
+    def target_stage(self) -> Stage:
+        """The SmolLM2-135M-Instruct target (`data smollm2-target`)."""
+        return Stage("target", self.target / "config.json", lambda: self.data("smollm2-target", "--output", self.target))
+
+    def conversations_stage(self, limit: int, out: Optional[Path] = None, name: str = "conversations",
+                            extra: Sequence[str] = ()) -> Stage:
+        """ShareGPT first turns, the evaluation prompts held out (`data conversations`)."""
+        out = out or self.convs
+        holdout = [a for p in HELDOUT_PROMPTS for a in ("--holdout-prompts", p)]
+        return Stage(name, out, lambda: self.data("conversations", "--source", "sharegpt-package", "--output", out,
+                                                  "--limit", limit, "--max-turns", "1", *extra, *holdout))
+
+    def regenerate_stage(self, max_new_tokens: int, max_prompt_chars: int, batch_size: int, conversations: Optional[Path] = None,
+                         out: Optional[Path] = None, name: str = "regenerate") -> Stage:
+        """Greedy replies by the target (`data regenerate`); done once `<out stem>.done` exists."""
+        conversations, out = conversations or self.convs, out or self.regen
+        done = out.with_suffix(".done")
+
+        def run() -> None:
+            self.data("regenerate", "--target", self.target, "--input", conversations, "--output", out,
+                      "--max-new-tokens", max_new_tokens, "--batch-size", batch_size, "--temperature", "0",
+                      "--max-prompt-chars", max_prompt_chars)
+            done.write_text("ok\n")
+        return Stage(name, done, run)
+
+    def features_stage(self, max_length: int, draft_vocab_size: int, regenerated: Optional[Path] = None,
+                       out: Optional[Path] = None, name: str = "features", validate: bool = True) -> Stage:
+        """Target hidden states + vocab map (`data hidden-states`), then `data validate` when asked."""
+        regenerated, out = regenerated or self.regen, out or self.feats
+
+        def run() -> None:
+            self.data("hidden-states", "--target", self.target, "--input", regenerated, "--output", out,
+                      "--max-length", max_length, "--draft-vocab-size", draft_vocab_size)
+            if validate:
+                self.data("validate", out, "--target", self.target)
+        return Stage(name, out / "manifest.json", run, done=lambda: features_done(out))
+
+    def feature_overrides(self, run_dir: Path, max_length: int) -> List[str]:
+        """The recipe overrides that train on this work directory's target and features into `run_dir`."""
+        return [f"model.target_model_path={self.target}",
+                f"model.vocab_mapping_path={self.feats / 'vocab_mapping' / 'vocab_mapping.pt'}",
+                f"data.hidden_states_path={self.feats}", f"data.max_length={max_length}", f"output_dir={run_dir}"]
+
+    def train_stage(self, name: str, recipe: str, run_dir: Path, overrides: Callable[[], List[str]]) -> Stage:
+        """`pr-specforge train -c RECIPE OVERRIDES` (made when the stage runs), resumed from the run's
+        newest checkpoint; done once `RUN_DIR/train.done` exists."""
+        def run() -> None:
+            from pr_specforge.training.preflight import latest_checkpoint
+            from pr_specforge.training.train import run_train
+
+            argv = list(overrides())
+            ckpt = latest_checkpoint(run_dir, required=False)
+            if ckpt:
+                log.info("resuming %s from %s", name, ckpt)
+                argv.append(f"training.resume_from={ckpt}")
+            log_command(train_command(recipe, argv), self.log_file)
+            rc = run_train(str(recipe), argv)
+            if rc:
+                raise StageFailed(f"{name}: training failed with exit {rc}")
+            (run_dir / "train.done").write_text("ok\n")
+        return Stage(name, run_dir / "train.done", run)
+
+    def diagnose(self, run_dir: Path, features: Path, out_json: Path, seed: int) -> None:
+        """`pr-specforge diagnose` of the run's newest checkpoint on held-out features."""
+        from pr_specforge.training.diagnose import main
+
+        self.call("diagnose", main, [run_dir, "--features", features, "--json", out_json, "--seed", seed, "--no-progress"])
+
+    def export(self, run_dir: Path, out: Path, to: str) -> None:
+        """`pr-specforge export` of the run's newest checkpoint (`--to sglang|hf`)."""
+        from pr_specforge.export import main
+        from pr_specforge.training.preflight import latest_checkpoint
+
+        self.call("export", main, [latest_checkpoint(run_dir), out, "--to", to, "--target", self.target, "--overwrite"])
+
+    def eval_argv(self, out_dir: Path, drafts: Dict[str, Path], prompts: Sequence[str], limit: int, budgets: Sequence[int],
+                  temperatures: Sequence[float], max_new_tokens: int, extra: Sequence = ()) -> List[str]:
+        """`pr-specforge eval` arguments: `drafts` (name -> HF export) against the target, into `out_dir`."""
+        return [str(a) for a in (
+            "--target", self.target, *(a for n, d in drafts.items() for a in ("--draft", f"{n}={d}")),
+            "--prompts", *prompts, "--limit", limit, "--budget", *budgets, "--temperature", *temperatures,
+            "--max-new-tokens", max_new_tokens, *extra, "--out-dir", out_dir, "--json", out_dir / "summary.json")]
+
+    def eval_stage(self, name: str, out_dir: Path, **settings) -> Stage:
+        """`pr-specforge eval` (`eval_argv(out_dir, **settings)`); done once `OUT_DIR/summary.json` exists."""
+        def run() -> None:
+            from pr_specforge.eval.cli import main
+
+            self.call("eval", main, self.eval_argv(out_dir, **settings))
+        return Stage(name, out_dir / "summary.json", run)
+
+    def plot(self, run_dir: Path) -> None:
+        """`pr-specforge plot RUN_DIR` (metrics.png)."""
+        from pr_specforge.training.telemetry import main
+
+        self.call("plot", main, [run_dir])
