@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from pr_specforge.eval.experiment_report import build_report, render_markdown, write_report
 from pr_specforge.stages import HELDOUT_PROMPTS, REPO_ROOT, STAGE_ERRORS, Stage, StageBuilder, check_settings, run_stages, train_command
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,6 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     args.command = "pr-specforge experiment " + shlex.join(sys.argv[1:] if argv is None else argv)
-    from pr_specforge.eval.experiment_report import render_markdown  # (pr_specforge.eval loads torch)
-
     try:
         report = Experiment(args).run()
     except STAGE_ERRORS as e:
@@ -99,8 +98,6 @@ class Experiment:
         self.diags = {name: work / "diagnose" / f"{name}-seed{args.seed}.json" for name in RECIPES}
 
     def run(self) -> Dict:
-        from pr_specforge.eval.experiment_report import build_report, write_report
-
         args, work = self.args, self.work
         work.mkdir(parents=True, exist_ok=True)
         # data settings are shared by every seed; seeds and reports may differ between invocations

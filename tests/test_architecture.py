@@ -103,7 +103,7 @@ def test_light_modules_import_without_torch_and_the_adapter_patches_nothing():
         "import sys\n"
         "import pr_specforge.config, pr_specforge.cli, pr_specforge.training, pr_specforge.training.recipe\n"
         "import pr_specforge.training.train, pr_specforge.training.preflight, pr_specforge.training.backends.config\n"
-        "import pr_specforge.stages, pr_specforge.pipeline, pr_specforge.experiment\n"
+        "import pr_specforge.stages, pr_specforge.pipeline, pr_specforge.experiment, pr_specforge.eval.statistics\n"
         "heavy = sorted(m for m in ('torch', 'specforge') if m in sys.modules)\n"
         "assert not heavy, f'light modules imported {heavy}'\n"
         "import specforge.algorithms.eagle3.model as m, specforge.training.trainer as t, specforge.training.assembly as a\n"

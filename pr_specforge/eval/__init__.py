@@ -1,11 +1,11 @@
-"""Offline evaluation of drafters: acceptance length, speed, losslessness, diagnostics."""
+"""Offline evaluation of drafters, and the statistics and report of the EAGLE-3 vs PR experiment.
 
-from pr_specforge.eval.evaluator import (  # noqa: F401
-    DraftEntry,
-    EvalSettings,
-    Evaluator,
-    LosslessnessError,
-    load_draft_entries,
-    load_target,
-    summarize,
-)
+* `evaluator`          `Evaluator`: acceptance length, speed, losslessness, diagnostics per
+                       drafter x prompt set x budget x temperature (the tree is `pr_specforge.serving`'s)
+* `report`             the evaluation's markdown tables and plots (`report.md`)
+* `cli`                `pr-specforge eval`
+* `statistics`         PR's tau gain over EAGLE-3 with a paired bootstrap CI, per cell and per seed
+* `experiment_report`  `pr-specforge experiment`'s report (`benchmarks/results/smollm2-cpu*.{md,json}`)
+
+Importing the package imports nothing heavy; `evaluator` loads torch and the serving code.
+"""
