@@ -79,11 +79,6 @@ def train_command(recipe: str, overrides: Sequence[str]) -> str:
     return command_line("train", ["-c", str(recipe), *overrides])
 
 
-def train_command(recipe: str, overrides: Sequence[str]) -> str:
-    """The command line equivalent to `run_train(recipe, overrides)`."""
-    return command_line("train", ["-c", str(recipe), *overrides])
-
-
 def check_settings(path: Path, settings: Dict) -> None:
     """Stages skip when their output exists, so a workdir must not be reused with other settings."""
     from pr_specforge.config import ConfigError
