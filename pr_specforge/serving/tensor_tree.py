@@ -187,7 +187,7 @@ class TensorTreeBuilder:
         self.draft = torch.zeros(n, **i64)
         self.valid = torch.zeros(n, device=dev, dtype=torch.bool)
         self.valid[1 : 1 + k] = True  # the root's children (the root itself is kept apart from the cut)
-        self.shifted = torch.zeros(n, device=dev)  # > 0: an edge into the node was repriced (Eq. 9)
+        self.shifted = torch.zeros(n, **f64)  # > 0: an edge into the node was repriced (Eq. 9)
         self.anc = torch.zeros(n, n, device=dev, dtype=torch.bool)  # anc[x, a]: a is x or one of its ancestors
         self.anc[0, 0] = self.anc[self.null, self.null] = True  # the null slot at depth 0 keeps empty rows' positions sane
         self.anc[1 : 1 + k, 0] = True
@@ -325,13 +325,13 @@ class TensorTreeBuilder:
         d = self.depth_r[rec] + 1
         self.depth_r.index_copy_(0, rec, d)
         self.cur_row.index_copy_(0, rec, st.rows_rec)
-        cap = d >= self.rt.max_depth
-        halt_here = torch.where(cap, 1.0, lam)
+        halt_here = torch.where(d >= self.rt.max_depth, 1.0, lam)  # the gate's lambda, 1 at the cap R
         survive = self.survive[rec]
         q = (survive * halt_here)[:, None]  # Eq. 4's q(d) = lambda_d prod_{s<d}(1 - lambda_s), prod alone at R
         self.survive.index_copy_(0, rec, survive * (1.0 - halt_here))
-        halt = rec_ok & (cap | (st.u_rec < lam))
-        self.pooled.index_copy_(0, rec, rec_ok & ~halt)
+        stay = (st.u_rec >= halt_here) & rec_ok  # u < 1 always halts at the cap
+        self.pooled.index_copy_(0, rec, stay)
+        halt = rec_ok ^ stay
         logp_one = self.row_logp[rec]
         kid_draft = self.row_topi[rec]  # v's one-pass children
         # pi_mix's top-k in fp32 over the vocabulary, log pi_mix in float64 where it is read
@@ -348,7 +348,7 @@ class TensorTreeBuilder:
         new = self.score[v][:, None] + log_mix
         delta = torch.where(halt[:, None], new - self.score[kids].view(-1, self.k), 0.0).view(-1)
         self.score += torch.mv(self.anc.index_select(1, kids).double(), delta)
-        self.shifted.index_add_(0, kids, (delta != 0).float())
+        self.shifted.index_add_(0, kids, delta.abs())  # > 0 where the edge moved
 
     # ------------------------------------------------------------------ cut
     def _cut(self):
@@ -376,7 +376,7 @@ class TensorTreeBuilder:
         parent = torch.where(kept == 0, -1, where[self.row_node[self.slot_row[kept]]])
         score = torch.where(ok, self.score[kept], NEG)
         by_score = torch.sort(score, descending=True, stable=True).indices
-        repriced = torch.mv(anc.float(), self.via_slot.float() + self.shifted) > 0
+        repriced = torch.mv(anc.double(), self.via_slot.double() + self.shifted) > 0
         row = self.row_of[kept]
         top1 = self.row_topv[row, 0].double().exp()
         parts = [
@@ -452,7 +452,7 @@ class TensorTreeBuilder:
         token[0] = self.root_tok[0]
         info = torch.stack([
             self.row_node[self.slot_row], anc.sum(1) - 1, self.draft, token, self.slot_row, via.long(),
-            (torch.mv(anc.float(), via.float() + self.shifted) > 0).long(), self.valid.long(),
+            (torch.mv(anc.double(), via.double() + self.shifted) > 0).long(), self.valid.long(),
         ], dim=1)
         info[0, VALID] = 1
         return {
