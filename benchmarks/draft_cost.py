@@ -1,7 +1,8 @@
 """Cost of one drafting round (Appendix A.1, Table 9) on SmolLM2-shaped drafters, both tree builders.
 
-    OMP_NUM_THREADS=2 TORCHDYNAMO_DISABLE=1 python benchmarks/draft_cost.py \
-        --json benchmarks/results/draft_cost.json --md benchmarks/results/draft_cost.md
+    OMP_NUM_THREADS=1 TORCHDYNAMO_DISABLE=1 python benchmarks/draft_cost.py --threads 1 --clock cpu \
+        --repeats 21 --json benchmarks/results/draft_cost.json --md benchmarks/results/draft_cost.md
+    (add --dtype bfloat16 for the drafters in bf16, the evaluator's --dtype)
 
 Times one drafting round (from the root feature to the global cut, the result on the host)
 with each builder, `tensor` (`serving.tensor_tree`, the default) and `object` (`serving.tree`,
@@ -14,10 +15,15 @@ The top-level keys (`eagle_round_s`, `pr_coforward_round_s`, `coforward_over_eag
 `over_object` each builder's round time relative to the object tree's. `forward_floor_s` is
 the round's model compute alone (the calls of M and readouts over the same rows, and for PR the
 self-query inputs and the gate; no tree logic): what no builder can beat.
+Where the time goes: `breakdown` (a second interleaved pass with the runtime's model calls timed:
+`model_s`, by call, and the rest, `bookkeeping_s`), `ops` (one round under torch.profiler:
+top-level torch ops issued by the builder and inside the model calls, and `aten::item` host
+reads), `rows_cost_s` (one call of M + its readout alone at B_w, B_w + m and 2 B_w rows: how the
+drafter's step compute grows with the extra rows).
 The PR gate bias is set so every forwarded node enters the pool and m rows run every step.
 Random weights: hidden 576, 9 heads / 3 KV heads, intermediate 1536, vocab 49152, draft vocab
 8192 (SmolLM2-135M's shape); the EAGLE-3 drafter has the PR drafter's EAGLE-3 weights; a
-random committed context of `--context` rows.
+random committed context of `--context` rows. About 1 minute per dtype on a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -134,27 +140,34 @@ class ModelClock:
 
 
 def breakdown(fns, runtimes, repeats: int, sync, clock):
-    """Per variant: median round time and its model part, timed with `ModelClock` (a separate pass, so the
-    main timing runs without the wrappers)."""
-    out = {}
-    for (b, v), fn in fns.items():
-        if b == "floor":
-            continue
-        rounds, model = [], []
-        with ModelClock(runtimes[VARIANTS[v]["drafter"]][0], sync, clock) as mc:
-            for rep in range(repeats + 2):
+    """Per variant: the median round and its model part, timed with `ModelClock` (a separate pass, so the
+    main timing runs without the wrappers; interleaved like it)."""
+    clocks = {name: ModelClock(rt, sync, clock) for name, (rt, _) in runtimes.items()}
+    runs = {key: fn for key, fn in fns.items() if key[0] != "floor"}
+    rounds, model = {key: [] for key in runs}, {key: [] for key in runs}
+    for mc in clocks.values():
+        mc.__enter__()
+    try:
+        for rep in range(repeats + 2):
+            for (b, v), fn in runs.items():
+                mc = clocks[VARIANTS[v]["drafter"]]
                 mc.reset()
                 sync()
                 t0 = clock()
                 fn(rep)
                 sync()
                 if rep >= 2:
-                    rounds.append(clock() - t0)
-                    model.append(mc.by_call)
-        i = sorted(range(len(rounds)), key=rounds.__getitem__)[len(rounds) // 2]  # the median round, whole
-        spent = sum(model[i].values())
-        out[f"{b}/{v}"] = {"round_s": rounds[i], "model_s": spent, "bookkeeping_s": rounds[i] - spent,
-                           "model_s_by_call": {k: t for k, t in model[i].items() if t}}
+                    rounds[(b, v)].append(clock() - t0)
+                    model[(b, v)].append(mc.by_call)
+    finally:
+        for mc in clocks.values():
+            mc.__exit__()
+    out = {}
+    for (b, v), ts in rounds.items():
+        i = sorted(range(len(ts)), key=ts.__getitem__)[len(ts) // 2]  # the median round, whole
+        spent = sum(model[(b, v)][i].values())
+        out[f"{b}/{v}"] = {"round_s": ts[i], "model_s": spent, "bookkeeping_s": ts[i] - spent,
+                           "model_s_by_call": {k: t for k, t in model[(b, v)][i].items() if t}}
     return out
 
 
