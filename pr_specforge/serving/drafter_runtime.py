@@ -150,23 +150,24 @@ class DrafterRuntime:
         return self.drafter.compute_logits(feature)
 
     @torch.no_grad()
-    def log_probs(self, feature: torch.Tensor, depth: Union[int, torch.Tensor] = 0) -> torch.Tensor:
-        """`log pi_depth(. | v)` over the draft vocabulary, fp32, `[N, Vd]`."""
-        return torch.log_softmax(self.depth_logits(feature, depth).float(), dim=-1)
+    def log_probs(self, feature: torch.Tensor, depth: Union[int, torch.Tensor] = 0,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`log pi_depth(. | v)` over the draft vocabulary, fp32, `[N, Vd]` (written into `out` when given)."""
+        return torch.log_softmax(self.depth_logits(feature, depth).float(), dim=-1, out=out)
 
     @torch.no_grad()
     def halt_probability(self, feature: torch.Tensor) -> torch.Tensor:
         return self.drafter.halt_probability(feature)
 
     @torch.no_grad()
-    def readout_and_halt(self, feature: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """`(log_probs(feature, 0), halt_probability(feature))` of a PR drafter, the same values, with the
+    def readout_and_halt(self, feature: torch.Tensor, out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """`(log_probs(feature, 0, out), halt_probability(feature))` of a PR drafter, the same values, with the
         final norm computed once when the head and the gate both read `norm(f)` (the default)."""
         d = self.drafter
         if not (d.norm_output and d.pr_settings.gate_reads_normed):
-            return self.log_probs(feature, 0), self.halt_probability(feature)
+            return self.log_probs(feature, 0, out), self.halt_probability(feature)
         normed = d.norm(feature)
-        return torch.log_softmax(d.lm_head(normed).float(), dim=-1), d.pr_halt_gate(normed)
+        return torch.log_softmax(d.lm_head(normed).float(), dim=-1, out=out), d.pr_halt_gate(normed)
 
     @torch.no_grad()
     def reconsideration_inputs(self, feature: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

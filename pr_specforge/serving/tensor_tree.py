@@ -133,8 +133,10 @@ class _Step:
         self.valid_prev, self.score_prev = tb.valid[prev], tb.score[prev]
         self.score_blk, self.draft_blk = tb.score[blk].view(p, k), tb.draft[blk].view(p, k)
         self.valid_blk, self.anc_blk = tb.valid[blk].view(p, k), tb.anc[blk].view(p, k, -1)
+        self.draft_fr, self.draft_rec = self.draft_blk[:bw], self.draft_blk[bw:]  # top-k ids land here directly
+        self.valid_fr, self.valid_rec = self.valid_blk[:bw], self.valid_blk[bw:]
         self.row_node, self.row_ok, self.row_feat = tb.row_node[rows], tb.row_ok[rows], tb.row_feat[rows]
-        self.topv, self.topi, self.top1, self.logp = tb.row_topv[fr], tb.row_topi[fr], tb.row_topv[fr, 0], tb.row_logp[fr]
+        self.topv, self.top1, self.logp = tb.row_topv[fr], tb.row_topv[fr, 0], tb.row_logp[rows]
         self.ok_fr, self.pooled, self.bid_base, self.survive = tb.row_ok[fr], tb.pooled[fr], tb.bid_base[fr], tb.survive[fr]
         self.u_fr, self.u_rec = tb.u[fr], tb.u[self.r0 + bw : self.r0 + p]
         self.rows_fr, self.rows_rec = self.rows[:bw], self.rows[bw:]
@@ -199,9 +201,9 @@ class TensorTreeBuilder:
         self.row_node = torch.full((r,), self.null, **i64)  # the node the row forwarded
         self.row_node[0] = 0
         self.row_feat = torch.zeros(r, rt.drafter.config.hidden_size, device=dev, dtype=rt.dtype)
-        self.row_logp = torch.zeros(r, rt.draft_vocab_size, device=dev, dtype=torch.float32)  # pi_one of one-pass rows
-        self.row_topv = torch.zeros(r, k, device=dev, dtype=torch.float32)  # one-pass top-k log-probs and ids
-        self.row_topi = torch.zeros(r, k, **i64)
+        # every row's readout (pi_one of one-pass rows, pi_d of reconsideration rows), written there by the head
+        self.row_logp = torch.zeros(r, rt.draft_vocab_size, device=dev, dtype=torch.float32)
+        self.row_topv = torch.zeros(r, k, device=dev, dtype=torch.float32)  # one-pass top-k log-probs (ids: the children's drafts)
         self.row_ok = torch.zeros(r, device=dev, dtype=torch.bool)  # the row held a node
         self.row_ok[0] = True
         self.u = torch.zeros(r, **f64)  # the round's uniforms: u[r] is row r's
@@ -226,11 +228,9 @@ class TensorTreeBuilder:
         self.root_tok.fill_(int(root_token))
         feat = root_feature.reshape(1, -1).to(rt.dtype)
         self.row_feat[0] = feat[0]
-        logp = rt.log_probs(feat, 0)
-        self.row_logp[0] = logp[0]
-        torch.topk(logp, k, dim=-1, out=(self.row_topv[:1], self.row_topi[:1]))
+        logp = rt.log_probs(feat, 0, out=self.row_logp[:1])
+        torch.topk(logp, k, dim=-1, out=(self.row_topv[:1], self.draft[1 : 1 + k].view(1, k)))
         self.score[1 : 1 + k] = self.row_topv[0]
-        self.draft[1 : 1 + k] = self.row_topi[0]
         if self.pool_on:
             self._admit(self.row_topv[:1, 0], rt.halt_probability(feat).double(), self.u[:1], self.row_ok[:1],
                         self.pooled[:1], self.bid_base[:1], self.survive[:1])
@@ -270,23 +270,18 @@ class TensorTreeBuilder:
             rec, rec_ok = self._pool_pick()
             nodes, ok = torch.cat([adv, self.row_node[rec]]), torch.cat([adv_ok, rec_ok])
         anc = self.anc.index_select(0, nodes)  # [p, N]: the rows' nodes' ancestors-or-self
-        logp, lam = self._forward(st, adv, rec, anc)
-        torch.topk(logp[:bw] if m else logp, k, dim=-1, out=(st.topv, st.topi))
+        logp, lam = self._forward(st, adv, rec, anc)  # logp: this step's rows of `row_logp`
+        torch.topk(logp[:bw] if m else logp, k, dim=-1, out=(st.topv, st.draft_fr))  # the one-pass children
         self.row_of.index_copy_(0, adv, st.rows_fr)
         st.row_node.copy_(nodes)
         st.row_ok.copy_(ok)
-        if not m:
-            vals, ids, kids_ok = st.topv.double(), st.topi, adv_ok[:, None]
-        else:
-            st.logp.copy_(logp[:bw])  # pi_one of the frontier rows, read if they are repriced
+        st.valid_fr.copy_(adv_ok[:, None])
+        vals = st.topv
+        if m:
             self._admit(st.top1, lam[:bw], st.u_fr, st.ok_fr, st.pooled, st.bid_base, st.survive)
-            r_vals, r_ids, r_ok = self._reconsider(st, rec, rec_ok, logp[bw:], lam[bw:])
-            vals, ids = torch.cat([st.topv.double(), r_vals]), torch.cat([st.topi, r_ids])
-            kids_ok = torch.cat([adv_ok[:, None].expand(bw, k), r_ok])
+            vals = torch.cat([vals.double(), self._reconsider(st, rec, rec_ok, logp[bw:], lam[bw:])])
         # created after Eq. 9's shifts, from their parents' repriced scores: as if shifted with them
-        torch.add(self.score[nodes][:, None], vals, out=st.score_blk)
-        st.draft_blk.copy_(ids)
-        st.valid_blk.copy_(kids_ok)
+        torch.add(self.score[nodes][:, None], vals, out=st.score_blk)  # fp32 edge log-probs promote to fp64
         torch.logical_or(anc[:, None], st.eye, out=st.anc_blk)
 
     def _forward(self, st: _Step, adv: torch.Tensor, rec: Optional[torch.Tensor], anc: torch.Tensor):
@@ -310,18 +305,20 @@ class TensorTreeBuilder:
                 rt.forward_tree_rows(emb[bw:], hidden[bw:], pos[bw:], col + bw, mask[bw:], self.max_pos, recon[bw:])])
         st.row_feat.copy_(feats)
         if not m:
-            return rt.log_probs(feats, 0), None
+            return rt.log_probs(feats, 0, out=st.logp), None
         if self.split_readout:  # a second head: read each part with its own head only (depths >= 1 share it)
-            logp, lam = torch.cat([rt.log_probs(feats[:bw], 0), rt.log_probs(feats[bw:], 1)]), rt.halt_probability(feats)
+            rt.log_probs(feats[:bw], 0, out=st.logp[:bw])
+            rt.log_probs(feats[bw:], 1, out=st.logp[bw:])
+            lam = rt.halt_probability(feats)
         else:
-            logp, lam = rt.readout_and_halt(feats)
-        return logp, lam.double()
+            lam = rt.readout_and_halt(feats, out=st.logp)[1]
+        return st.logp, lam.double()
 
     def _reconsider(self, st: _Step, rec, rec_ok, logp_d, lam):
         """One depth deeper for the carried bids (one-pass rows `rec`); the halted ones are repriced (Eq. 9).
 
-        Returns the new children `(log pi_mix [m, k], draft ids, valid)`: the top-k of pi_mix
-        that are not children yet."""
+        Writes the new children's draft ids and validity (the top-k of pi_mix that are not children yet)
+        and returns their `log pi_mix [m, k]`."""
         d = self.depth_r[rec] + 1
         self.depth_r.index_copy_(0, rec, d)
         self.cur_row.index_copy_(0, rec, st.rows_rec)
@@ -333,15 +330,18 @@ class TensorTreeBuilder:
         self.pooled.index_copy_(0, rec, stay)
         halt = rec_ok ^ stay
         logp_one = self.row_logp[rec]
-        kid_draft = self.row_topi[rec]  # v's one-pass children
+        kids = self.kids_of_row[rec]  # v's one-pass children
+        kid_draft = self.draft[kids]
         # pi_mix's top-k in fp32 over the vocabulary, log pi_mix in float64 where it is read
         new_ids = torch.topk(torch.lerp(logp_one.exp(), logp_d.exp(), q.float()), self.k, dim=-1).indices
         ids = torch.cat([kid_draft, new_ids], dim=1)
         one, deep = logp_one.gather(1, ids).double().exp(), logp_d.gather(1, ids).double().exp()
         log_mix = torch.log(one + q * (deep - one)).clamp(max=0.0)  # Eq. 9, [m, 2k]
-        self._shift_existing(self.row_node[rec], halt, self.kids_of_row[rec].view(-1), log_mix[:, : self.k])
+        self._shift_existing(self.row_node[rec], halt, kids.view(-1), log_mix[:, : self.k])
         exists = (new_ids[:, :, None] == kid_draft[:, None, :]).any(-1)
-        return log_mix[:, self.k :], new_ids, halt[:, None] & ~exists
+        st.draft_rec.copy_(new_ids)
+        torch.logical_and(halt[:, None], exists.logical_not_(), out=st.valid_rec)
+        return log_mix[:, self.k :]
 
     def _shift_existing(self, v, halt, kids, log_mix) -> None:
         """Eq. 9 on the existing children: `s(c) = s(v) + log pi_mix(c|v)`, the same delta to every descendant."""
@@ -382,7 +382,7 @@ class TensorTreeBuilder:
         parts = [
             ok.long(), kept, token, anc.sum(1) - 1, parent, self.via_slot[kept].long(), repriced.long(), by_score,
             (row >= 0).long(), top1.view(torch.long), score.view(torch.long),
-            rt.to_target_ids(self.row_topi[row]).reshape(-1), self._counts(),
+            rt.to_target_ids(self.draft[self.kids_of_row[row]]).reshape(-1), self._counts(),
         ]
         return torch.cat(parts)
 
