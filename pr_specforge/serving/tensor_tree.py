@@ -228,11 +228,14 @@ class TensorTreeBuilder:
         self.root_tok.fill_(int(root_token))
         feat = root_feature.reshape(1, -1).to(rt.dtype)
         self.row_feat[0] = feat[0]
-        logp = rt.log_probs(feat, 0, out=self.row_logp[:1])
+        if self.pool_on:
+            logp, lam = rt.readout_and_halt(feat, out=self.row_logp[:1])
+        else:
+            logp = rt.log_probs(feat, 0, out=self.row_logp[:1])
         torch.topk(logp, k, dim=-1, out=(self.row_topv[:1], self.draft[1 : 1 + k].view(1, k)))
         self.score[1 : 1 + k] = self.row_topv[0]
         if self.pool_on:
-            self._admit(self.row_topv[:1, 0], rt.halt_probability(feat).double(), self.u[:1], self.row_ok[:1],
+            self._admit(self.row_topv[:1, 0], lam.double(), self.u[:1], self.row_ok[:1],
                         self.pooled[:1], self.bid_base[:1], self.survive[:1])
 
     @staticmethod

@@ -43,8 +43,8 @@ def test_breakdown_ops_and_rows_probe(bench, models):
         assert all(m not in vars(rt) for m in bench.MODEL_CALLS), name
     ops = bench.op_counts(fns, runtimes)
     assert ops["tensor/pr_coforward"]["item_reads"] <= 1 < ops["object/pr_coforward"]["item_reads"]
-    # the root's readout and gate, then per step: embedding, self-query, ONE call of M, one readout with the gate
-    assert ops["tensor/pr_coforward"]["model_calls"] == 2 + 4 * (cfg.gamma - 1)
-    assert ops["tensor/pr_serial"]["model_calls"] == 2 + 5 * (cfg.gamma - 1)
+    # the root's readout with the gate, then per step: embedding, self-query, ONE call of M, one readout with the gate
+    assert ops["tensor/pr_coforward"]["model_calls"] == 1 + 4 * (cfg.gamma - 1)
+    assert ops["tensor/pr_serial"]["model_calls"] == 1 + 5 * (cfg.gamma - 1)
     rows = bench.rows_cost(runtimes["pr"][0], [3, 5], 2, sync, clock)
     assert set(rows) == {"3", "5"} and all(r["layer"] > 0 and r["readout"] > 0 for r in rows.values())
