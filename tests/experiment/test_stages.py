@@ -101,7 +101,7 @@ def test_an_unfinished_features_stage_is_not_done(tmp_path):
     assert ran == [1]
 
 
-def _record_commands(monkeypatch, tmp_path):
+def _record_commands(monkeypatch):
     """Every stage command a StageBuilder would run (entry functions and training replaced by recorders)."""
     import pr_specforge.training.preflight as preflight
     import pr_specforge.training.train as train
@@ -118,7 +118,7 @@ def test_run_builds_its_stage_commands_through_the_stage_builder(tmp_path, monke
     from pr_specforge import pipeline
     from pr_specforge.stages import StageBuilder
 
-    calls = _record_commands(monkeypatch, tmp_path)
+    calls = _record_commands(monkeypatch)
     (tmp_path / "runs" / "pr").mkdir(parents=True)
     args = pipeline._parser().parse_args(["--workdir", str(tmp_path), "training.learning_rate=1e-4"])
     stages = pipeline.stages(args, StageBuilder(tmp_path))
@@ -150,7 +150,7 @@ def test_run_builds_its_stage_commands_through_the_stage_builder(tmp_path, monke
 def test_experiment_builds_its_stage_commands_through_the_stage_builder(tmp_path, monkeypatch):
     from pr_specforge.experiment import Experiment, _parser
 
-    calls = _record_commands(monkeypatch, tmp_path)
+    calls = _record_commands(monkeypatch)
     (tmp_path / "runs" / "eagle3-seed0").mkdir(parents=True)
     (tmp_path / "runs" / "pr-seed0").mkdir(parents=True)
     (tmp_path / "heldout").mkdir()
