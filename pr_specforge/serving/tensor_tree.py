@@ -148,7 +148,8 @@ class TensorTreeBuilder:
     def __init__(self, rt: DrafterRuntime, cfg: TreeConfig, coforward: bool = True) -> None:
         cfg.check_vocab(rt.draft_vocab_size)
         self.rt, self.cfg, self.coforward = rt, cfg, coforward
-        self.pool_on = rt.is_pr and rt.max_depth > 0 and cfg.m > 0
+        self.max_depth = rt.max_depth  # R
+        self.pool_on = rt.is_pr and self.max_depth > 0 and cfg.m > 0
         self.k, self.bw, self.m = cfg.k, cfg.bw, (cfg.m if self.pool_on else 0)
         self.per_step = self.bw + self.m
         self.n_nodes = 1 + self.k + (cfg.gamma - 1) * self.per_step * self.k
@@ -259,7 +260,8 @@ class TensorTreeBuilder:
     def _pool_pick(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """The m highest bids of the pool (Eq. 8: `s(v) + log(1 - max_t pi_one(t|v))`), as one-pass rows;
         ties: earlier node first. Empty picks are the null row."""
-        by_node = torch.sort(self.row_node).indices  # rows in node order
+        # rows in node order, the pooled ones first: a bid of -inf (max pi_one = 1) still outranks an empty pick
+        by_node = torch.sort(torch.where(self.pooled, self.row_node, self.row_node + self.n_nodes + 1)).indices
         bid = torch.where(self.pooled, self.score[self.row_node] + self.bid_base, NEG)[by_node]
         rec = by_node[torch.sort(bid, descending=True, stable=True).indices[: self.m]]
         ok = self.pooled[rec]
@@ -325,7 +327,7 @@ class TensorTreeBuilder:
         d = self.depth_r[rec] + 1
         self.depth_r.index_copy_(0, rec, d)
         self.cur_row.index_copy_(0, rec, st.rows_rec)
-        halt_here = torch.where(d >= self.rt.max_depth, 1.0, lam)  # the gate's lambda, 1 at the cap R
+        halt_here = torch.where(d >= self.max_depth, 1.0, lam)  # the gate's lambda, 1 at the cap R
         survive = self.survive[rec]
         q = (survive * halt_here)[:, None]  # Eq. 4's q(d) = lambda_d prod_{s<d}(1 - lambda_s), prod alone at R
         self.survive.index_copy_(0, rec, survive * (1.0 - halt_here))
@@ -339,7 +341,9 @@ class TensorTreeBuilder:
         new_ids = torch.topk(torch.lerp(logp_one.exp(), logp_d.exp(), q.float()), self.k, dim=-1).indices
         ids = torch.cat([kid_draft, new_ids], dim=1)
         one, deep = logp_one.gather(1, ids).double().exp(), logp_d.gather(1, ids).double().exp()
-        log_mix = torch.log(one + q * (deep - one)).clamp(max=0.0)  # Eq. 9, [m, 2k]
+        # Eq. 9, [m, 2k]; floored at -1e300 (pi_mix underflowing to 0 in fp64 would give -inf, and one
+        # -inf delta would turn every score into NaN through `anc @ delta`; the object tree keeps -inf there)
+        log_mix = torch.log(one + q * (deep - one)).clamp(min=-1e300, max=0.0)
         self._shift_existing(self.row_node[rec], halt, kids.view(-1), log_mix[:, : self.k])
         exists = (new_ids[:, :, None] == kid_draft[:, None, :]).any(-1)
         st.draft_rec.copy_(new_ids)
@@ -394,7 +398,7 @@ class TensorTreeBuilder:
         rows = self.row_ok[1 : self.n_rows].view(self.cfg.gamma - 1, self.per_step)
         depth = self.depth_r[: self.n_rows]  # the null row's depth counts empty picks
         halted = ~self.pooled[: self.n_rows] & (depth > 0)
-        halts = torch.zeros(self.rt.max_depth + 1, dtype=torch.long, device=rows.device)
+        halts = torch.zeros(self.max_depth + 1, dtype=torch.long, device=rows.device)
         halts.index_add_(0, depth, halted.long())
         return torch.cat([rows[:, self.bw :].sum().view(1), rows.any(1).sum().view(1), halts])
 

@@ -167,3 +167,26 @@ def test_readout_and_halt_is_log_probs_and_halt_probability(models, gate_reads_n
     feats = torch.randn(5, pr.config.hidden_size, generator=torch.Generator().manual_seed(2))
     logp, lam = rt.readout_and_halt(feats)
     assert torch.equal(logp, rt.log_probs(feats, 0)) and torch.equal(lam, rt.halt_probability(feats))
+
+
+def test_a_head_sharp_enough_to_underflow_pi_mix_gives_no_nan(models):
+    """Children whose pi_mix underflows to 0 (log -inf) must not turn the scores into NaN through `anc @ delta`
+    (the tensor builder floors log pi_mix at -1e300), and pooled nodes whose bid is -inf are still picked:
+    the object tree's tree."""
+    import copy
+
+    target, _, pr = models
+    sharp = copy.deepcopy(pr)
+    eager_gate(sharp, -2.0)
+    with torch.no_grad():
+        sharp.lm_head.weight.mul_(3e3)  # log-probs of all but the top token far below -745: exp() is 0 in fp64
+    ref, got = both(sharp, target, TreeConfig(budget=24), 0)
+    assert got.recon_rows > 0 and sum(ref.halt_depths.values()) > 0
+    assert any(n.score == float("-inf") for n in ref.nodes)  # the case happened in the oracle
+    assert not torch.isnan(got.state["score"]).any()
+    assert (got.tokens(), got.parents(), got.depths()) == (ref.tokens(), ref.parents(), ref.depths())
+    # bids of -inf (max pi_one rounds to 1) are still carried before an empty pick, as in the object tree
+    assert any(n.top1_prob == 1.0 and n.depth_r > 0 for n in ref.nodes)
+    assert (got.recon_rows, got.halt_depths, got.recon_kept) == (ref.recon_rows, ref.halt_depths, ref.recon_kept)
+    finite = [(a, b) for a, b in zip(got.scores, (ref.nodes[i].score for i in ref.kept)) if b > float("-inf")]
+    assert finite and all(a == pytest.approx(b, rel=1e-3, abs=1e-4) for a, b in finite)  # fp32 GEMMs, a 3e3x head
