@@ -85,6 +85,22 @@ def _deep_merge(base: Dict[str, Any], top: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+#: (section, key) of file paths a recipe may give relative to its own directory
+RECIPE_RELATIVE_PATHS = (("model", "draft_model_config"),)
+
+
+def _resolve_recipe_paths(raw: Dict[str, Any], recipe_dir: str) -> None:
+    """A relative path a recipe file gives (`RECIPE_RELATIVE_PATHS`) is read from the recipe's own
+    directory when it exists there, else as given (SpecForge's rule: the working directory), so the
+    packaged recipes work from any working directory and users' cwd-relative recipes keep working."""
+    for section, key in RECIPE_RELATIVE_PATHS:
+        value = (raw.get(section) or {}).get(key) if isinstance(raw.get(section), dict) else None
+        if isinstance(value, str) and value and not os.path.isabs(value):
+            candidate = os.path.normpath(os.path.join(recipe_dir or ".", value))
+            if os.path.exists(candidate):
+                raw[section][key] = os.path.abspath(candidate)
+
+
 def read_recipe_mapping(path: str, _chain: Tuple[str, ...] = ()) -> Dict[str, Any]:
     """The recipe's raw mapping with its `extends:` chain resolved (later files win, mappings merge)."""
     if not os.path.isfile(path):
@@ -97,6 +113,7 @@ def read_recipe_mapping(path: str, _chain: Tuple[str, ...] = ()) -> Dict[str, An
             raise ConfigError(f"recipe {path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"recipe {path}: expected a mapping at the top level")
+    _resolve_recipe_paths(raw, os.path.dirname(path))
     base = raw.pop(EXTENDS_KEY, None)
     if base is None:
         return raw

@@ -165,3 +165,19 @@ def test_auto_dtype_is_bf16_only_on_a_cpu_with_native_bf16(tmp_path):
     assert load_recipe(os.path.join("recipes", "smollm2-135m-cpu.yaml")).config.model.torch_dtype == expected
     with pytest.raises(ValueError, match="dtype must be one of"):
         resolve_dtype("fp8")
+
+
+def test_draft_config_path_resolves_from_any_working_directory(tmp_path, monkeypatch):
+    """Shipped recipes name their drafter config relative to themselves: `pr-specforge train -c
+    /abs/recipes/x.yaml` works outside the repository; a user's cwd-relative path still works."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("smollm2-135m-cpu.yaml", "smollm2-135m-cpu-eagle3.yaml", "llama3.1-8b-pr.yaml"):
+        draft = load_recipe(os.path.join(REPO, "recipes", name)).config.model.draft_model_config
+        assert os.path.isabs(draft) and os.path.isfile(draft), (name, draft)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "d.json").write_text(open(os.path.join(REPO, "recipes", "drafters", "smollm2-135m-eagle3.json")).read())
+    raw = read_recipe_mapping(os.path.join(REPO, "recipes", "smollm2-135m-cpu-eagle3.yaml"))  # extends resolved
+    raw["model"]["draft_model_config"] = "cfg/d.json"  # relative to the working directory, not to mine/
+    (tmp_path / "mine" / "r.yaml").write_text(yaml.safe_dump(raw))
+    assert load_recipe("mine/r.yaml").config.model.draft_model_config == "cfg/d.json"
