@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="pilot dir (default WORKDIR/pilots)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--warm-steps", type=int, default=None,
+                   help="steps of the warm starts on the EAGLE-3 pilot (and of `eagle3-long`); default --steps")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-length", type=int, default=2048)
@@ -70,11 +72,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def warm_steps(args) -> int:
+    return args.warm_steps or args.steps
+
+
 def train_overrides(args, work: Path, name: str, run: Path) -> List[str]:
+    steps = warm_steps(args) if name in WARM else args.steps
     out = [*StageBuilder(work).feature_overrides(run, args.max_length),
-           f"training.max_steps={args.steps}", f"training.learning_rate={args.lr}", f"training.seed={args.seed}",
-           f"training.save_interval={args.steps}", *VARIANTS[name][1]]
-    if name in WARM:  # continue from the EAGLE-3 pilot's weights for `--steps` more steps (fresh optimiser, both)
+           f"training.max_steps={steps}", f"training.learning_rate={args.lr}", f"training.seed={args.seed}",
+           f"training.save_interval={steps}", *VARIANTS[name][1]]
+    if name in WARM:  # continue from the EAGLE-3 pilot's weights for `--warm-steps` more steps (fresh optimiser, both)
         ckpt = latest_checkpoint(Path(args.out) / "runs" / EAGLE3, required=not args.dry_run) or "<eagle3 pilot checkpoint>"
         out.append(f"model.draft_checkpoint_path={ckpt}" if name == "eagle3-long" else f"pr.init_from={ckpt}")
     return out
@@ -136,13 +143,67 @@ def row(name: str, diag: Optional[dict], summary: Optional[dict]) -> dict:
     return out
 
 
-def render(rows: Sequence[dict], args) -> str:
+def matched_baseline(name: str) -> Optional[str]:
+    """The EAGLE-3 pilot a PR pilot is compared with: trained as many total steps on the same data."""
+    if VARIANTS[name][0] == VARIANTS[EAGLE3][0]:
+        return None
+    return "eagle3-long" if name in WARM else EAGLE3
+
+
+def comparisons(out: Path, names: Sequence[str], n: int = 2000, seed: int = 0) -> List[dict]:
+    """Per PR pilot, paired over the served prompts of every set (95% bootstrap CI of the relative tau gain):
+    `gain` PR (m = 3) over its matched EAGLE-3 = `one_pass` (its m = 0 tree over that EAGLE-3: what sharing the
+    layer did to the one-pass drafter) combined with `mechanism` (m = 3 over m = 0: what reconsideration did)."""
+    from pr_specforge.data.io import read_jsonl_rows
+    from pr_specforge.eval.statistics import paired_bootstrap_gain
+
+    def served(name: str) -> Dict[str, Dict[str, dict]]:
+        path = out / "eval" / name / "results.jsonl"
+        rows: Dict[str, Dict[str, dict]] = {}
+        for r in (read_jsonl_rows(path) if path.exists() else []):
+            rows.setdefault(r["draft"], {})[f"{r['set']}/{r['prompt']}"] = r
+        return rows
+
+    cells = []
+    for name in names:
+        base = matched_baseline(name)
+        if base is None:
+            continue
+        pr, eagle = served(name), served(base).get(base)
+        m3, m0 = pr.get(name), pr.get(f"{name}/one-pass")
+        cell: dict = {"variant": name, "baseline": base}
+        for key, (a, b) in {"gain": (eagle, m3), "one_pass": (eagle, m0), "mechanism": (m0, m3)}.items():
+            if a and b and set(a) & set(b):
+                cell[key] = paired_bootstrap_gain(a, b, n=n, seed=seed)
+        cells.append(cell)
+    return cells
+
+
+def render_comparisons(cells: Sequence[dict]) -> List[str]:
+    def pct(stats: Optional[dict]) -> str:
+        if not stats:
+            return "-"
+        lo, hi = stats["gain_rel_ci95"]
+        return f"{100 * stats['gain_rel']:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+
+    lines = ["", "## Against the matched EAGLE-3 pilot (paired over every served prompt, 95% bootstrap CI)", "",
+             "`gain` = PR served at m = 3 over its baseline; it splits into `one-pass` (the PR drafter's m = 0 tree "
+             "over the baseline: what training PR did to the one-pass drafter) and `mechanism` (m = 3 over m = 0).", "",
+             "| variant | baseline | prompts | gain | one-pass | mechanism |", "|---|---|---|---|---|---|"]
+    for c in cells:
+        n = (c.get("gain") or c.get("mechanism") or {}).get("prompts", "-")
+        lines.append(f"| {c['variant']} | {c['baseline']} | {n} | {pct(c.get('gain'))} | {pct(c.get('one_pass'))} | "
+                     f"{pct(c.get('mechanism'))} |")
+    return lines
+
+
+def render(rows: Sequence[dict], args, cells: Sequence[dict] = ()) -> str:
     cols = ["variant", "tau_mean", "tau_mean_m0", *[f"tau_{s}" for s in SETS], "one_pass_acc0", "sim_acc_len",
             "acc_depth_0", "acc_depth_1", "acc_depth_2", "recovered_share", "recovered_outside_topk", *DECOMPOSITION]
     ranked = sorted(rows, key=lambda r: -(r.get("tau_mean") or 0.0))
     fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
     lines = ["# SmolLM2 pilots (issue 16, part C)", "",
-             f"{args.steps} steps per pilot (warm starts: {args.steps} more on the EAGLE-3 pilot; their baseline is "
+             f"{args.steps} steps per pilot (warm starts: {warm_steps(args)} more on the EAGLE-3 pilot; their baseline is "
              f"`eagle3-long`). Served: B = {args.budget}, T = 0, {args.max_new_tokens} new tokens, prompts "
              f"{args.skip}..{args.skip + args.limit - 1} of each set "
              "(disjoint from the final evaluation's first 40); `tau_mean_m0` serves the PR drafter with m = 0. "
@@ -152,6 +213,7 @@ def render(rows: Sequence[dict], args) -> str:
              "held, `lost_lb` rounds the m = 0 cut would have accepted more.", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in ranked]
+    lines += render_comparisons(cells) if cells else []
     return "\n".join(lines) + "\n"
 
 
@@ -174,9 +236,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         diag_path, summ_path = Path(args.out) / "diagnose" / f"{name}.json", Path(args.out) / "eval" / name / "summary.json"
         rows.append(row(name, json.loads(diag_path.read_text()) if diag_path.exists() else None,
                         json.loads(summ_path.read_text()) if summ_path.exists() else None))
-    Path(args.report + ".json").write_text(json.dumps({"steps": args.steps, "rows": rows}, indent=1) + "\n")
-    Path(args.report + ".md").write_text(render(rows, args))
-    print(render(rows, args))
+    cells = comparisons(Path(args.out), order, seed=args.seed)
+    Path(args.report + ".json").write_text(json.dumps({"steps": args.steps, "warm_steps": warm_steps(args), "rows": rows,
+                                                       "comparisons": cells}, indent=1) + "\n")
+    Path(args.report + ".md").write_text(render(rows, args, cells))
+    print(render(rows, args, cells))
     return 0
 
 

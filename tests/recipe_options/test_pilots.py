@@ -1,6 +1,7 @@
 """`benchmarks/pilots.py`: every variant's overrides load into a valid recipe; the table ranks by served tau."""
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -64,3 +65,38 @@ def test_decompose_serves_pr_pilots_only_and_rows_average_the_counters(pilots, t
     out = pilots.row("a", None, {"results": entries + [{"draft": "a/one-pass", "set": "gsm8k", "tau": 2.0,
                                                          "decomposition": {"displaced_per_round": 100.0}}]})
     assert out["displaced"] == pytest.approx(3.0) and out["lost_lb"] == pytest.approx(0.1) and "gained_proposal" not in out
+
+
+def test_comparisons_split_the_gain_into_one_pass_and_mechanism(pilots, tmp_path):
+    def write(name, rows):
+        (tmp_path / "eval" / name).mkdir(parents=True)
+        (tmp_path / "eval" / name / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def rows(draft, accepted):
+        return [{"draft": draft, "set": s, "prompt": str(i), "accepted": accepted, "rounds": 10}
+                for s in pilots.SETS for i in range(4)]
+
+    write("eagle3", rows("eagle3", 10))
+    write("baseline", rows("baseline", 11) + rows("baseline/one-pass", 8))      # one-pass -20%, mechanism +37.5%
+    write("eagle3-long", rows("eagle3-long", 12))
+    write("warm-frozen-separate-adapter16", rows("warm-frozen-separate-adapter16", 12)
+          + rows("warm-frozen-separate-adapter16/one-pass", 12))
+    cells = {c["variant"]: c for c in pilots.comparisons(tmp_path, ["eagle3", "baseline", "warm-frozen-separate-adapter16", "eagle3-long"])}
+    assert set(cells) == {"baseline", "warm-frozen-separate-adapter16"}
+    base = cells["baseline"]
+    assert base["baseline"] == "eagle3" and base["gain"]["prompts"] == 12
+    assert base["gain"]["gain_rel"] == pytest.approx(0.1) and base["one_pass"]["gain_rel"] == pytest.approx(-0.2)
+    assert base["mechanism"]["gain_rel"] == pytest.approx(11 / 8 - 1)
+    warm = cells["warm-frozen-separate-adapter16"]
+    assert warm["baseline"] == "eagle3-long" and warm["gain"]["gain_rel"] == 0.0 and warm["gain"]["gain_rel_ci95"] == [0.0, 0.0]
+    table = "\n".join(pilots.render_comparisons(list(cells.values())))
+    assert "| baseline | eagle3 | 12 | +10.0% [+10.0, +10.0] | -20.0% [-20.0, -20.0] | +37.5% [+37.5, +37.5] |" in table
+
+
+def test_warm_steps_apply_to_warm_starts_and_their_baseline_only(pilots, tmp_path):
+    args = pilots._parser().parse_args(["--workdir", str(tmp_path), "--steps", "1000", "--warm-steps", "500", "--dry-run"])
+    args.out = str(tmp_path / "pilots")
+    steps = {name: [o for o in pilots.train_overrides(args, tmp_path, name, tmp_path / name) if o.startswith("training.max_steps=")]
+             for name in ("eagle3", "baseline", "warm-frozen-separate-adapter16", "eagle3-long")}
+    assert steps == {"eagle3": ["training.max_steps=1000"], "baseline": ["training.max_steps=1000"],
+                     "warm-frozen-separate-adapter16": ["training.max_steps=500"], "eagle3-long": ["training.max_steps=500"]}
