@@ -42,9 +42,11 @@ VARIANTS: Dict[str, tuple] = {
                                                                "pr.recon_adapter_rank=16"]),
     "warm-frozen-separate-adapter16": ("smollm2-135m-cpu.yaml", ["pr.freeze_one_pass=true", "pr.recon_head=separate",
                                                                   "pr.recon_adapter_rank=16"]),
+    "warm-isolated-separate-adapter16": ("smollm2-135m-cpu.yaml", ["pr.recon_grad=isolated", "pr.recon_head=separate",
+                                                                    "pr.recon_adapter_rank=16"]),
     "eagle3-long": ("smollm2-135m-cpu-eagle3.yaml", []),
 }
-WARM = ("warm-frozen-separate-adapter16", "eagle3-long")
+WARM = ("warm-frozen-separate-adapter16", "warm-isolated-separate-adapter16", "eagle3-long")
 SETS = ("mtbench", "gsm8k", "humaneval")
 #: `eval --decompose` counters the table shows (per round; see pr_specforge/serving/decompose.py)
 DECOMPOSITION = ("frontier_recon", "displaced", "gained_proposal", "gained_repricing", "lost_lb")
