@@ -74,6 +74,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def is_pr(name: str) -> bool:
+    """A PR pilot (any recipe other than the EAGLE-3 pilots')."""
+    return VARIANTS[name][0] != VARIANTS[EAGLE3][0]
+
+
 def warm_steps(args) -> int:
     return args.warm_steps or args.steps
 
@@ -91,11 +96,11 @@ def train_overrides(args, work: Path, name: str, run: Path) -> List[str]:
 
 def serve_settings(args, name: str, export: Path) -> dict:
     """`StageBuilder.eval_argv` settings of a pilot's served check (PR pilots also at m = 0, and decomposed if asked)."""
-    is_pr = VARIANTS[name][0] != VARIANTS[EAGLE3][0]
+    pr = is_pr(name)
     return dict(drafts={name: export}, prompts=SETS, limit=args.limit, budgets=[args.budget], temperatures=[0],
                 max_new_tokens=args.max_new_tokens,
-                extra=["--skip", args.skip, "--seed", args.seed, "--no-progress", *(["--also-one-pass"] if is_pr else []),
-                       *(["--decompose"] if args.decompose and is_pr else [])])
+                extra=["--skip", args.skip, "--seed", args.seed, "--no-progress", *(["--also-one-pass"] if pr else []),
+                       *(["--decompose"] if args.decompose and pr else [])])
 
 
 def serve_argv(args, work: Path, name: str, export: Path, ev: Path) -> List[str]:
@@ -147,7 +152,7 @@ def row(name: str, diag: Optional[dict], summary: Optional[dict]) -> dict:
 
 def matched_baseline(name: str) -> Optional[str]:
     """The EAGLE-3 pilot a PR pilot is compared with: trained as many total steps on the same data."""
-    if VARIANTS[name][0] == VARIANTS[EAGLE3][0]:
+    if not is_pr(name):
         return None
     return "eagle3-long" if name in WARM else EAGLE3
 
@@ -159,12 +164,16 @@ def comparisons(out: Path, names: Sequence[str], n: int = 2000, seed: int = 0) -
     from pr_specforge.data.io import read_jsonl_rows
     from pr_specforge.eval.statistics import paired_bootstrap_gain
 
+    cache: Dict[str, Dict[str, Dict[str, dict]]] = {}
+
     def served(name: str) -> Dict[str, Dict[str, dict]]:
-        path = out / "eval" / name / "results.jsonl"
-        rows: Dict[str, Dict[str, dict]] = {}
-        for r in (read_jsonl_rows(path) if path.exists() else []):
-            rows.setdefault(r["draft"], {})[f"{r['set']}/{r['prompt']}"] = r
-        return rows
+        """A pilot's served rows, draft -> "set/prompt" -> row (read once; baselines serve several pilots)."""
+        if name not in cache:
+            path = out / "eval" / name / "results.jsonl"
+            cache[name] = {}
+            for r in (read_jsonl_rows(path) if path.exists() else []):
+                cache[name].setdefault(r["draft"], {})[f"{r['set']}/{r['prompt']}"] = r
+        return cache[name]
 
     cells = []
     for name in names:
@@ -241,8 +250,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cells = comparisons(Path(args.out), order, seed=args.seed)
     Path(args.report + ".json").write_text(json.dumps({"steps": args.steps, "warm_steps": warm_steps(args), "rows": rows,
                                                        "comparisons": cells}, indent=1) + "\n")
-    Path(args.report + ".md").write_text(render(rows, args, cells))
-    print(render(rows, args, cells))
+    table = render(rows, args, cells)
+    Path(args.report + ".md").write_text(table)
+    print(table)
     return 0
 
 

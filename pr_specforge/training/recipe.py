@@ -94,11 +94,13 @@ def _resolve_recipe_paths(raw: Dict[str, Any], recipe_dir: str) -> None:
     directory when it exists there, else as given (SpecForge's rule: the working directory), so the
     packaged recipes work from any working directory and users' cwd-relative recipes keep working."""
     for section, key in RECIPE_RELATIVE_PATHS:
-        value = (raw.get(section) or {}).get(key) if isinstance(raw.get(section), dict) else None
-        if isinstance(value, str) and value and not os.path.isabs(value):
-            candidate = os.path.normpath(os.path.join(recipe_dir or ".", value))
-            if os.path.exists(candidate):
-                raw[section][key] = os.path.abspath(candidate)
+        mapping = raw.get(section)
+        value = mapping.get(key) if isinstance(mapping, dict) else None
+        if not isinstance(value, str) or not value or os.path.isabs(value):
+            continue
+        candidate = os.path.normpath(os.path.join(recipe_dir or ".", value))
+        if os.path.exists(candidate):
+            mapping[key] = os.path.abspath(candidate)
 
 
 def read_recipe_mapping(path: str, _chain: Tuple[str, ...] = ()) -> Dict[str, Any]:
