@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Sequence
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from pr_specforge.eval.experiment_report import DECOMPOSITION, format_gain  # noqa: E402
 from pr_specforge.stages import STAGE_ERRORS, Stage, StageBuilder, run_stages  # noqa: E402
 from pr_specforge.training.preflight import latest_checkpoint  # noqa: E402
 
@@ -48,8 +49,6 @@ VARIANTS: Dict[str, tuple] = {
 }
 WARM = ("warm-frozen-separate-adapter16", "warm-isolated-separate-adapter16", "eagle3-long")
 SETS = ("mtbench", "gsm8k", "humaneval")
-#: `eval --decompose` counters the table shows (per round; see pr_specforge/serving/decompose.py)
-DECOMPOSITION = ("frontier_recon", "displaced", "gained_proposal", "gained_repricing", "lost_lb")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -191,20 +190,14 @@ def comparisons(out: Path, names: Sequence[str], n: int = 2000, seed: int = 0) -
 
 
 def render_comparisons(cells: Sequence[dict]) -> List[str]:
-    def pct(stats: Optional[dict]) -> str:
-        if not stats:
-            return "-"
-        lo, hi = stats["gain_rel_ci95"]
-        return f"{100 * stats['gain_rel']:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]"
-
     lines = ["", "## Against the matched EAGLE-3 pilot (paired over every served prompt, 95% bootstrap CI)", "",
              "`gain` = PR served at m = 3 over its baseline; it splits into `one-pass` (the PR drafter's m = 0 tree "
              "over the baseline: what training PR did to the one-pass drafter) and `mechanism` (m = 3 over m = 0).", "",
              "| variant | baseline | prompts | gain | one-pass | mechanism |", "|---|---|---|---|---|---|"]
     for c in cells:
         n = (c.get("gain") or c.get("mechanism") or {}).get("prompts", "-")
-        lines.append(f"| {c['variant']} | {c['baseline']} | {n} | {pct(c.get('gain'))} | {pct(c.get('one_pass'))} | "
-                     f"{pct(c.get('mechanism'))} |")
+        lines.append(f"| {c['variant']} | {c['baseline']} | {n} | {format_gain(c.get('gain'))} | {format_gain(c.get('one_pass'))} | "
+                     f"{format_gain(c.get('mechanism'))} |")
     return lines
 
 

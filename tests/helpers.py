@@ -1,8 +1,20 @@
-"""Test helpers: tiny drafters and synthetic EAGLE-3 batches."""
+"""Test helpers: tiny drafters and synthetic EAGLE-3 batches; the benchmark scripts as modules."""
+
+import importlib.util
+import os
 
 import torch
 
 from tests.conftest import tiny_llama_config
+
+
+def load_benchmark(name: str):
+    """`benchmarks/NAME.py` imported as a module (the benchmark scripts are not a package)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "benchmarks", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def make_vocab_map(vocab: int, draft_vocab: int, seed: int = 0):

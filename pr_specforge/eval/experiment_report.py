@@ -62,7 +62,8 @@ def build_report(args, work: Path, runs: Dict[str, Path], evals: Dict[str, Path]
             results.append({k: r.get(k) for k in ("draft", "set", "budget", "temperature", "prompts", "tau", "rounds",
                                                   "tokens", "speedup", "tokens_per_s", "ar_tokens_per_s",
                                                   "draft_s_per_round", "verify_s_per_round", "lossless", "recover",
-                                                  "recon_rows_per_round", "recon_kept_per_round", "repriced_kept_per_round")}
+                                                  "recon_rows_per_round", "recon_kept_per_round", "repriced_kept_per_round",
+                                                  "decomposition")}
                            | {"speedup_vs_ar": r.get("speedup")})
     cells = comparisons(finished, args.bootstrap, args.seed)
     seeds = seed_comparisons(work, args.bootstrap)
@@ -115,7 +116,7 @@ def render_markdown(report: dict) -> str:
         lo, hi = c["gain_rel_ci95"]
         lines.append(f"| {c['set']} | {c['budget']} | {c['temperature']:g} | {c['prompts']} | {c['tau_eagle3']:.3f} | "
                      f"{c['tau_pr']:.3f} | {100 * c['gain_rel']:+.1f}% | [{100 * lo:+.1f}%, {100 * hi:+.1f}%] |")
-    lines += _md_seeds(report) + _md_served(report) + _md_training(report) + _md_heldout(report)
+    lines += _md_seeds(report) + _md_decomposition(report) + _md_served(report) + _md_training(report) + _md_heldout(report)
     lines += ["", "## Stage wall times (s)", "",
               "Summed over every invocation that ran the stage, so a stage that was interrupted and resumed also "
               "counts the work it redid (for training, at most one save interval per interruption).", "",
@@ -145,6 +146,47 @@ def _md_seeds(report: dict) -> List[str]:
                 row.append(f"{100 * c['gain_rel']:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]")
             mean = f"{100 * sum(gains) / len(gains):+.1f}%" if gains else "-"
             lines.append(f"| {set_name} | {budget} | {temp:g} | " + " | ".join(row) + f" | {mean} |")
+    return lines
+
+
+def format_gain(stats: Optional[dict]) -> str:
+    """`+1.2% [-0.3, +2.7]`: a relative gain and its 95% CI (`-` when absent)."""
+    if not stats:
+        return "-"
+    lo, hi = stats["gain_rel_ci95"]
+    return f"{100 * stats['gain_rel']:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+
+
+#: `eval --decompose` counters per round (`serving.decompose`) that reports show, in their order
+DECOMPOSITION = ("frontier_recon", "displaced", "gained_proposal", "gained_repricing", "lost_lb")
+
+
+def _md_decomposition(report: dict) -> List[str]:
+    """Where PR's gain comes from (only when the PR drafter was also served at m = 0): per seed and
+    cell, the one-pass part and the mechanism part; then `--decompose`'s counters per round."""
+    seeds = report.get("seeds") or {str((report.get("settings") or {}).get("seed", 0)): report["comparisons"]}
+    rows = [(s, c) for s, cs in seeds.items() for c in cs if c.get("one_pass")]
+    if not rows:
+        return []
+    lines = ["", "## Where the gain comes from (95% paired bootstrap CIs)", "",
+             "`one-pass`: the PR drafter served with reconsideration off (m = 0) over EAGLE-3, what training PR did "
+             "to the one-pass drafter. `mechanism`: PR (m = 3) over the same drafter at m = 0, what reconsideration "
+             "did. (1 + gain) = (1 + one-pass)(1 + mechanism).", "",
+             "| seed | set | B | T | gain | one-pass | mechanism |", "|---|---|---|---|---|---|---|"]
+    for s, c in sorted(rows, key=lambda r: (r[1]["budget"], r[1]["temperature"], r[1]["set"], r[0])):
+        lines.append(f"| {s} | {c['set']} | {c['budget']} | {c['temperature']:g} | {format_gain(c)} | {format_gain(c['one_pass'])} | "
+                     f"{format_gain(c['mechanism'])} |")
+    counted = [r for r in report["results"] if r["draft"] == "pr" and r.get("decomposition")]
+    if counted:
+        lines += ["", "Per verification round (`eval --decompose`, this report's seed): `frontier_recon` forwarded "
+                  "nodes on a reconsidered branch, `displaced` nodes of the m = 0 cut the PR cut dropped, `gained_*` "
+                  "accepted tokens only the PR cut held (a reconsidered proposal, or a one-pass node repricing put "
+                  "under the cut), `lost_lb` rounds the m = 0 cut would have accepted more (T = 0 only).", "",
+                  "| set | B | T | " + " | ".join(DECOMPOSITION) + " |", "|---|---|---|" + "---|" * len(DECOMPOSITION)]
+        for r in counted:
+            d = r["decomposition"]
+            lines.append(f"| {r['set']} | {r['budget']} | {r['temperature']:g} | "
+                         + " | ".join(_f(d.get(f"{k}_per_round")) for k in DECOMPOSITION) + " |")
     return lines
 
 
@@ -198,9 +240,11 @@ def _md_heldout(report: dict) -> List[str]:
         for name, d in held.items():
             lines.append(f"| {name} | {d['positions']:.0f} | {' '.join(f'{a:.3f}' for a in d['one_pass_acc'])} | "
                          f"{d['simulated_acc_len']:.3f} |")
-        pr = (held.get("pr") or {}).get("pr") or {}
-        if pr:
-            lines += ["", "PR's mixed rollout on held-out positions, by depth-0 confidence:", "",
+        for name, d in held.items():
+            pr = d.get("pr") or {}
+            if not pr:
+                continue
+            lines += ["", f"{name}: PR's mixed rollout on held-out positions, by depth-0 confidence:", "",
                       "| positions | share | halt past 0 | acc depth 0 | acc depth 1 | acc depth 2 | recovered share |",
                       "|---|---|---|---|---|---|---|"]
             lines.append(f"| all | 1.000 | {_f(pr.get('pr/halt_past_0'))} | {_f(pr.get('pr/acc_depth_0'))} | "

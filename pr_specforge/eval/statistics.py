@@ -2,7 +2,8 @@
 
 Owns: `paired_bootstrap_gain` (one set x budget x temperature cell, from the evaluator's
 per-prompt rows), `comparisons` (every cell of some `pr-specforge eval` output directories
-that served both an `eagle3` and a `pr` drafter) and `seed_comparisons` (every training
+that served both an `eagle3` and a `pr` drafter, split into one-pass and mechanism parts where
+the PR drafter was also served at m = 0) and `seed_comparisons` (every training
 seed evaluated in an experiment workdir).
 
 Does not own: tau's definition (the evaluator's: sum of accepted tokens over sum of rounds)
@@ -47,18 +48,34 @@ def paired_bootstrap_gain(rows_a: Dict[str, dict], rows_b: Dict[str, dict], n: i
     }
 
 
+#: the PR drafter served with m = 0 (`eval --also-one-pass`): its one-pass tree
+ONE_PASS = "pr/one-pass"
+
+
 def comparisons(eval_dirs, n: int, seed: int) -> List[dict]:
-    """PR vs EAGLE-3 per set x budget x temperature from the evaluators' per-prompt rows."""
+    """PR vs EAGLE-3 per set x budget x temperature from the evaluators' per-prompt rows.
+
+    Where the PR drafter was also served at m = 0 (`pr/one-pass`), the cell also carries the
+    decomposition of the gain (issue 16, part A): `one_pass` (PR at m = 0 over EAGLE-3: what
+    training PR did to the one-pass drafter) and `mechanism` (PR over PR at m = 0: what
+    reconsideration did), each with its own paired CI; (1 + gain) = (1 + one_pass)(1 + mechanism).
+    """
     cells = []
     for eval_dir in eval_dirs:
         per_prompt: Dict[tuple, Dict[str, dict]] = {}
         for row in read_jsonl_rows(Path(eval_dir) / "results.jsonl"):
             per_prompt.setdefault((row["draft"], row["set"], row["budget"], row["temperature"]), {})[row["prompt"]] = row
         for (draft, set_name, budget, temp), rows in per_prompt.items():
-            if draft != "pr" or ("eagle3", set_name, budget, temp) not in per_prompt:
+            eagle = per_prompt.get(("eagle3", set_name, budget, temp))
+            if draft != "pr" or eagle is None:
                 continue
-            stats = paired_bootstrap_gain(per_prompt[("eagle3", set_name, budget, temp)], rows, n=n, seed=seed)
-            cells.append({"set": set_name, "budget": budget, "temperature": temp, **stats})
+            cell = {"set": set_name, "budget": budget, "temperature": temp,
+                    **paired_bootstrap_gain(eagle, rows, n=n, seed=seed)}
+            one_pass = per_prompt.get((ONE_PASS, set_name, budget, temp))
+            if one_pass:
+                cell["one_pass"] = paired_bootstrap_gain(eagle, one_pass, n=n, seed=seed)
+                cell["mechanism"] = paired_bootstrap_gain(one_pass, rows, n=n, seed=seed)
+            cells.append(cell)
     cells.sort(key=lambda c: (c["budget"], c["temperature"], c["set"]))
     return cells
 

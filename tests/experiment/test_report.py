@@ -72,3 +72,34 @@ def test_every_evaluated_seed_is_compared_and_rendered_side_by_side(tmp_path):
               "training": {}, "stage_wall_s": {}, "seeds": {str(k): v for k, v in seeds.items()}}
     md = render_markdown(report)
     assert "Across training seeds" in md and "| gsm8k | 48 | 0 | +9.1%" in md and f"| {100 * (120 / 110 - 1) / 2:+.1f}% |" in md
+
+
+def test_a_pr_drafter_served_at_m0_splits_each_cell_into_one_pass_and_mechanism(tmp_path):
+    import json
+
+    from pr_specforge.eval.experiment_report import render_markdown
+    from pr_specforge.eval.statistics import comparisons
+
+    d = tmp_path / "eval-b48-seed0"
+    d.mkdir()
+    rows = [{"draft": draft, "set": "gsm8k", "budget": 48, "temperature": 0.0, "prompt": f"p{i}", "accepted": acc + i,
+             "rounds": 10} for i in range(5) for draft, acc in (("eagle3", 20), ("pr/one-pass", 18), ("pr", 24))]
+    (d / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (cell,) = comparisons([d], n=200, seed=0)
+    one, mech = cell["one_pass"], cell["mechanism"]
+    assert cell["gain_rel"] == pytest.approx(130 / 110 - 1)
+    assert one["gain_rel"] == pytest.approx(100 / 110 - 1) and mech["gain_rel"] == pytest.approx(130 / 100 - 1)
+    assert (1 + one["gain_rel"]) * (1 + mech["gain_rel"]) == pytest.approx(1 + cell["gain_rel"])
+    counters = {"frontier_recon_per_round": 3.0, "displaced_per_round": 1.0, "gained_proposal_per_round": 0.25}
+    report = {"commit": "x", "machine": {"platform": "p", "cpus": 2}, "comparisons": [cell], "training": {},
+              "stage_wall_s": {}, "results": [{"draft": "pr", "set": "gsm8k", "budget": 48, "temperature": 0.0,
+                                               "tokens_per_s": 1.0, "ar_tokens_per_s": 1.0, "speedup": 1.0,
+                                               "lossless": True, "decomposition": counters}]}
+    md = render_markdown(report)
+    assert "| 0 | gsm8k | 48 | 0 | +18.2% [" in md and "| -9.1% [" in md and "| +30.0% [" in md
+    assert "| gsm8k | 48 | 0 | 3.000 | 1.000 | 0.250 | - | - |" in md
+    # the experiment's own cells (no m = 0 rows): no split, no section
+    rows = [r for r in rows if r["draft"] != "pr/one-pass"]
+    (d / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (cell,) = comparisons([d], n=50, seed=0)
+    assert "one_pass" not in cell and "Where the gain comes from" not in render_markdown({**report, "comparisons": [cell]})

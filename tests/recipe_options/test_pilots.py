@@ -1,27 +1,20 @@
 """`benchmarks/pilots.py`: every variant's overrides load into a valid recipe; the table ranks by served tau."""
 
-import importlib.util
 import json
 import os
 
 import pytest
 
 from pr_specforge.training.recipe import load_recipe
+from tests.helpers import load_benchmark
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-def _pilots():
-    spec = importlib.util.spec_from_file_location("pilots", os.path.join(ROOT, "benchmarks", "pilots.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def pilots():
-    return _pilots()
+    return load_benchmark("pilots")
 
 
 def test_every_variant_loads_as_a_recipe_with_its_options(pilots, tmp_path):

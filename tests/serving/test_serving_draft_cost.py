@@ -2,24 +2,17 @@
 to the round, the op counts see the tensor builder's one host read and the object tree's many, and the
 rows probe times every row count it is asked for."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 from pr_specforge.serving import TreeConfig
+from tests.helpers import load_benchmark
 from tests.serving.test_serving_tree import eager_gate, models, primed_runtime  # noqa: F401 (models: a fixture)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("draft_cost", os.path.join(ROOT, "benchmarks", "draft_cost.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("draft_cost")
 
 
 def test_breakdown_ops_and_rows_probe(bench, models):
