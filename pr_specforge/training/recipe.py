@@ -85,8 +85,8 @@ def _deep_merge(base: Dict[str, Any], top: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-#: (section, key) of file paths a recipe may give relative to its own directory
-RECIPE_RELATIVE_PATHS = (("model", "draft_model_config"),)
+#: (section, key) of file paths a recipe may give relative to its own directory (one rule for all of them)
+RECIPE_RELATIVE_PATHS = (("model", "draft_model_config"), (BACKEND_SECTION, "config"))
 
 
 def _resolve_recipe_paths(raw: Dict[str, Any], recipe_dir: str) -> None:
@@ -142,7 +142,7 @@ def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
     backend_over = _backend_overrides(overrides)
     if backend_over:
         backend_raw = {**(backend_raw or {}), **backend_over}
-    backend = BackendConfig.from_mapping(backend_raw, where=f"{path}: {BACKEND_SECTION}", recipe_dir=os.path.dirname(path) or ".")
+    backend = BackendConfig.from_mapping(backend_raw, where=f"{path}: {BACKEND_SECTION}")
     spec_raw = {k: v for k, v in raw.items() if k not in (PR_SECTION, BACKEND_SECTION)}
     spec_raw, spec_over = _resolve_auto_dtype(spec_raw, spec_over)
     config = _specforge_config(spec_raw, spec_over, path)

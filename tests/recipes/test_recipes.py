@@ -181,3 +181,19 @@ def test_draft_config_path_resolves_from_any_working_directory(tmp_path, monkeyp
     raw["model"]["draft_model_config"] = "cfg/d.json"  # relative to the working directory, not to mine/
     (tmp_path / "mine" / "r.yaml").write_text(yaml.safe_dump(raw))
     assert load_recipe("mine/r.yaml").config.model.draft_model_config == "cfg/d.json"
+
+
+def test_a_deepspeed_config_resolves_by_the_drafter_configs_rule(tmp_path, monkeypatch):
+    """One rule for every file a recipe names: its own directory first, else the working directory;
+    a command-line override is cwd-relative."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine").mkdir()
+    zero1 = open(os.path.join(REPO, "recipes", "deepspeed", "zero1.json")).read()
+    raw = read_recipe_mapping(os.path.join(REPO, "recipes", "smollm2-135m-cpu-eagle3.yaml"))
+    raw["backend"] = {"name": "deepspeed", "config": "ds.json"}
+    (tmp_path / "mine" / "r.yaml").write_text(yaml.safe_dump(raw))
+    (tmp_path / "ds.json").write_text(zero1)
+    assert load_recipe("mine/r.yaml").backend.config == "ds.json"  # only in the working directory
+    (tmp_path / "mine" / "ds.json").write_text(zero1)
+    assert load_recipe("mine/r.yaml").backend.config == str(tmp_path / "mine" / "ds.json")  # the recipe's own wins
+    assert load_recipe("mine/r.yaml", ["backend.config=ds.json"]).backend.config == "ds.json"

@@ -38,7 +38,9 @@ class BackendConfig:
     config: Optional[str] = None
 
     @classmethod
-    def from_mapping(cls, raw: Optional[Mapping[str, Any]], where: str = BACKEND_SECTION, recipe_dir: str = ".") -> "BackendConfig":
+    def from_mapping(cls, raw: Optional[Mapping[str, Any]], where: str = BACKEND_SECTION) -> "BackendConfig":
+        """The `backend:` section; a relative `config` is taken as given (a recipe file's own value was
+        already resolved against the recipe's directory by `training.recipe`, overrides are cwd-relative)."""
         if raw is None:
             return cls()
         if not isinstance(raw, Mapping):
@@ -55,8 +57,6 @@ class BackendConfig:
         if name == "deepspeed":
             if not config:
                 raise _error(f"{where}.config: the deepspeed backend needs a DeepSpeed JSON; set {where}.config=recipes/deepspeed/zero2.json")
-            if not os.path.isfile(config) and os.path.isfile(os.path.join(recipe_dir, config)):
-                config = os.path.join(recipe_dir, config)
             if not os.path.isfile(config):
                 raise _error(f"{where}.config: {config!r} does not exist; point it at a DeepSpeed JSON (see recipes/deepspeed/)")
         return cls(name=name, config=config)
