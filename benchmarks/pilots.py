@@ -45,9 +45,16 @@ VARIANTS: Dict[str, tuple] = {
                                                                   "pr.recon_adapter_rank=16"]),
     "warm-isolated-separate-adapter16": ("smollm2-135m-cpu.yaml", ["pr.recon_grad=isolated", "pr.recon_head=separate",
                                                                     "pr.recon_adapter_rank=16"]),
+    # the isolated warm start's second head lags the one-pass head it was copied from (it trains at weight
+    # ~q(r) while the one-pass head keeps training on l^0): read depths >= 1 through the current one-pass
+    # head, or train the second head at full weight
+    "warm-isolated-shared-adapter16": ("smollm2-135m-cpu.yaml", ["pr.recon_grad=isolated", "pr.recon_head=shared",
+                                                                  "pr.recon_adapter_rank=16"]),
+    "warm-isolated-separate-adapter16-uniform": ("smollm2-135m-cpu.yaml", [
+        "pr.recon_grad=isolated", "pr.recon_head=separate", "pr.recon_adapter_rank=16", "pr.reconsider_weight=uniform"]),
     "eagle3-long": ("smollm2-135m-cpu-eagle3.yaml", []),
 }
-WARM = ("warm-frozen-separate-adapter16", "warm-isolated-separate-adapter16", "eagle3-long")
+WARM = tuple(name for name in VARIANTS if name.startswith("warm-")) + ("eagle3-long",)
 SETS = ("mtbench", "gsm8k", "humaneval")
 
 
