@@ -1,6 +1,6 @@
 """Recipe loading: SpecForge's strict config plus the strict `pr:` and `backend:` sections.
 
-    extends: _base/paper.yaml        # optional: deep-merge this recipe over another (relative path)
+    extends: _base/paper.yaml        # optional: deep-merge this recipe over another (relative path), or a list
     model: {...}  data: {...}  training: {...}     # SpecForge's `Config` (strict)
     pr: {...}                        # `pr_specforge.config.PRConfig` (strict)
     backend: {name: deepspeed, config: ...}        # `training.backends.config.BackendConfig`
@@ -27,7 +27,8 @@ from pr_specforge.config import PR_ATTENTION_BACKEND, ConfigError, PRConfig, che
 from pr_specforge.training.backends.config import BACKEND_SECTION, BackendConfig
 
 PR_SECTION = "pr"
-#: `extends: other.yaml` (relative to the recipe's directory) deep-merges this recipe over that one.
+#: `extends: other.yaml` (relative to the recipe's directory) deep-merges this recipe over that one;
+#: `extends: [a.yaml, b.yaml]` merges b over a, then this recipe over both.
 EXTENDS_KEY = "extends"
 
 
@@ -116,16 +117,21 @@ def read_recipe_mapping(path: str, _chain: Tuple[str, ...] = ()) -> Dict[str, An
     if not isinstance(raw, dict):
         raise ConfigError(f"recipe {path}: expected a mapping at the top level")
     _resolve_recipe_paths(raw, os.path.dirname(path))
-    base = raw.pop(EXTENDS_KEY, None)
-    if base is None:
+    bases = raw.pop(EXTENDS_KEY, None)
+    if bases is None:
         return raw
-    if not isinstance(base, str):
-        raise ConfigError(f"recipe {path}: {EXTENDS_KEY} must be one recipe path (relative to {os.path.dirname(path) or '.'}), got {base!r}")
-    base_path = os.path.normpath(base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base))
-    chain = _chain + (os.path.abspath(path),)
-    if os.path.abspath(base_path) in chain:
-        raise ConfigError(f"recipe {path}: {EXTENDS_KEY} cycle through {base_path}; a recipe cannot extend itself")
-    return _deep_merge(read_recipe_mapping(base_path, chain), raw)
+    if isinstance(bases, str):
+        bases = [bases]
+    if not bases or not isinstance(bases, list) or not all(isinstance(b, str) and b for b in bases):
+        raise ConfigError(f"recipe {path}: {EXTENDS_KEY} must be a recipe path or a list of them (relative to "
+                          f"{os.path.dirname(path) or '.'}), got {bases!r}")
+    chain, merged = _chain + (os.path.abspath(path),), {}
+    for base in bases:  # in order: a later base wins over an earlier one, the extending file over all
+        base_path = os.path.normpath(base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base))
+        if os.path.abspath(base_path) in chain:
+            raise ConfigError(f"recipe {path}: {EXTENDS_KEY} cycle through {base_path}; a recipe cannot extend itself")
+        merged = _deep_merge(merged, read_recipe_mapping(base_path, chain))
+    return _deep_merge(merged, raw)
 
 
 def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:

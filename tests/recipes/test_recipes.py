@@ -197,3 +197,23 @@ def test_a_deepspeed_config_resolves_by_the_drafter_configs_rule(tmp_path, monke
     (tmp_path / "mine" / "ds.json").write_text(zero1)
     assert load_recipe("mine/r.yaml").backend.config == str(tmp_path / "mine" / "ds.json")  # the recipe's own wins
     assert load_recipe("mine/r.yaml", ["backend.config=ds.json"]).backend.config == "ds.json"
+
+
+def test_extends_takes_a_list_merged_in_order(tmp_path):
+    _write(tmp_path, "a.yaml", {"training": {"learning_rate": 1e-4, "ttt_length": 7}, "pr": {"max_depth": 2}})
+    _write(tmp_path, "b.yaml", {"training": {"learning_rate": 2e-4}, "pr": {"recon_head": "separate"}})
+    raw = read_recipe_mapping(_write(tmp_path, "c.yaml", {"extends": ["a.yaml", "b.yaml"], "pr": {"max_depth": 1}}))
+    assert raw["training"] == {"learning_rate": 2e-4, "ttt_length": 7} and raw["pr"] == {"max_depth": 1, "recon_head": "separate"}
+    with pytest.raises(ConfigError, match="a recipe path or a list"):
+        read_recipe_mapping(_write(tmp_path, "d.yaml", {"extends": ["a.yaml", 3]}))
+    _write(tmp_path, "e.yaml", {"extends": ["a.yaml", "f.yaml"]})
+    _write(tmp_path, "f.yaml", {"extends": "e.yaml"})
+    with pytest.raises(ConfigError, match="cycle"):
+        read_recipe_mapping(str(tmp_path / "e.yaml"))
+
+
+@pytest.mark.parametrize("target", PAPER_TARGETS)
+def test_paper_recipes_take_the_papers_pr_options(target):
+    pr = _recipe(f"{target}-pr.yaml").pr
+    assert (pr.max_depth, pr.balance_coef, pr.recon_head, pr.recon_grad) == (2, 0.01, "separate", "full")
+    assert (pr.reconsider_weight, pr.balance_norm, pr.init_from, pr.gradient_checkpointing) == ("use", "per_position", None, True)
