@@ -68,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--bootstrap", type=int, default=2000)
     p.add_argument("--report", default=str(REPO_ROOT / "benchmarks" / "results" / "smollm2-cpu-best"))
+    p.add_argument("--note", action="append", help="a line for the report's head (how this run was made; repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print the training commands, run nothing")
     return p
 
@@ -146,6 +147,13 @@ class Best:
         commands = {f"{name}-seed{seed}": train_command(recipe, overrides) for seed in args.seeds
                     for name, (recipe, overrides) in self.trainings(seed).items()}
         report = build_report(args, self.out, runs, self.evals(first), timings, diags, train_commands=commands)
+        report["notes"] = [
+            f"**{args.variant}** against its matched EAGLE-3 (`eagle3`: " + (
+                f"the same EAGLE-3 checkpoint of {args.steps} steps trained {args.warm_steps} more steps, as the PR drafter was"
+                if self.warm else f"{args.steps} steps, as the PR drafter") + f"), training seeds {args.seeds}. "
+            f"Served: the first {args.limit} prompts of each set, {args.max_new_tokens} new tokens; `pr/one-pass` is the PR "
+            "drafter at m = 0. The evaluations ran with `--decompose` (an extra m = 0 tree per round), so their "
+            "timings are not speed numbers.", *(args.note or [])]
         write_report(report, Path(args.report))
         return report
 

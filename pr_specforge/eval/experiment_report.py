@@ -106,6 +106,7 @@ def _f(x, fmt=".3f") -> str:
 def render_markdown(report: dict) -> str:
     lines = ["# EAGLE-3 vs Parallel Reconsideration on SmolLM2-135M-Instruct (CPU)", "",
              f"commit `{report['commit']}`, machine: {report['machine']['platform']}, {report['machine']['cpus']} CPUs", "",
+             *(f"{note}\n" for note in report.get("notes") or ()),
              f"command: `{report.get('command')}`; the stages ran (in-process) as:", "",
              *(f"    {c}" for c in report.get("stage_commands", [])), "",
              *(["this seed's trainings ran (in-process; a resumed one adds `training.resume_from=<latest checkpoint>`) as:", "",

@@ -91,13 +91,14 @@ def test_a_pr_drafter_served_at_m0_splits_each_cell_into_one_pass_and_mechanism(
     assert one["gain_rel"] == pytest.approx(100 / 110 - 1) and mech["gain_rel"] == pytest.approx(130 / 100 - 1)
     assert (1 + one["gain_rel"]) * (1 + mech["gain_rel"]) == pytest.approx(1 + cell["gain_rel"])
     counters = {"frontier_recon_per_round": 3.0, "displaced_per_round": 1.0, "gained_proposal_per_round": 0.25}
-    report = {"commit": "x", "machine": {"platform": "p", "cpus": 2}, "comparisons": [cell], "training": {},
+    report = {"commit": "x", "machine": {"platform": "p", "cpus": 2}, "comparisons": [cell], "training": {}, "notes": ["At reduced scale."],
               "stage_wall_s": {}, "results": [{"draft": "pr", "set": "gsm8k", "budget": 48, "temperature": 0.0,
                                                "tokens_per_s": 1.0, "ar_tokens_per_s": 1.0, "speedup": 1.0,
                                                "lossless": True, "decomposition": counters}]}
     md = render_markdown(report)
     assert "| 0 | gsm8k | 48 | 0 | +18.2% [" in md and "| -9.1% [" in md and "| +30.0% [" in md
     assert "| gsm8k | 48 | 0 | 3.000 | 1.000 | 0.250 | - | - |" in md
+    assert md.index("At reduced scale.") < md.index("## Acceptance length")  # how the run was made, at its head
     # the experiment's own cells (no m = 0 rows): no split, no section
     rows = [r for r in rows if r["draft"] != "pr/one-pass"]
     (d / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
