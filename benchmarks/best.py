@@ -27,7 +27,6 @@ mechanism parts.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import shlex
 import sys
 from pathlib import Path
@@ -35,23 +34,14 @@ from typing import Dict, List, Optional, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/pilots.py: the variants' recipes and options
 
+import pilots as PILOTS  # noqa: E402
 from pr_specforge.eval.experiment_report import build_report, render_markdown, write_report  # noqa: E402
 from pr_specforge.stages import STAGE_ERRORS, Stage, StageBuilder, run_stages, train_command  # noqa: E402
 from pr_specforge.training.preflight import latest_checkpoint  # noqa: E402
 
 DRAFTERS = ("eagle3", "pr")
-
-
-def _pilots():
-    """`benchmarks/pilots.py` (the variants' recipes and options), imported from this directory."""
-    spec = importlib.util.spec_from_file_location("pilots", Path(__file__).with_name("pilots.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-PILOTS = _pilots()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -109,9 +99,9 @@ class Best:
         build = self.build
         out: List[Stage] = [
             # overrides made when the stage runs: the warm starts need `eagle3-base`'s checkpoint
-            build.train_stage(f"seed {seed}: train {name}", self.trainings(seed)[name][0], self.run_dir(name, seed),
+            build.train_stage(f"seed {seed}: train {name}", recipe, self.run_dir(name, seed),
                               lambda name=name: self.trainings(seed)[name][1])
-            for name in self.trainings(seed)]
+            for name, (recipe, _) in self.trainings(seed).items()]
         for name in DRAFTERS:
             run, diag, export = self.run_dir(name, seed), self.diag(name, seed), self.export_dir(name, seed)
             out += [Stage(f"seed {seed}: diagnose {name}", diag,
@@ -142,10 +132,10 @@ class Best:
         timings = run_stages([s for seed in args.seeds for s in self.stages(seed)], self.out / "stage_times.json")
         first = args.seeds[0]
         args.seed = first  # the report's headline comparisons (and bootstrap seed) are the first seed's
-        runs = {f"{name}-seed{seed}": self.run_dir(name, seed) for seed in args.seeds for name in self.trainings(seed)}
+        trainings = {(name, seed): run for seed in args.seeds for name, run in self.trainings(seed).items()}
+        runs = {f"{name}-seed{seed}": self.run_dir(name, seed) for name, seed in trainings}
+        commands = {f"{name}-seed{seed}": train_command(*run) for (name, seed), run in trainings.items()}
         diags = {f"{name}-seed{seed}": self.diag(name, seed) for seed in args.seeds for name in DRAFTERS}
-        commands = {f"{name}-seed{seed}": train_command(recipe, overrides) for seed in args.seeds
-                    for name, (recipe, overrides) in self.trainings(seed).items()}
         report = build_report(args, self.out, runs, self.evals(first), timings, diags, train_commands=commands)
         report["notes"] = [
             f"**{args.variant}** against its matched EAGLE-3 (`eagle3`: " + (
