@@ -320,7 +320,7 @@ def prepare_hidden_states(
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    from pr_specforge.data.sharding import current_shard, gather_to_main
+    from pr_specforge.data.sharding import barrier, current_shard, gather_to_main
     from pr_specforge.data.templates import check_tokenizer
 
     shard = current_shard()
@@ -358,6 +358,7 @@ def prepare_hidden_states(
     out_dir.mkdir(parents=True, exist_ok=True)
     if shard.is_main:
         atomic_write_json(out_dir / MANIFEST, {**manifest, "counts": stats.as_dict()})
+    barrier(shard)  # no rank writes a feature before the directory says what it holds (a kill then leaves an in_progress manifest)
 
     if todo and capture is None:
         capture = _load_capture(backend, target_path, aux_layers, dtype, device)

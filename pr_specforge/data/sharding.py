@@ -5,8 +5,10 @@
 Outside torchrun (no RANK/WORLD_SIZE in the environment) everything here is a
 no-op for one rank, so the single-process commands are unchanged. Under
 torchrun a gloo process group (CPU collectives, also on GPU machines) carries
-the only two things ranks share: a barrier before rank 0 finishes the job,
-and the per-rank counters it sums into the manifest. Rows are assigned by a
+the only things ranks share: barriers (features: after rank 0 has written the
+in-progress manifest, so no rank writes into a directory that does not yet say
+what it holds; before rank 0 finishes the job) and the per-rank counters it
+sums into the manifest. Rows are assigned by a
 rule that depends on the input alone (never on which outputs already exist),
 so a rank killed and rerun takes back exactly its own rows.
 
