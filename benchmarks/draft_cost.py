@@ -9,7 +9,10 @@ with each builder, `tensor` (`serving.tensor_tree`, the default) and `object` (`
 the reference), three ways, interleaved, median of `--repeats`:
   eagle        the EAGLE tree of an EAGLE-3 drafter (B_w rows per step);
   pr_coforward the PR drafter's tree, the m reconsideration rows in the SAME call of M;
-  pr_serial    the same PR tree, the m rows in a separate call of M per step.
+  pr_serial    the same PR tree, the m rows in a separate call of M per step;
+and the paper's two controls (Tables 3 and 4), EAGLE trees of EAGLE-3 drafters:
+  eagle_2layer the two-layer EAGLE-3 drafter (`modeling.two_layer`: a second decoder layer on every row);
+  eagle_bw9    the one-layer EAGLE-3 drafter with the grow width widened to B_w + m (the batch PR gets).
 The top-level keys (`eagle_round_s`, `pr_coforward_round_s`, `coforward_over_eagle`,
 `serial_over_eagle`) are the tensor builder's; `builders` holds both builders' numbers and
 `over_object` each builder's round time relative to the object tree's. `forward_floor_s` is
@@ -29,6 +32,7 @@ random committed context of `--context` rows. About 1 minute per dtype on a 2-co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -40,12 +44,14 @@ VARIANTS = {
     "eagle": dict(drafter="eagle", coforward=True),
     "pr_coforward": dict(drafter="pr", coforward=True),
     "pr_serial": dict(drafter="pr", coforward=False),
+    "eagle_2layer": dict(drafter="eagle2", coforward=True),
+    "eagle_bw9": dict(drafter="eagle", coforward=True, widen=True),
 }
 BUILDERS = ("tensor", "object")
 
 
 def smollm2_drafters(max_depth: int, dtype: torch.dtype = torch.float32):
-    """(EAGLE-3 drafter, PR drafter) with the same EAGLE-3 weights, SmolLM2-135M's shape."""
+    """(EAGLE-3 drafter, PR drafter, two-layer EAGLE-3 drafter) with the same EAGLE-3 weights, SmolLM2-135M's shape."""
     from pr_specforge._specforge import LlamaForCausalLMEagle3
     from pr_specforge.modeling import LlamaForCausalLMEagle3PR, PRDraftSettings, build_pr_config
 
@@ -59,8 +65,14 @@ def smollm2_drafters(max_depth: int, dtype: torch.dtype = torch.float32):
     with torch.no_grad():
         pr.pr_halt_gate.linear.bias.fill_(-10.0)  # lambda ~ 0: every node pooled, m rows every step
     eagle = LlamaForCausalLMEagle3(cfg).float().eval()
-    eagle.load_state_dict({k: v for k, v in pr.state_dict().items() if not k.startswith("pr_")})
-    return eagle.to(dtype), pr.to(dtype)
+    one_pass = {k: v for k, v in pr.state_dict().items() if not k.startswith("pr_")}
+    eagle.load_state_dict(one_pass)
+    from pr_specforge.modeling import TWO_LAYER_ARCHITECTURE, LlamaForCausalLMEagle3TwoLayer
+
+    cfg.architectures = [TWO_LAYER_ARCHITECTURE]
+    two = LlamaForCausalLMEagle3TwoLayer(cfg).float().eval()
+    two.load_state_dict(one_pass, strict=False)  # the second layer stays random
+    return eagle.to(dtype), pr.to(dtype), two.to(dtype)
 
 
 def round_fn(builder: str, rt, cfg, coforward: bool, root_token: int, root_feature):
@@ -257,12 +269,14 @@ def summarise(times, recon_rows, args):
             row.update({f"{v}_round_s{stat}": src[(b, v)] for v in VARIANTS})
             row[f"coforward_over_eagle{stat}"] = src[(b, "pr_coforward")] / src[(b, "eagle")]
             row[f"serial_over_eagle{stat}"] = src[(b, "pr_serial")] / src[(b, "eagle")]
+            row[f"two_layer_over_eagle{stat}"] = src[(b, "eagle_2layer")] / src[(b, "eagle")]
+            row[f"bw9_over_eagle{stat}"] = src[(b, "eagle_bw9")] / src[(b, "eagle")]
         row["recon_rows_per_round"] = recon_rows[b]
         builders[b] = row
     tensor = builders["tensor"]
     return {
         **{k: tensor[k] for k in ("eagle_round_s", "pr_coforward_round_s", "pr_serial_round_s",
-                                  "coforward_over_eagle", "serial_over_eagle")},
+                                  "coforward_over_eagle", "serial_over_eagle", "two_layer_over_eagle", "bw9_over_eagle")},
         "builder": "tensor",
         "builders": builders,
         "over_object": {b: {v: med[(b, v)] / med[("object", v)] for v in VARIANTS} for b in BUILDERS},
@@ -366,14 +380,15 @@ def main(argv=None) -> int:
     aux = torch.randn(args.context, 3 * 576, generator=g)
     toks = torch.randint(0, 49152, (args.context,), generator=g)
     runtimes = {}
-    for name, drafter in zip(("eagle", "pr"), smollm2_drafters(args.max_depth, getattr(torch, args.dtype))):
+    for name, drafter in zip(("eagle", "pr", "eagle2"), smollm2_drafters(args.max_depth, getattr(torch, args.dtype))):
         rt = DrafterRuntime(drafter.to(args.device))
         runtimes[name] = (rt, rt.extend(aux.to(getattr(torch, args.dtype)), toks)[-1])
     fns = {}
     for b in BUILDERS:
         for v, kw in VARIANTS.items():
             rt, feat = runtimes[kw["drafter"]]
-            fns[(b, v)] = round_fn(b, rt, cfg, kw["coforward"], int(toks[-1]), feat)
+            shape = dataclasses.replace(cfg, bw=args.bw + args.m) if kw.get("widen") else cfg
+            fns[(b, v)] = round_fn(b, rt, shape, kw["coforward"], int(toks[-1]), feat)
     for name, rows, recon in (("eagle", args.bw, 0), ("pr", args.bw + args.m, args.m)):
         rt, feat = runtimes[name]
         fns[("floor", name)] = forward_floor(rt, cfg, rows, feat, recon)

@@ -44,7 +44,7 @@ from specforge.algorithms.model_providers import (  # noqa: F401
     build_eagle3_model,
     resolve_eagle_capture_layers,
 )
-from specforge.algorithms.registry import AlgorithmRegistry  # noqa: F401
+from specforge.algorithms.registry import AlgorithmRegistration, AlgorithmRegistry  # noqa: F401
 from specforge.application import bind_run, resolve_run  # noqa: F401
 from specforge.cli import _train as train_resolved_run  # noqa: F401
 from specforge.config import Config  # noqa: F401
@@ -56,8 +56,11 @@ from specforge.distributed import destroy_distributed, init_distributed  # noqa:
 from specforge.export.checkpoint_io import resolve_training_state  # noqa: F401
 from specforge.lr_scheduler import ConstantWarmupLR, CosineAnnealingWarmupLR  # noqa: F401
 from specforge.modeling.draft.llama3_eagle import (  # noqa: F401
+    LlamaAttention,
     LlamaForCausalLMEagle3,
+    LlamaMLP,
     LlamaMutiRotaryEmbedding,
+    LlamaRMSNorm,
     apply_rotary_pos_emb,
     repeat_kv,
 )

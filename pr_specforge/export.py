@@ -44,6 +44,7 @@ from pr_specforge.modeling.drafter import (
     PR_CONFIG_KEY,
     PR_PARAM_PREFIXES,
 )
+from pr_specforge.modeling.two_layer import TWO_LAYER_ARCHITECTURE
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +136,12 @@ def build_drafter_skeleton(draft_config: Dict[str, Any], strategy: str, pr_setti
     from pr_specforge._specforge import LlamaForCausalLMEagle3
     from pr_specforge.config import PRConfig
     from pr_specforge.modeling.drafter import LlamaForCausalLMEagle3PR, PRDraftSettings, build_pr_config
+    from pr_specforge.modeling.two_layer import LlamaForCausalLMEagle3TwoLayer
 
     cfg = LlamaConfig.from_dict({k: v for k, v in draft_config.items() if k != PR_CONFIG_KEY})
     if strategy == "eagle3":
+        if (draft_config.get("architectures") or [None])[0] == TWO_LAYER_ARCHITECTURE:
+            return LlamaForCausalLMEagle3TwoLayer(cfg).float()
         return LlamaForCausalLMEagle3(cfg).float()
     if pr_settings is not None:
         settings = PRConfig.from_mapping(pr_settings, where="checkpoint pr_settings").draft_settings()
@@ -247,6 +251,9 @@ def export_checkpoint(checkpoint: str, out_dir: str, to: str, *, draft_config: O
         raise ExportError("a pr checkpoint without pr_self_query/pr_halt_gate tensors: not a PR drafter")
 
     model = build_drafter_skeleton(draft_cfg, strategy, state.get("pr_settings"))
+    if to == "sglang" and hasattr(model, "second_layer"):
+        raise ExportError(f"{checkpoint}: a two-layer EAGLE-3 drafter; SGLang's LlamaForCausalLMEagle3 has one decoder "
+                          "layer and would drop the second silently: export it --to hf (served by `pr-specforge eval`)")
     check_weights(model, weights, draft_cfg)
     float_dtypes = {v.dtype for k, v in weights.items() if v.is_floating_point()}
     out_dtype = getattr(torch, dtype) if dtype else (float_dtypes.pop() if len(float_dtypes) == 1 else torch.float32)
@@ -294,7 +301,7 @@ def _write_hf(tmp: str, model, weights: Dict[str, torch.Tensor], target: Optiona
     model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
     with open(os.path.join(tmp, "config.json")) as f:
         cfg = json.load(f)
-    if cfg.get("architectures", [None])[0] not in (PR_ARCHITECTURE, EAGLE3_ARCHITECTURE):
+    if cfg.get("architectures", [None])[0] not in (PR_ARCHITECTURE, EAGLE3_ARCHITECTURE, TWO_LAYER_ARCHITECTURE):
         raise ExportError(f"unexpected architectures {cfg.get('architectures')} in the HF export")
 
 

@@ -1,4 +1,4 @@
-"""The PR drafter (importing this registers `LlamaForCausalLMEagle3PR` with SpecForge)."""
+"""The PR drafter and the two-layer EAGLE-3 control (importing this registers both architectures with SpecForge)."""
 
 from pr_specforge.modeling.drafter import (  # noqa: F401
     EAGLE3_ARCHITECTURE,
@@ -13,4 +13,8 @@ from pr_specforge.modeling.drafter import (  # noqa: F401
     halting_distribution,
     load_drafter,
     rebuild_rope,
+)
+from pr_specforge.modeling.two_layer import (  # noqa: F401
+    TWO_LAYER_ARCHITECTURE,
+    LlamaForCausalLMEagle3TwoLayer,
 )

@@ -80,10 +80,11 @@ def rebuild_rope(draft: nn.Module) -> None:
     silently accepts nothing. Every load path in this package calls this once
     (`load_drafter`, and the training registration's `build_draft`).
     """
-    attn = draft.midlayer.self_attn
     device = next(draft.parameters()).device
-    init_rope(attn)
-    attn.rotary_emb.to(device)
+    layers = [draft.midlayer] + ([draft.second_layer] if hasattr(draft, "second_layer") else [])
+    for layer in layers:  # the two-layer control's second layer has RoPE of its own
+        init_rope(layer.self_attn)
+        layer.self_attn.rotary_emb.to(device)
 
 
 def halting_distribution(lambdas: torch.Tensor) -> torch.Tensor:
@@ -291,12 +292,13 @@ def load_drafter(path: str, device: str | torch.device = "cpu", dtype: torch.dty
         raise FileNotFoundError(f"{path}: no config.json; expected a drafter directory written by `pr-specforge export --to hf` or SpecForge")
     with open(cfg_path) as f:
         arch = (json.load(f).get("architectures") or [EAGLE3_ARCHITECTURE])[0]
-    if arch == PR_ARCHITECTURE:
-        cls = LlamaForCausalLMEagle3PR
-    elif arch == EAGLE3_ARCHITECTURE:
-        cls = LlamaForCausalLMEagle3
-    else:
-        raise ValueError(f"{cfg_path}: architectures[0] = {arch!r} is not an EAGLE-3 drafter ({EAGLE3_ARCHITECTURE} or {PR_ARCHITECTURE})")
+    from pr_specforge.modeling.two_layer import TWO_LAYER_ARCHITECTURE, LlamaForCausalLMEagle3TwoLayer
+
+    classes = {PR_ARCHITECTURE: LlamaForCausalLMEagle3PR, EAGLE3_ARCHITECTURE: LlamaForCausalLMEagle3,
+               TWO_LAYER_ARCHITECTURE: LlamaForCausalLMEagle3TwoLayer}
+    if arch not in classes:
+        raise ValueError(f"{cfg_path}: architectures[0] = {arch!r} is not an EAGLE-3 drafter ({', '.join(classes)})")
+    cls = classes[arch]
     model = cls.from_pretrained(path, torch_dtype=dtype)
     rebuild_rope(model)
     return model.to(device).eval()

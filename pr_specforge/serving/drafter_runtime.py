@@ -6,7 +6,10 @@ Owns:
     the target's input embedding, keeps the KV of the committed context across
     verification rounds (`extend`), and runs any set of tree rows in ONE call of
     the decoder layer `M` (`forward_rows`), each row with its own explicit
-    position and its own set of visible tree rows (exact tree attention).
+    position and its own set of visible tree rows (exact tree attention). The
+    two-layer EAGLE-3 control (`modeling.two_layer`) runs its second layer on the
+    same rows right after `M`, against KV of its own: the runtime's KV holds
+    `layers x H` heads (`M`'s first), so tree builders never see the difference.
   * `aux_layer_ids` — which target layers the drafter reads (SpecForge's capture rule,
     through `pr_specforge._specforge.eagle_capture_layers`).
 
@@ -76,6 +79,8 @@ class DrafterRuntime:
         self.drafter = drafter
         self.is_pr = isinstance(drafter, LlamaForCausalLMEagle3PR)
         attn = drafter.midlayer.self_attn
+        self.second = getattr(drafter, "second_layer", None)
+        self.layers = 1 if self.second is None else 2
         self.num_heads = attn.num_heads
         self.head_dim = attn.head_dim
         self.scale = 1.0 / math.sqrt(self.head_dim)
@@ -97,10 +102,10 @@ class DrafterRuntime:
             self._allocate(256)
 
     def _allocate(self, capacity: int) -> None:
-        """(Re)allocate the KV buffer `[H, capacity, Dh]`, keeping the committed rows.
+        """(Re)allocate the KV buffer `[layers * H, capacity, Dh]`, keeping the committed rows.
 
         Zero-filled, so a masked column never holds a NaN (0 * NaN would leak through)."""
-        shape = (self.num_heads, capacity, self.head_dim)
+        shape = (self.layers * self.num_heads, capacity, self.head_dim)
         k = torch.zeros(shape, device=self.device, dtype=self.dtype)
         v = torch.zeros(shape, device=self.device, dtype=self.dtype)
         if hasattr(self, "k_buf") and self._length:
@@ -113,9 +118,13 @@ class DrafterRuntime:
         if rows > self.k_buf.shape[1]:
             self._allocate(max(rows, 2 * self.k_buf.shape[1]))
 
+    def _heads(self, layer: int) -> slice:
+        """Layer `layer`'s heads in the KV buffer and in the `[N, layers * H, Dh]` row keys."""
+        return slice(layer * self.num_heads, (layer + 1) * self.num_heads)
+
     @property
     def k_cache(self) -> torch.Tensor:
-        """Committed keys `[H, length, Dh]` (a view of the buffer)."""
+        """Committed keys `[layers * H, length, Dh]` (a view of the buffer)."""
         return self.k_buf[:, : self._length]
 
     @property
@@ -192,19 +201,26 @@ class DrafterRuntime:
         hidden = self.drafter.project_hidden_states(aux_hidden.to(self.device, self.dtype))[None]
         emb = self.embed(next_tokens)[None].to(self.dtype)
         pos = torch.arange(start, start + t, device=self.device)[None]
-        q, k, v = self._qkv(emb, hidden, pos, start + t - 1)  # [1, H, T, Dh]
         self.reserve(start + t)
-        self.k_buf[:, start : start + t] = k[0]
-        self.v_buf[:, start : start + t] = v[0]
-        keys, values = self.k_buf[:, : start + t], self.v_buf[:, : start + t]
-        scores = torch.einsum("htd,hld->htl", q[0], keys) * self.scale
         causal = torch.ones(t, start + t, dtype=torch.bool, device=self.device).tril(start)
+        q, k, v = self._qkv(emb, hidden, pos, start + t - 1)  # [1, H, T, Dh]
+        feature = LlamaForCausalLMEagle3PR.layer_finish(self.drafter, self._extend_attend(0, q, k, v, start, causal), hidden)
+        if self.second is not None:
+            q, k, v = self.second.qkv(feature, pos, start + t - 1)
+            feature = self.second.finish(self._extend_attend(1, q, k, v, start, causal), feature)
+        self._length = start + t
+        return feature[0]
+
+    def _extend_attend(self, layer: int, q, k, v, start: int, causal: torch.Tensor) -> torch.Tensor:
+        """One layer's causal attention of new committed rows (written to the buffer first) -> `[1, H, T, Dh]`."""
+        heads, t = self._heads(layer), q.shape[2]
+        self.k_buf[heads, start : start + t] = k[0]
+        self.v_buf[heads, start : start + t] = v[0]
+        keys, values = self.k_buf[heads, : start + t], self.v_buf[heads, : start + t]
+        scores = torch.einsum("htd,hld->htl", q[0], keys) * self.scale
         scores = scores.masked_fill(~causal[None], float("-inf"))
         w = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-        out = torch.einsum("htl,hld->htd", w, values)[None]
-        feature = LlamaForCausalLMEagle3PR.layer_finish(self.drafter, out, hidden)[0]
-        self._length = start + t
-        return feature
+        return torch.einsum("htl,hld->htd", w, values)[None]
 
     @torch.no_grad()
     def forward_rows(
@@ -222,29 +238,42 @@ class DrafterRuntime:
 
         input_emb, hidden `[N, d]`; positions `[N]`; row `i` attends to context rows
         `< ctx_len`, the tree rows `visible[i]` (indices into `tree_k/tree_v [M, H, Dh]`)
-        and its own new key. `recon_rows [N]` (bool) marks reconsideration rows (the PR
-        drafter's adapter acts on those only). Returns `(feature [N, d], k [N, H, Dh], v [N, H, Dh])`.
+        and its own new key (for the two-layer control, in both layers). `recon_rows [N]` (bool) marks reconsideration rows (the PR
+        drafter's adapter acts on those only). Returns `(feature [N, d], k [N, layers * H, Dh], v [N, layers * H, Dh])`.
         """
-        n = input_emb.shape[0]
-        q, k, v = self._qkv(input_emb[:, None].to(self.dtype), hidden[:, None].to(self.dtype), positions[:, None], recon_rows=recon_rows)
-        q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [N, H, Dh]
-        m = tree_k.shape[0]
-        ctx_scores = torch.einsum("nhd,hld->nhl", q, self.k_cache[:, :ctx_len]) * self.scale
-        tree_scores = torch.einsum("nhd,mhd->nhm", q, tree_k) * self.scale if m else q.new_zeros(n, self.num_heads, 0)
-        own_scores = (q * k).sum(-1, keepdim=True) * self.scale
+        n, m = input_emb.shape[0], tree_k.shape[0]
         allow = torch.zeros(n, m, dtype=torch.bool, device=self.device)
         for i, rows in enumerate(visible):
             if len(rows):
                 allow[i, list(rows)] = True
+        hidden = hidden[:, None].to(self.dtype)
+        q, k, v = self._qkv(input_emb[:, None].to(self.dtype), hidden, positions[:, None], recon_rows=recon_rows)
+        out = self._rows_attend(0, q[:, :, 0], k[:, :, 0], v[:, :, 0], ctx_len, tree_k, tree_v, allow)
+        feature = LlamaForCausalLMEagle3PR.layer_finish(self.drafter, out[:, :, None], hidden, recon_rows)
+        ks, vs = [k[:, :, 0]], [v[:, :, 0]]
+        if self.second is not None:
+            q, k, v = self.second.qkv(feature, positions[:, None])
+            out = self._rows_attend(1, q[:, :, 0], k[:, :, 0], v[:, :, 0], ctx_len, tree_k, tree_v, allow)
+            feature = self.second.finish(out[:, :, None], feature)
+            ks.append(k[:, :, 0])
+            vs.append(v[:, :, 0])
+        return feature[:, 0], torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+
+    def _rows_attend(self, layer: int, q, k, v, ctx_len: int, tree_k, tree_v, allow: torch.Tensor) -> torch.Tensor:
+        """One layer's attention of rows `q, k, v [N, H, Dh]` over the context, their visible tree rows and themselves."""
+        heads = self._heads(layer)
+        tree_k, tree_v = tree_k[:, heads], tree_v[:, heads]
+        m = tree_k.shape[0]
+        ctx_scores = torch.einsum("nhd,hld->nhl", q, self.k_cache[heads, :ctx_len]) * self.scale
+        tree_scores = torch.einsum("nhd,mhd->nhm", q, tree_k) * self.scale if m else q.new_zeros(q.shape[0], self.num_heads, 0)
+        own_scores = (q * k).sum(-1, keepdim=True) * self.scale
         tree_scores = tree_scores.masked_fill(~allow[:, None, :], float("-inf"))
         scores = torch.cat([ctx_scores, tree_scores, own_scores], dim=-1)
         w = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-        out = torch.einsum("nhl,hld->nhd", w[..., :ctx_len], self.v_cache[:, :ctx_len])
+        out = torch.einsum("nhl,hld->nhd", w[..., :ctx_len], self.v_cache[heads, :ctx_len])
         if m:
             out = out + torch.einsum("nhm,mhd->nhd", w[..., ctx_len : ctx_len + m], tree_v)
-        out = out + w[..., -1:] * v
-        feature = LlamaForCausalLMEagle3PR.layer_finish(self.drafter, out[:, :, None], hidden[:, None].to(self.dtype), recon_rows)[:, 0]
-        return feature, k, v
+        return out + w[..., -1:] * v
 
     @torch.no_grad()
     def forward_tree_rows(
@@ -265,13 +294,22 @@ class DrafterRuntime:
         tree rows (`reserve` them first). `recon_rows [N]` (bool) marks reconsideration
         rows, as in `forward_rows`. Returns the features `[N, d]`.
         """
-        n, span = input_emb.shape[0], mask.shape[1]
-        q, k, v = self._qkv(input_emb[:, None].to(self.dtype), hidden[:, None].to(self.dtype), positions[:, None], max_position,
-                            recon_rows)
-        self.k_buf[:, first_col : first_col + n] = k[:, :, 0].transpose(0, 1)
-        self.v_buf[:, first_col : first_col + n] = v[:, :, 0].transpose(0, 1)
-        scores = torch.matmul(q[:, :, 0].transpose(0, 1), self.k_buf[:, :span].transpose(1, 2))  # [H, N, L]
+        n = input_emb.shape[0]
+        hidden = hidden[:, None].to(self.dtype)
+        q, k, v = self._qkv(input_emb[:, None].to(self.dtype), hidden, positions[:, None], max_position, recon_rows)
+        out = self._tree_attend(0, q, k, v, first_col, mask)
+        feature = LlamaForCausalLMEagle3PR.layer_finish(self.drafter, out[:, :, None], hidden, recon_rows)
+        if self.second is not None:
+            q, k, v = self.second.qkv(feature, positions[:, None], max_position)
+            feature = self.second.finish(self._tree_attend(1, q, k, v, first_col, mask)[:, :, None], feature)
+        return feature[:, 0]
+
+    def _tree_attend(self, layer: int, q, k, v, first_col: int, mask: torch.Tensor) -> torch.Tensor:
+        """One layer's attention of tree rows `q, k, v [N, H, 1, Dh]` (written to columns `first_col..` first) -> `[N, H, Dh]`."""
+        heads, n, span = self._heads(layer), q.shape[0], mask.shape[1]
+        self.k_buf[heads, first_col : first_col + n] = k[:, :, 0].transpose(0, 1)
+        self.v_buf[heads, first_col : first_col + n] = v[:, :, 0].transpose(0, 1)
+        scores = torch.matmul(q[:, :, 0].transpose(0, 1), self.k_buf[heads, :span].transpose(1, 2))  # [H, N, L]
         scores = scores * self.scale + mask[None].to(scores.dtype)
         w = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-        out = torch.matmul(w, self.v_buf[:, :span]).transpose(0, 1)  # [N, H, Dh]
-        return LlamaForCausalLMEagle3PR.layer_finish(self.drafter, out[:, :, None], hidden[:, None].to(self.dtype), recon_rows)[:, 0]
+        return torch.matmul(w, self.v_buf[heads, :span]).transpose(0, 1)  # [N, H, Dh]

@@ -149,6 +149,7 @@ def check_run(recipe) -> None:
     import json
 
     from pr_specforge.modeling.drafter import EAGLE3_ARCHITECTURE, PR_ARCHITECTURE
+    from pr_specforge.modeling.two_layer import TWO_LAYER_ARCHITECTURE
 
     cfg = recipe.config
     draft_path = cfg.model.draft_model_config
@@ -162,10 +163,13 @@ def check_run(recipe) -> None:
             except json.JSONDecodeError as e:
                 raise ConfigError(f"model.draft_model_config: {draft_path} is not valid JSON ({e})") from None
         arch = (draft.get("architectures") or [None])[0]
-        if cfg.training.strategy in ("pr", "eagle3") and arch not in (EAGLE3_ARCHITECTURE, PR_ARCHITECTURE):
+        accepted = {"pr": (EAGLE3_ARCHITECTURE, PR_ARCHITECTURE),
+                    "eagle3": (EAGLE3_ARCHITECTURE, PR_ARCHITECTURE, TWO_LAYER_ARCHITECTURE)}.get(cfg.training.strategy)
+        if accepted and arch not in accepted:
             raise ConfigError(
-                f"model.draft_model_config: {draft_path} has architectures[0]={arch!r}, which is not an EAGLE-3 "
-                f"drafter; the {cfg.training.strategy} strategy needs {EAGLE3_ARCHITECTURE!r}"
+                f"model.draft_model_config: {draft_path} has architectures[0]={arch!r}, which the "
+                f"{cfg.training.strategy} strategy does not train; it needs one of {', '.join(accepted)}"
+                + (" (the two-layer control trains with strategy eagle3)" if arch == TWO_LAYER_ARCHITECTURE else "")
             )
     check_target(cfg.model.target_model_path)
     if recipe.online is not None:

@@ -227,8 +227,26 @@ def build_registration(pr: PRConfig):
     return make_registration(_algorithm_spec(eagle3), providers)
 
 
-def build_registry(pr: Optional[PRConfig] = None):
-    """SpecForge's built-in algorithm registry with `pr` added."""
-    from pr_specforge._specforge import builtin_algorithm_registry
+def widen_eagle3(registration):
+    """SpecForge's `eagle3` registration, also accepting the two-layer EAGLE-3 control's architecture
+    (`modeling.two_layer`: its TTT loop calls the drafter's `backbone`, which runs both layers)."""
+    import pr_specforge.modeling  # noqa: F401  (registers the draft architectures)
+    from pr_specforge._specforge import AlgorithmRegistration
+    from pr_specforge.modeling.two_layer import TWO_LAYER_ARCHITECTURE
 
-    return builtin_algorithm_registry().with_registration(build_registration(pr or PRConfig()))
+    spec, providers = registration.spec, registration.providers
+    archs = frozenset({*spec.draft.compatible_architectures, TWO_LAYER_ARCHITECTURE})
+    model = providers.model
+    draft_config = dataclasses.replace(model.draft_config, compatible_architectures=frozenset(
+        {*(model.draft_config.compatible_architectures or {model.draft_config.architecture}), TWO_LAYER_ARCHITECTURE}))
+    return AlgorithmRegistration(
+        spec=dataclasses.replace(spec, draft=dataclasses.replace(spec.draft, compatible_architectures=archs)),
+        providers=dataclasses.replace(providers, model=dataclasses.replace(model, draft_config=draft_config)))
+
+
+def build_registry(pr: Optional[PRConfig] = None):
+    """SpecForge's built-in algorithm registry with `pr` added and `eagle3` widened (`widen_eagle3`)."""
+    from pr_specforge._specforge import AlgorithmRegistry, builtin_algorithm_registry
+
+    builtin = [widen_eagle3(r) if r.name == "eagle3" else r for r in builtin_algorithm_registry()]
+    return AlgorithmRegistry([*builtin, build_registration(pr or PRConfig())])

@@ -19,7 +19,10 @@ def test_breakdown_ops_and_rows_probe(bench, models):
     target, eagle, pr = models
     eager_gate(pr, -2.0)
     cfg = TreeConfig(budget=12, k=3, bw=3, gamma=4, m=2)
-    runtimes = {name: primed_runtime(d, target)[0::2] for name, d in (("eagle", eagle), ("pr", pr))}
+    from tests.modeling.test_two_layer import two_layer_drafter
+
+    two = two_layer_drafter()[1]
+    runtimes = {name: primed_runtime(d, target)[0::2] for name, d in (("eagle", eagle), ("pr", pr), ("eagle2", two))}
     root = primed_runtime(pr, target)[1]
     fns = {(b, v): bench.round_fn(b, runtimes[kw["drafter"]][0], cfg, kw["coforward"], root, runtimes[kw["drafter"]][1])
            for b in bench.BUILDERS for v, kw in bench.VARIANTS.items()}
