@@ -12,6 +12,8 @@ and by the few tools that run SpecForge's loss on CPU:
   * `install_cpu_loss`: SpecForge's soft cross-entropy (`specforge.core.loss.LogSoftmaxLoss`)
     is a Triton kernel, which cannot run on CPU; CPU tensors go to the same math in
     plain PyTorch, CUDA tensors stay on the original kernel;
+  * `wrap_evaluate`: SpecForge's eval pass runs through a wrapper of ours (the PR-aware
+    acceptance simulator adds its `sim/` metrics to the pass's `eval/` ones);
   * `wrap_trainer_logger`, `use_checkpoint_manager`, `use_training_backend`, `use_feature_store`:
     the factories SpecForge's assembly, trainer and launcher look up by module-level name (the
     metrics sink, the recipe-carrying checkpoint manager, the DeepSpeed backend, online
@@ -24,6 +26,7 @@ It deliberately does not re-export anything it does not use.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -81,6 +84,35 @@ def simulated_acc_len(per_position_acc):
     from specforge.eval.evaluator import Evaluator
 
     return Evaluator._simulated_acc_len(list(per_position_acc))
+
+
+def controller_strategy(controller):
+    """The step strategy a SpecForge `TrainerController` runs."""
+    return controller.core.strategy
+
+
+@contextlib.contextmanager
+def observe_step_scores(model, observe: Callable[..., None]):
+    """While open, every TTT step an `OnlineEagle3Model` (or subclass) scores also calls
+    `observe(result, **views)`: SpecForge's per-step scoring (`_acc_and_loss`) with its keyword
+    views (`logits`, `target_p`, `target_p_on_draft`, `target_token_ids`, `position_mask`,
+    `loss_mask`, `adapter`) and its result `(acc, acceptance rate, loss, correct, denom, ...)`."""
+    original = model._acc_and_loss
+    shadowed = "_acc_and_loss" in vars(model)  # an observer already open (they nest)
+
+    def scored(**views):
+        result = original(**views)
+        observe(result, **views)
+        return result
+
+    model._acc_and_loss = scored
+    try:
+        yield
+    finally:
+        if shadowed:
+            model._acc_and_loss = original
+        else:
+            del model._acc_and_loss
 
 
 def eagle_capture_layers(draft_config: Any, target_config: Any, override: Optional[List[int]] = None) -> List[int]:
@@ -322,6 +354,12 @@ def install_feature_file_errors() -> None:
 
     _patch(feature_store, "load_feature_file", load_feature_file)
     _patch(offline_reader, "load_feature_file", load_feature_file)
+
+
+def wrap_evaluate(wrap: Callable[[Any, Any, Callable], Any]) -> None:
+    """SpecForge's controller runs each eval pass as `wrap(controller, data, original evaluate)` (idempotent)."""
+    original = _original(TrainerController, "evaluate")
+    _patch(TrainerController, "evaluate", lambda controller, data: wrap(controller, data, original))
 
 
 def wrap_progress_bar(wrap: Callable[[Any, Any], Any]) -> None:

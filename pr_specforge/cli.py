@@ -7,6 +7,7 @@
     pr-specforge plot RUN_DIR
     pr-specforge run [--workdir DIR] [--conversations N] [--max-steps N] ...   # SmolLM2 on CPU, end to end
     pr-specforge diagnose RUN_DIR --features DIR
+    pr-specforge headroom DRAFTER --features DIR --out PREFIX   # the paper's Figure 1 / Table 7 on held-out features
     pr-specforge experiment --workdir DIR      # the SmolLM2 EAGLE-3 vs PR experiment
 
 Under torchrun every rank runs `python -m pr_specforge.cli train ...`.
@@ -28,6 +29,7 @@ _DELEGATED = {
     "plot": "render a run's metrics JSONL to PNG",
     "run": "the embedded default: SmolLM2-135M on CPU, prepare -> train -> export -> evaluate",
     "diagnose": "a checkpoint's per-depth accuracy, gate use and recovered share on held-out features",
+    "headroom": "can reconsideration pay? acceptance by confidence, the reject pool, what PR recovers (Fig. 1 / Table 7)",
     "experiment": "the SmolLM2 EAGLE-3 vs PR experiment (resumable stages)",
 }
 
@@ -46,6 +48,8 @@ def _entry(command: str) -> Callable[[List[str]], int]:
         from pr_specforge.pipeline import main
     elif command == "diagnose":
         from pr_specforge.training.diagnose import main
+    elif command == "headroom":
+        from pr_specforge.eval.headroom import main
     else:
         from pr_specforge.experiment import main
     return main

@@ -5,6 +5,8 @@
 * `report`             the evaluation's markdown tables and plots (`report.md`)
 * `cli`                `pr-specforge eval`
 * `statistics`         PR's tau gain over EAGLE-3 with a paired bootstrap CI, per cell and per seed
+* `headroom`           `pr-specforge headroom`: the paper's Figure 1 / Table 7 on held-out features
+                       (`headroom_report`: its markdown and PNGs)
 * `experiment_report`  `pr-specforge experiment`'s report (`benchmarks/results/smollm2-cpu*.{md,json}`)
 
 Importing the package imports nothing heavy; `evaluator` loads torch and the serving code.

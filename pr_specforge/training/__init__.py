@@ -13,6 +13,8 @@ Read it in this order:
 * `online`        `data.online: true`: the target runs inside every training rank
 * `backends/`     `backend:` (`config`), recipe-carrying crash-safe checkpoints (`checkpoint`),
                   DeepSpeed ZeRO-1/2 (`deepspeed`)
+* `simulate`      the acceptance simulator: `sim/` lengths (one-pass, width-2, PR) at each eval and in
+                  `diagnose`; its chain observer is what `pr-specforge headroom` counts with
 * `telemetry`     `metrics.jsonl`, tracker panel names, the console line, `pr-specforge plot`
 * `train`         the entry point: launch (one process or torchrun), resume, Ctrl-C, the runtime
                   patches a run installs (`install_training_runtime`), `assembled_run`

@@ -5,8 +5,9 @@
 Answers, on features the drafter never trained on: does the gate open (halt past depth 0,
 per depth-0 confidence band)? Do reconsidered depths out-predict depth 0 (top-1 accuracy per
 depth, and the share of depth-0 misses some depth recovers)? And the one-pass chain's
-per-TTT-step accuracy with SpecForge's simulated acceptance length, for EAGLE-3 runs too, so
-two drafters trained on the same data compare on the same held-out positions.
+per-TTT-step accuracy with SpecForge's simulated acceptance length, and the acceptance
+simulator's lengths (`training.simulate`: one-pass, width-2 control, PR), for EAGLE-3 runs too,
+so two drafters trained on the same data compare on the same held-out positions.
 
 How: the run's resolved recipe is rebuilt by SpecForge's own assembly with the held-out
 features as its training data (so batches are prepared exactly as in training), the
@@ -14,19 +15,24 @@ checkpoint's draft weights are loaded, and the strategy's `forward_loss` runs ov
 batch under `no_grad` in eval mode. PR's telemetry comes out as (numerator, denominator)
 sums; they are summed over the whole set before dividing.
 
-Owns: the aggregation and the table. Does not own the metrics' definitions
+The drafter may be a run directory, a checkpoint directory or an HF export (`drafter_source`;
+`pr-specforge headroom` rebuilds drafters the same way, with its own chain observer).
+
+Owns: the aggregation and the table, `drafter_source`, `check_features_fit`. Does not own the metrics' definitions
 (`pr_specforge.training.objective.ttt`) or the data pipeline (SpecForge's).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from pr_specforge.config import ConfigError
 
@@ -41,20 +47,102 @@ def _resolve_checkpoint(run_dir: Path, checkpoint: Optional[str]) -> str:
     return latest_checkpoint(run_dir)
 
 
+@dataclass
+class DrafterSource:
+    """What a drafter is rebuilt from: a run's resolved recipe and a checkpoint (or an HF export's weights)."""
+
+    raw: Dict  # the resolved recipe (SpecForge config + pr:)
+    label: str  # the run / checkpoint / export path, for the report
+    checkpoint: str  # a SpecForge checkpoint dir, or an HF export dir (`hf` is True)
+    hf: bool = False
+
+
+def drafter_source(path: str, checkpoint: Optional[str] = None, features: Optional[str] = None,
+                   target: Optional[str] = None, ttt_length: Optional[int] = None) -> DrafterSource:
+    """A training run directory (its newest checkpoint, or `checkpoint`), a checkpoint directory (the
+    recipe stored in it), or an HF export (`pr-specforge export --to hf`; needs the target: `target`,
+    else the one the features' manifest names)."""
+    import yaml
+
+    p = Path(path)
+    kind = source_kind(path)
+    if kind == "run":
+        raw = yaml.safe_load((p / "resolved_recipe.yaml").read_text()) or {}
+        return DrafterSource(raw, str(p), _resolve_checkpoint(p, checkpoint))
+    if checkpoint:
+        raise ConfigError(f"--checkpoint needs a run directory; {path} holds no resolved_recipe.yaml")
+    if kind == "checkpoint":
+        from pr_specforge.export import read_checkpoint, stored_recipe
+
+        raw = stored_recipe(read_checkpoint(str(p)), str(p))
+        if raw is None:
+            raise ConfigError(f"{path}: the checkpoint carries no recipe and no resolved_recipe.yaml is beside it")
+        return DrafterSource(raw, str(p), str(p if p.is_dir() else p.parent))
+    return DrafterSource(_export_recipe(p, features, target, ttt_length), str(p), str(p), hf=True)
+
+
+def source_kind(path: str) -> str:
+    """`run`, `checkpoint` or `hf` (see `drafter_source`); anything else is refused in one line."""
+    p = Path(path)
+    if (p / "resolved_recipe.yaml").exists():
+        return "run"
+    if (p / "training_state.pt").exists() or (p.name == "training_state.pt" and p.is_file()):
+        return "checkpoint"
+    if (p / "config.json").exists():
+        return "hf"
+    raise FileNotFoundError(f"{path}: not a training run (no resolved_recipe.yaml), a checkpoint (no training_state.pt) "
+                            "or an HF export (no config.json); is this a `pr-specforge train` output directory?")
+
+
+def _export_recipe(export: Path, features: Optional[str], target: Optional[str], ttt_length: Optional[int]) -> Dict:
+    """The recipe an HF export is rebuilt with: its config as the draft config, the features' vocab map."""
+    import json
+
+    from pr_specforge.config import PR_CONFIG_KEY
+    from pr_specforge.modeling.drafter import PR_ARCHITECTURE
+
+    cfg = json.loads((export / "config.json").read_text())
+    manifest = Path(features or "") / "manifest.json"
+    recorded = json.loads(manifest.read_text()) if features and manifest.is_file() else {}
+    target = target or (recorded.get("target") or {}).get("path")
+    if not target or not Path(target).is_dir():
+        raise ConfigError(f"{export} is an HF export: pass --target TARGET_DIR (the target model the features come from)")
+    vocab = Path(features or "") / (recorded.get("vocab_mapping") or "vocab_mapping/vocab_mapping.pt")
+    pr = (cfg.get("architectures") or [None])[0] == PR_ARCHITECTURE
+    raw = {
+        "model": {"target_model_path": str(target), "draft_model_config": str(export / "config.json"),
+                  "vocab_mapping_path": str(vocab) if vocab.is_file() else "",
+                  "torch_dtype": str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")},  # as exported (as trained)
+        "data": {"hidden_states_path": str(features), "max_length": int(recorded.get("max_length") or 2048),
+                 "dataloader_num_workers": 0},
+        "training": {"strategy": "pr" if pr else "eagle3", "batch_size": 1, "attention_backend": "sdpa",
+                     "fsdp_sharding": "NO_SHARD", **({"ttt_length": ttt_length} if ttt_length else {})},
+    }
+    if pr:
+        raw["pr"] = dict(cfg.get(PR_CONFIG_KEY) or {})
+    return raw
+
+
 def diagnose(run_dir: str, features: str, checkpoint: Optional[str] = None, limit: Optional[int] = None,
-             seed: int = 0, progress: bool = True) -> Dict:
-    """Run the checkpoint's training objective over `features` without updating it; return the metrics."""
+             seed: int = 0, progress: bool = True, observers: Sequence = (), target: Optional[str] = None,
+             ttt_length: Optional[int] = None) -> Dict:
+    """Run the checkpoint's training objective over `features` without updating it; return the metrics.
+
+    `run_dir` is any `drafter_source` path (or a resolved `DrafterSource`); each of `observers` (`training.simulate.ChainObserver`)
+    sees every forward's chain (the acceptance simulator always does)."""
     import yaml
 
     from pr_specforge.training.preflight import check_feature_dir
 
-    run = Path(run_dir)
-    recipe_path = run / "resolved_recipe.yaml"
-    if not recipe_path.exists():
-        raise FileNotFoundError(f"{run}: no resolved_recipe.yaml; is this a `pr-specforge train` output directory?")
-    check_feature_dir("--features", features, None, None)
-    ckpt = _resolve_checkpoint(run, checkpoint)
-    raw = yaml.safe_load(recipe_path.read_text())
+    if isinstance(run_dir, DrafterSource):
+        source = run_dir
+        sample = check_feature_dir("--features", features, None, None)
+    else:
+        source_kind(run_dir)
+        sample = check_feature_dir("--features", features, None, None)
+        source = drafter_source(run_dir, checkpoint, features, target, ttt_length)
+    raw = source.raw
+    check_features_fit(features, sample, raw)
     if (raw.get("training") or {}).get("strategy") != "pr":
         raw.pop("pr", None)  # eagle3 runs trained before c2ad539 wrote a pr: section, which load_recipe refuses
     data = raw.get("data") or {}
@@ -64,17 +152,45 @@ def diagnose(run_dir: str, features: str, checkpoint: Optional[str] = None, limi
     with tempfile.TemporaryDirectory(prefix="pr-diagnose-") as scratch:
         recipe_path = Path(scratch) / "resolved_recipe.yaml"
         recipe_path.write_text(yaml.safe_dump(raw, sort_keys=False))
-        return _diagnose(recipe_path, scratch, run, ckpt, features, limit, seed, progress)
+        return _diagnose(recipe_path, scratch, source, features, limit, seed, progress, observers)
 
 
-def _diagnose(recipe_path: Path, scratch: str, run: Path, ckpt: str, features: str, limit: Optional[int],
-              seed: int, progress: bool) -> Dict:
+def check_features_fit(features: str, sample: Dict, raw: Dict) -> None:
+    """The features (`sample`: their first file) were captured from the drafter's target: hidden widths
+    and vocab, each checked against the recipe's draft config (one line naming the field)."""
+    import json
+
+    path = (raw.get("model") or {}).get("draft_model_config")
+    if not path or not os.path.isfile(path):
+        return
+    draft = json.loads(Path(path).read_text())
+    hidden = int(draft.get("target_hidden_size") or draft.get("hidden_size"))
+    first = "the first feature file"
+    for key, width in (("hidden_state", hidden), ("aux_hidden_state", 3 * hidden)):
+        got = int(sample[key].shape[-1]) if key in sample else width
+        if got != width:
+            raise ConfigError(f"--features {features}: {first} has {key} width {got}, the drafter ({path}) expects "
+                              f"{width} (target_hidden_size {hidden}); the features come from another target")
+    manifest = Path(features) / "manifest.json"
+    vocab = (json.loads(manifest.read_text()).get("target") or {}).get("vocab_size") if manifest.is_file() else None
+    if vocab is not None and int(vocab) != int(draft.get("vocab_size", vocab)):
+        raise ConfigError(f"--features {features}: {manifest} records target vocab_size {vocab}, the drafter ({path}) "
+                          f"has vocab_size {draft['vocab_size']}; the features come from another target")
+    ids = sample.get("input_ids")
+    if ids is not None and int(ids.max()) >= int(draft.get("vocab_size", 1 << 62)):
+        raise ConfigError(f"--features {features}: {first} holds token id {int(ids.max())} >= the drafter's vocab_size "
+                          f"{draft['vocab_size']} ({path}); the features come from another target")
+
+
+def _diagnose(recipe_path: Path, scratch: str, source: DrafterSource, features: str, limit: Optional[int],
+              seed: int, progress: bool, observers: Sequence) -> Dict:
     import dataclasses
 
     import torch
 
     from pr_specforge import _specforge as sf
     from pr_specforge.training.recipe import load_recipe
+    from pr_specforge.training.simulate import Simulator, chain_model
     from pr_specforge.training.train import assembled_run
 
     recipe = load_recipe(str(recipe_path), [
@@ -86,30 +202,48 @@ def _diagnose(recipe_path: Path, scratch: str, run: Path, ckpt: str, features: s
     if cfg.training.resume_from or cfg.training.max_steps:  # the run's own schedule and resume point do not apply
         cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"resume_from": None, "max_steps": None})})
         recipe = dataclasses.replace(recipe, config=cfg)
+    sim = Simulator()
     with assembled_run(recipe) as (strategy, loader):
-        _load_draft_weights(strategy, ckpt)
+        _load_draft_weights(strategy, source)
         torch.manual_seed(seed)
-        correct, denom, ratios, batches = _sums(strategy, loader, limit, progress)
+        model = chain_model(strategy)
+        with contextlib.ExitStack() as stack:
+            for observer in (sim, *observers):
+                stack.enter_context(observer.observing(model))
+            correct, denom, ratios, batches = _sums(strategy, loader, limit, progress)
     if not batches:
         raise ConfigError(f"--features {features}: no batch was read (fewer samples than training.batch_size?)")
     acc = [c / d if d else 0.0 for c, d in zip(correct, denom)]
     return {
-        "run": str(run), "checkpoint": ckpt, "features": str(features), "strategy": cfg.training.strategy,
+        "run": source.label, "checkpoint": source.checkpoint, "features": str(features), "strategy": cfg.training.strategy,
         "batches": batches, "positions": denom[0] if denom else 0,
         "one_pass_acc": acc, "simulated_acc_len": sf.simulated_acc_len(acc),
+        "sim": sim.metrics(), "sim_per_step": sim.per_step(),
         "pr": {k: (n / d if d else None) for k, (n, d) in sorted(ratios.items())},
         "pr_counts": {k: [n, d] for k, (n, d) in sorted(ratios.items())},
     }
 
 
-def _load_draft_weights(strategy, ckpt: str) -> None:
-    """The checkpoint's draft weights into the assembled run's drafter (eval mode)."""
+def _load_draft_weights(strategy, source: DrafterSource) -> None:
+    """The checkpoint's (or HF export's) draft weights into the assembled run's drafter (eval mode)."""
     from pr_specforge import _specforge as sf
     from pr_specforge.training.registration import _unwrap
 
     module = strategy.trainable_module()
-    state = sf.CheckpointManager.read_resume_state(ckpt, require_full_state=False)["draft_state_dict"]
-    result = _unwrap(module).draft_model.load_state_dict(state, strict=False)
+    ckpt = source.checkpoint
+    if source.hf:
+        from safetensors.torch import load_file
+
+        files = sorted(Path(ckpt).glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"{ckpt}: no *.safetensors weights in the HF export")
+        state = {k: v for f in files for k, v in load_file(str(f)).items()}
+    else:
+        state = sf.CheckpointManager.read_resume_state(ckpt, require_full_state=False)["draft_state_dict"]
+    draft = _unwrap(module).draft_model
+    dtypes = {k: v.dtype for k, v in draft.state_dict().items()}
+    state = {k: (v.to(dtypes[k]) if k in dtypes and v.is_floating_point() else v) for k, v in state.items()}
+    result = draft.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not k.startswith("embed_tokens.")]
     if result.unexpected_keys or missing:
         raise ConfigError(f"{ckpt}: draft weights do not fit the run's drafter (unexpected "
@@ -154,6 +288,9 @@ def render(report: Dict) -> str:
              f"({report['batches']} batches, {report['positions']:.0f} positions)",
              "one-pass acc per TTT step: " + " ".join(f"{a:.3f}" for a in report["one_pass_acc"])
              + f"  (simulated acc len {report['simulated_acc_len']:.3f})"]
+    if report.get("sim"):
+        lines.append("simulated acc len (training.simulate): " + "  ".join(
+            f"{k.rsplit('acc_len_', 1)[1]} {v:.3f}" for k, v in report["sim"].items()))
     pr = report["pr"]
     depths = sorted(int(k.rsplit("_", 1)[1]) for k in pr if k.startswith("pr/acc_depth_") and k.rsplit("_", 1)[1].isdigit())
     if depths:
@@ -185,9 +322,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--json", default=None, help="write the metrics here (atomically)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    from pr_specforge.export import ExportError
+
     try:
         report = diagnose(args.run_dir, args.features, args.checkpoint, args.limit, args.seed, not args.no_progress)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, ExportError) as e:
         print(f"pr-specforge diagnose: {e}", file=sys.stderr)
         return 2
     if args.json:

@@ -48,11 +48,13 @@ PANEL_ALIASES: Tuple[Tuple[str, str], ...] = (
     (r"pr/loss_depth_(\d+)", r"reconsideration/loss_depth_\1"),
     (r"pr/loss_(one_pass|reconsider|gate|balance|total)", r"loss_terms/\1"),
     (r"acc_(\d+)", r"accuracy/ttt_step_\1"),
+    (r"sim/(\w+)", r"sim/\1"),  # the acceptance simulator (`training.simulate`), logged with each eval
     (r"ploss_(\d+)", r"loss_terms/ttt_step_\1"),
 )
 #: wandb summaries (the run table shows these).
 WANDB_SUMMARIES = (("loss_terms/*", "min"), ("accuracy/*", "max"), ("gate_usage/*", "last"),
-                   ("depth_marginal/*", "last"), ("reconsideration/*", "last"), ("by_confidence/*", "last"))
+                   ("depth_marginal/*", "last"), ("reconsideration/*", "last"), ("by_confidence/*", "last"),
+                   ("sim/*", "max"))
 _COMPILED = [(re.compile(f"^{pattern}$"), repl) for pattern, repl in PANEL_ALIASES]
 
 
@@ -160,8 +162,7 @@ class ConsoleLine:
 
     def format(self, scalars: Mapping[str, float], step: int) -> str:
         if not any(k == "loss" or k.startswith(("ploss_", "pr/loss")) for k in scalars):
-            shown = {k: v for k, v in scalars.items() if k.startswith("eval/")}
-            return f"eval at step {step}: " + "  ".join(f"{k[5:]} {v:.4g}" for k, v in sorted(shown.items())[:6])
+            return self.format_eval(scalars, step)
         parts = [f"step {step}/{self.total}" if self.total else f"step {step}"]
         loss = scalars.get("pr/loss_total", scalars.get("loss"))
         if loss is not None:
@@ -180,6 +181,21 @@ class ConsoleLine:
             if self.total:
                 parts.append(f"ETA {_duration(per_step * max(0, self.total - step))}")
         return "  ".join(parts)
+
+    @staticmethod
+    def format_eval(scalars: Mapping[str, float], step: int) -> str:
+        """`eval at step 40: avg_loss 3.1  avg_acc 0.41  simulated_acc_len 0.93  sim len one_pass/width2/pr 0.93/1.21/0.97`"""
+        from pr_specforge.training.simulate import RULES, sim_key
+
+        parts = [f"{k} {scalars[f'eval/{k}']:.4g}" for k in ("avg_loss", "avg_acc", "simulated_acc_len")
+                 if f"eval/{k}" in scalars]
+        sims = [(rule, scalars[sim_key(rule)]) for rule in RULES if sim_key(rule) in scalars]
+        if sims:
+            parts.append("sim len " + "/".join(r for r, _ in sims) + " " + "/".join(f"{v:.3f}" for _, v in sims))
+        if not parts:
+            shown = {k: v for k, v in scalars.items() if k.startswith("eval/")}
+            parts = [f"{k[5:]} {v:.4g}" for k, v in sorted(shown.items())[:6]]
+        return f"eval at step {step}: " + "  ".join(parts)
 
     def line(self, scalars: Mapping[str, float], step: int) -> None:
         from tqdm import tqdm
@@ -253,6 +269,7 @@ PANELS = (
     ("depth marginal q_bar and its entropy", [r"pr/depth_marginal_\d+", r"pr/depth_marginal_entropy"], "q_bar / nats"),
     ("recovered share", [r"pr/recovered_share", r"pr/recovered_of_all", r"pr/recovered_outside_topk"], "share"),
     ("by depth-0 confidence: gate opens, recovered", [r"pr/halt_past_0_conf_\w+", r"pr/recovered_share_conf_\w+"], "share"),
+    ("simulated acceptance length (eval)", [r"eval/simulated_acc_len", r"sim/acc_len_\w+"], "tokens"),
     ("learning rate", [r"lr"], "lr"),
     ("grad norm (pre-clip)", [r"grad_norm"], "norm"),
     ("throughput", [r"perf/global_tokens_per_second", r"perf/global_samples_per_second"], "per second"),

@@ -209,16 +209,18 @@ def _watch_sigint(seen: List[bool]):
 
 def install_training_runtime(recipe: Recipe) -> None:
     """Every runtime patch training needs, in one place (nothing is patched at import time):
-    SpecForge's loss on CPU, recipe-carrying atomic checkpoints, the metrics JSONL sink, and
-    the chosen backend."""
+    SpecForge's loss on CPU, recipe-carrying atomic checkpoints, the metrics JSONL sink, the
+    acceptance simulator in the eval pass, and the chosen backend."""
     from pr_specforge._specforge import install_cpu_loss, install_feature_file_errors
     from pr_specforge.training.backends.checkpoint import install_checkpoint_manager
+    from pr_specforge.training.simulate import install_eval_simulator
     from pr_specforge.training.telemetry import install_metrics_sink
 
     install_cpu_loss()
     install_feature_file_errors()
     install_checkpoint_manager(resolved_payload(recipe))
     install_metrics_sink()
+    install_eval_simulator()
     if recipe.backend.name == "deepspeed":
         from pr_specforge.training.backends.deepspeed import install_deepspeed_backend
 

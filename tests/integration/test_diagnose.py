@@ -27,10 +27,10 @@ def test_diagnose_matches_specforges_eval_loop_on_the_same_checkpoint(tmp_path, 
     held = tmp_path / "heldout"
     write_features(AutoModelForCausalLM.from_pretrained(str(tmp_path / "target")), str(held), n=5, seed=11)
     # bf16 weights, as the SmolLM2 recipes train: SpecForge's eagle3 eval loop feeds bf16 features uncast
-    rc, out = _run([sys.executable, "-m", "pr_specforge.cli", "train", "-c", recipe, "training.save_interval=4",
-                    "model.torch_dtype=bfloat16",
-                    f"data.eval_hidden_states_path={held}", "training.eval_interval=4"], tmp_path)
-    assert rc == 0, out[-3000:]
+    rc, out_train = _run([sys.executable, "-m", "pr_specforge.cli", "train", "-c", recipe, "training.save_interval=4",
+                          "model.torch_dtype=bfloat16",
+                          f"data.eval_hidden_states_path={held}", "training.eval_interval=4"], tmp_path)
+    assert rc == 0, out_train[-3000:]
     resolved = yaml.safe_load((tmp_path / "out" / "resolved_recipe.yaml").read_text())
     assert ("pr" in resolved) == (strategy == "pr")  # an eagle3 run's resolved recipe reloads as eagle3
     evals = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl") if '"eval/' in line]
@@ -43,6 +43,15 @@ def test_diagnose_matches_specforges_eval_loop_on_the_same_checkpoint(tmp_path, 
     spec = [evals[0][f"eval/per_position_acc/{j}"] for j in range(3)]
     assert diag["one_pass_acc"] == pytest.approx(spec, abs=1e-9)
     assert diag["simulated_acc_len"] == pytest.approx(evals[0]["eval/simulated_acc_len"], abs=1e-9)
+    # the acceptance simulator at the eval interval: its one-pass chain is SpecForge's own number
+    assert evals[0]["sim/acc_len_one_pass"] == evals[0]["eval/simulated_acc_len"]
+    assert evals[0]["sim/acc_len_width2"] >= evals[0]["sim/acc_len_one_pass"]
+    assert ("sim/acc_len_pr" in evals[0]) == (strategy == "pr")
+    for key in ("sim/acc_len_one_pass", "sim/acc_len_width2"):  # the same checkpoint on the same features
+        assert diag["sim"][key] == pytest.approx(evals[0][key], abs=1e-9)
+    if strategy == "pr":
+        assert diag["sim"]["sim/acc_len_pr"] >= diag["sim"]["sim/acc_len_one_pass"]
+    assert "sim len one_pass/width2" in out_train and "width2" in out
     if strategy == "pr":
         pr = diag["pr"]
         assert sum(pr[f"pr/depth_marginal_{r}"] for r in range(3)) == pytest.approx(1.0)

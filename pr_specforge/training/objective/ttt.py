@@ -279,6 +279,9 @@ class OnlinePRModel(OnlineEagle3Model):
         # The mixed-cache rollout runs only the window of sequence rows that some TTT step scores
         # (see `_scored_window`); the objective and telemetry are unchanged, only the work shrinks.
         self.skip_unscored_rows = skip_unscored_rows
+        #: reads each closed mixed-rollout step's per-depth logits and `q` (`training.simulate.ChainObserver`);
+        #: None outside the simulator and `pr-specforge headroom`. It never reaches the loss.
+        self.step_observer = None
 
     # ------------------------------------------------------------------ M calls
     def _run(self, groups: List[_Group], pos: torch.Tensor, ctx_mask, start_mask) -> List[Tuple[torch.Tensor, KV]]:
@@ -374,6 +377,8 @@ class OnlinePRModel(OnlineEagle3Model):
         _record_terms(terms, out.loss, self.pr, out)
         if mixed.steps:
             out.ratio_metrics.update(mixed_rollout_metrics(mixed.steps, depth))
+        if self.step_observer is not None:
+            self.step_observer.forward_done()
         if return_logits:
             out.logits = one_pass.logits
             for step in mixed.steps:
@@ -486,11 +491,16 @@ class OnlinePRModel(OnlineEagle3Model):
         logits_0 = rows.cut(one_pass.logits[0]) if j == 0 else None  # step 0's depth 0 is the one-pass row
         if logits_0 is not None and self.pr.recon_grad == "isolated":
             logits_0 = logits_0.detach()
-        mixed.steps.append(self._score_depths(mixed.depth_feats, rows.views[j], logits_0, q, lambdas, d, return_logits))
+        mixed.steps.append(self._score_depths(mixed.depth_feats, rows.views[j], logits_0, q, lambdas, d, return_logits,
+                                              step=j, lo=rows.lo))
 
-    def _score_depths(self, depth_feats, view: _RowView, logits_0, q, lambdas, d, return_logits: bool) -> MixedStep:
-        """The per-depth losses `l^r` of a closed step (and its telemetry's predictions)."""
+    def _score_depths(self, depth_feats, view: _RowView, logits_0, q, lambdas, d, return_logits: bool,
+                      step: int = 0, lo: int = 0) -> MixedStep:
+        """The per-depth losses `l^r` of a closed step (and its telemetry's predictions); the step
+        observer, if any, reads the per-depth logits of its rows `[lo, ...)` of the sequence."""
         logits = [logits_0 if (logits_0 is not None and r == 0) else self.readout(f, r) for r, f in enumerate(depth_feats)]
+        if self.step_observer is not None:  # the acceptance simulator / headroom (`training.simulate`)
+            self.step_observer.depths(step, lo, [lg.detach() for lg in logits], q.detach(), self.draft_model.d2t)
         losses = torch.stack([soft_cross_entropy_rows(lg, view.target_p) for lg in logits], dim=-1)  # [B,T,R+1]
         correct, confidence, in_topk = step_predictions(logits, view.target_token_ids, self.draft_model.d2t)
         return MixedStep(

@@ -1,0 +1,154 @@
+"""`pr-specforge headroom`: exact buckets on hand-built logits; the command on a tiny real run
+(run dir, checkpoint, HF export give the same report); bad input gets one line (rc 2)."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pr_specforge.eval.headroom import Headroom
+from pr_specforge.training.simulate import depth_rows, one_pass_rows
+
+ENV = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
+
+# per row: drafter distribution, target distribution, depth-1 distribution (4 tokens, all in the draft vocab)
+ROWS = [
+    ([0.95, 0.02, 0.02, 0.01], [0.95, 0.02, 0.02, 0.01], [0.9, 0.05, 0.03, 0.02]),  # accepted, c_d bucket 9
+    ([0.55, 0.35, 0.06, 0.04], [0.03, 0.92, 0.03, 0.02], [0.2, 0.7, 0.06, 0.04]),  # reject at rank 2, recovered
+    ([0.40, 0.30, 0.20, 0.10], [0.20, 0.10, 0.10, 0.60], [0.2, 0.1, 0.1, 0.6]),  # reject outside top 3, recovered
+    ([0.05, 0.85, 0.06, 0.04], [0.05, 0.90, 0.03, 0.02], [0.1, 0.8, 0.06, 0.04]),  # accepted, bucket 8
+    ([0.31, 0.27, 0.23, 0.19], [0.30, 0.20, 0.40, 0.10], [0.5, 0.2, 0.2, 0.1]),  # reject at rank 3, not recovered
+    ([0.25, 0.25, 0.25, 0.25], [0.25, 0.25, 0.25, 0.25], [0.25, 0.25, 0.25, 0.25]),  # unscored
+]
+
+
+def _hand_built():
+    drafter, target, depth1 = (torch.tensor([[r[i] for r in ROWS]]).log() for i in range(3))
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    d2t = torch.zeros(4, dtype=torch.long)
+    views = dict(target_p_on_draft=target.softmax(-1), target_token_ids=target.argmax(-1),
+                 position_mask=mask[..., None], loss_mask=mask[..., None])
+    h = Headroom(k=3)
+    h.start(1, 1)
+    q = torch.tensor([0.5, 0.5]).expand(1, 6, 2)
+    h.add([one_pass_rows(d2t, h.topk, logits=drafter, **views)], {0: depth_rows(0, [drafter, depth1], q, d2t)})
+    return h.report()
+
+
+def test_headroom_buckets_on_hand_built_logits():
+    rep = _hand_built()
+    p = rep["pooled"]
+    assert p["scored"] == 5 and p["accepted"] == 2 and p["acceptance"] == pytest.approx(0.4)
+    counts = {r["bucket"]: (r["count"], r["accepted"]) for r in p["fig1a"] if r["count"]}
+    assert counts == {"0.3-0.4": (1, 0), "0.4-0.5": (1, 0), "0.5-0.6": (1, 0), "0.8-0.9": (1, 1), "0.9-1.0": (1, 1)}
+    f = p["fig1b"]
+    assert f["rejects"] == 3 and f["oov_rejects"] == 0 and f["pool"] == 3
+    third = pytest.approx(1 / 3)
+    expected_cells = {(1, 2), (0, 1), (0, 0)}  # (c_d band, c_t band) of the three rejects
+    for d in range(3):
+        for t in range(3):
+            assert f["shares"][d][t] == (third if (d, t) in expected_cells else 0.0)
+    g = p["second_guess"]
+    assert (g["misses"], g["rank2"], g["outside_topk"], g["recon_top1"], g["recon_only"]) == (
+        3, third, third, pytest.approx(2 / 3), third)
+    t7 = p["table7"]
+    assert t7["recovered"][1][2] == 1.0 and t7["recovered"][0][1] == 1.0 and t7["recovered"][0][0] == 0.0
+    assert t7["recovered"][0][3] == 0.5 and t7["recovered"][3][3] == pytest.approx(2 / 3)
+    assert t7["recovered_at_halt"][1][2] == 0.5 and t7["recovered"][2][3] is None
+    assert t7["delta_recovered"] == [None, pytest.approx(0.6 - 0.4), pytest.approx(0.7 - 0.55), pytest.approx(0.175)]
+    assert t7["delta_not_recovered"] == [pytest.approx(0.5 - 0.31), None, None, pytest.approx(0.19)]
+    assert rep["per_step"][0]["fig1b"] == p["fig1b"]  # one step: pooled == step 0
+
+
+def _cli(*args, cwd):
+    proc = subprocess.run([sys.executable, "-m", "pr_specforge.cli", *args], cwd=cwd, env=ENV,
+                          capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _one_line_error(rc, out, *needles):
+    assert rc == 2 and "Traceback" not in out, out[-2000:]
+    line = [x for x in out.splitlines() if x.startswith("pr-specforge headroom:")]
+    assert len(line) == 1 and all(n in line[0] for n in needles), out[-2000:]
+
+
+def _train(root, strategy):
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import write_features, write_workspace
+
+    recipe = write_workspace(str(root), strategy=strategy, steps=2, pr_section={"max_depth": 2} if strategy == "pr" else None)
+    held = root / "heldout"
+    write_features(AutoModelForCausalLM.from_pretrained(str(root / "target")), str(held), n=3, seed=11)
+    # SpecForge's eagle3 step feeds the (bf16) features to the drafter uncast: train it in bf16, as the recipes do
+    dtype = ["model.torch_dtype=bfloat16"] if strategy == "eagle3" else []
+    rc, out = _cli("train", "-c", recipe, "training.save_interval=2", *dtype, cwd=root)
+    assert rc == 0, out[-3000:]
+    return root / "out", held
+
+
+def test_headroom_command_on_a_run_a_checkpoint_and_an_export(tmp_path):
+    run, held = _train(tmp_path, "pr")
+    rc, out = _cli("headroom", str(run), "--features", str(held), "--out", str(tmp_path / "rep" / "run"), "--no-progress",
+                   cwd=tmp_path)
+    assert rc == 0, out[-3000:]
+    for suffix in (".md", ".json", "-acceptance.png", "-reject-pool.png"):
+        assert (tmp_path / "rep" / f"run{suffix}").stat().st_size > 0
+    rep = json.loads((tmp_path / "rep" / "run.json").read_text())
+    md = (tmp_path / "rep" / "run.md").read_text()
+    assert "95.6%" in md and "(17.7%)" in md and "Table 7" in md  # the paper's figures beside ours
+    pooled = rep["pooled"]
+    assert pooled["scored"] == sum(r["count"] for r in pooled["fig1a"]) > 0
+    assert sum(s["scored"] for s in rep["per_step"]) == pooled["scored"] and len(rep["per_step"]) == 3
+    assert math.isclose(sum(v for row in pooled["fig1b"]["shares"] for v in row), 1.0)
+    assert rep["sim"]["sim/acc_len_one_pass"] == pytest.approx(rep["simulated_acc_len"], abs=1e-12)
+    ckpt = next(run.glob("*-step2"))
+    rc, out = _cli("headroom", str(ckpt), "--features", str(held), "--out", str(tmp_path / "rep" / "ckpt"),
+                   "--no-progress", cwd=tmp_path)
+    assert rc == 0, out[-3000:]
+    assert json.loads((tmp_path / "rep" / "ckpt.json").read_text())["pooled"] == pooled
+    rc, out = _cli("export", str(run), str(tmp_path / "hf"), "--to", "hf", "--target", str(tmp_path / "target"), cwd=tmp_path)
+    assert rc == 0, out[-3000:]
+    rc, out = _cli("headroom", str(tmp_path / "hf"), "--features", str(held), "--target", str(tmp_path / "target"),
+                   "--ttt-length", "3", "--out", str(tmp_path / "rep" / "hf"), "--no-progress", cwd=tmp_path)
+    assert rc == 0, out[-3000:]
+    hf = json.loads((tmp_path / "rep" / "hf.json").read_text())
+    assert hf["pooled"]["fig1a"] == pooled["fig1a"] and hf["pooled"]["fig1b"] == pooled["fig1b"]
+
+    # bad input: one line each
+    rc, out = _cli("headroom", str(tmp_path / "hf"), "--features", str(held), "--out", str(tmp_path / "x"), cwd=tmp_path)
+    _one_line_error(rc, out, "--target")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(run / "resolved_recipe.yaml", bare / "resolved_recipe.yaml")
+    rc, out = _cli("headroom", str(bare), "--features", str(held), "--out", str(tmp_path / "x"), cwd=tmp_path)
+    _one_line_error(rc, out, "no checkpoint")
+    from tests.helpers import make_tiny_target, write_features
+
+    other = make_tiny_target(str(tmp_path / "other-target"), hidden=32)
+    write_features(other, str(tmp_path / "other-features"), n=2)
+    rc, out = _cli("headroom", str(run), "--features", str(tmp_path / "other-features"), "--out", str(tmp_path / "x"),
+                   cwd=tmp_path)
+    _one_line_error(rc, out, "another target", "width")
+    rc, out = _cli("headroom", str(run), "--features", str(held), "--k", "1", "--out", str(tmp_path / "x"), cwd=tmp_path)
+    _one_line_error(rc, out, "--k")
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_headroom_on_an_eagle3_drafter_omits_or_refuses_the_pr_tables(tmp_path):
+    run, held = _train(tmp_path, "eagle3")
+    rc, out = _cli("headroom", str(run), "--features", str(held), "--out", str(tmp_path / "e"), "--no-progress",
+                   cwd=tmp_path)
+    assert rc == 0, out[-3000:]
+    rep = json.loads((tmp_path / "e.json").read_text())
+    assert rep["pooled"]["table7"] is None and rep["pooled"]["second_guess"]["recon_top1"] is None
+    assert "Table 7 and the reconsidered columns" in (tmp_path / "e.md").read_text()
+    assert "sim/acc_len_pr" not in rep["sim"] and "sim/acc_len_width2" in rep["sim"]
+    rc, out = _cli("headroom", str(run), "--features", str(held), "--pr-tables", "--out", str(tmp_path / "f"), cwd=tmp_path)
+    _one_line_error(rc, out, "--pr-tables", "EAGLE-3")
+    assert not (tmp_path / "f.json").exists()
