@@ -45,9 +45,23 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from pr_specforge.stages import STAGE_ERRORS, Stage, StageBuilder, check_settings, run_stages  # noqa: E402
+from pr_specforge.training.preflight import latest_checkpoint  # noqa: E402
 
 #: GSM8K test-split indices of each disjoint set (half-open ranges)
 SPLITS: Dict[str, range] = {"train": range(40, 1040), "screen": range(1040, 1160), "report": range(1160, 1319)}
+RECIPES = REPO_ROOT / "recipes"
+WARM_OPTIONS = ["pr.recon_grad=isolated", "pr.recon_head=separate", "pr.recon_adapter_rank=16"]
+#: drafter -> (recipe, extra overrides, warm start: None | "pr" (pr.init_from) | "eagle3" (SpecForge's draft_checkpoint_path))
+DRAFTERS: Dict[str, tuple] = {
+    "eagle3": ("smollm2-135m-cpu-eagle3.yaml", [], None),
+    "eagle3-2layer": ("smollm2-135m-cpu-eagle3-2layer.yaml", [], None),
+    "pr": ("smollm2-135m-cpu.yaml", [], None),
+    "pr-warm": ("smollm2-135m-cpu.yaml", WARM_OPTIONS, "pr"),
+    "eagle3-long": ("smollm2-135m-cpu-eagle3.yaml", [], "eagle3"),
+}
+#: PR drafter -> its matched EAGLE-3 baseline (trained as many total steps on the same data)
+BASELINE = {"pr": "eagle3", "pr-warm": "eagle3-long"}
+STAGE_GROUPS = ("data", "train", "screen", "report")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,8 +72,16 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=256, help="regeneration: new tokens per solution")
     g.add_argument("--max-length", type=int, default=2048)
     g.add_argument("--draft-vocab-size", type=int, default=8192)
-    g.add_argument("--until", choices=["data", "train", "screen", "report"], default="report",
-                   help="run the stages up to this group")
+    g.add_argument("--seeds", nargs="+", type=int, default=[0])
+    g.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS))
+    g.add_argument("--epochs", type=int, default=3, help="epochs over the training split (from-scratch drafters)")
+    g.add_argument("--warm-epochs", type=int, default=1, help="pr-warm and eagle3-long: epochs on top of the eagle3 drafter")
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--eval-interval", type=int, default=250, help="steps between held-out evaluations (the loss curve)")
+    g.add_argument("--screen-limit", type=int, default=40, help="screening: served problems of the screen split")
+    g.add_argument("--report-limit", type=int, default=100, help="report: served problems of the report split")
+    g.add_argument("--serve-max-new-tokens", type=int, default=128)
+    g.add_argument("--until", choices=STAGE_GROUPS, default="report", help="run the stages up to this group")
     g.add_argument("--dry-run", action="store_true", help="print the stages and their outputs, run nothing")
     return p
 
@@ -113,12 +135,90 @@ class GSM8KRegime:
                                  self.screen / "features", "screen-features", validate=False),
         ]
 
+    # ------------------------------------------------------------ per seed
+    def seed_dir(self, seed: int) -> Path:
+        return self.work / f"seed{seed}"
+
+    def train_overrides(self, seed: int, name: str) -> List[str]:
+        args = self.args
+        run = self.seed_dir(seed) / "runs" / name
+        warm = DRAFTERS[name][2]
+        epochs = args.warm_epochs if warm else args.epochs
+        out = [*self.build.feature_overrides(run, args.max_length), f"training.num_epochs={epochs}",
+               f"training.learning_rate={args.lr}", f"training.seed={seed}", "training.save_interval=500",
+               f"data.eval_hidden_states_path={self.screen / 'features'}", f"training.eval_interval={args.eval_interval}",
+               *DRAFTERS[name][1]]
+        if warm:  # on top of this seed's EAGLE-3 drafter (fresh optimiser, both the PR drafter and its baseline)
+            ckpt = latest_checkpoint(self.seed_dir(seed) / "runs" / "eagle3", required=not args.dry_run) or "<eagle3 checkpoint>"
+            out.append(f"pr.init_from={ckpt}" if warm == "pr" else f"model.draft_checkpoint_path={ckpt}")
+        return out
+
+    def drafter_stages(self, seed: int) -> List[Stage]:
+        build, sd = self.build, self.seed_dir(seed)
+        order = sorted(self.args.drafters, key=lambda n: DRAFTERS[n][2] is not None)  # warm starts after eagle3
+        stages = []
+        for name in order:
+            run, export, diag = sd / "runs" / name, sd / "export" / name, sd / "diagnose" / f"{name}.json"
+            stages += [
+                build.train_stage(f"seed{seed} {name}: train", str(RECIPES / DRAFTERS[name][0]), run,
+                                  lambda name=name: self.train_overrides(seed, name)),
+                Stage(f"seed{seed} {name}: diagnose", diag,
+                      lambda run=run, diag=diag: (diag.parent.mkdir(parents=True, exist_ok=True),
+                                                  build.diagnose(run, self.screen / "features", diag, seed))),
+                Stage(f"seed{seed} {name}: export", export / "config.json", lambda run=run, export=export: build.export(run, export, "hf")),
+                Stage(f"seed{seed} {name}: headroom", sd / "headroom" / f"{name}.json",
+                      lambda run=run, name=name: self.headroom(run, sd / "headroom" / name, seed)),
+            ]
+        return stages
+
+    def headroom(self, run: Path, prefix: Path, seed: int) -> None:
+        """`pr-specforge headroom` of the run's newest checkpoint on the screen split's features."""
+        from pr_specforge.eval.headroom import main
+
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        self.build.call("headroom", main, [run, "--features", self.screen / "features", "--out", prefix,
+                                           "--seed", seed, "--no-progress"])
+
+    def serve_settings(self, seed: int, split: str, limit: int, budgets, temperatures, bw: int = 6,
+                       drafters: Optional[Sequence[str]] = None) -> dict:
+        args, sd = self.args, self.seed_dir(seed)
+        names = [n for n in (drafters or args.drafters) if n in args.drafters]
+        return dict(drafts={n: sd / "export" / n for n in names}, prompts=[str(self.splits / f"{split}.jsonl")], limit=limit,
+                    budgets=list(budgets), temperatures=list(temperatures), max_new_tokens=args.serve_max_new_tokens,
+                    extra=["--k", 6, "--bw", bw, "--gamma", 8, "--m", 3, "--seed", seed, "--no-progress", "--also-one-pass"])
+
+    def screen_stages(self, seed: int) -> List[Stage]:
+        sd = self.seed_dir(seed)
+        return [self.build.eval_stage(f"seed{seed} screen-serve", sd / "screen-b48",
+                                      **self.serve_settings(seed, "screen", self.args.screen_limit, [48], [0]))]
+
+    def report_stages(self, seed: int) -> List[Stage]:
+        sd, limit, build = self.seed_dir(seed), self.args.report_limit, self.build
+        eagle = [n for n in ("eagle3", "eagle3-long") if n in self.args.drafters]
+        return [
+            build.eval_stage(f"seed{seed} report-b48", sd / "report-b48", **self.serve_settings(seed, "report", limit, [48], [0, 1])),
+            build.eval_stage(f"seed{seed} report-b24", sd / "report-b24", **self.serve_settings(seed, "report", limit, [24], [0])),
+            # Table 4's widened control: the EAGLE-3 drafters at B_w = 9, the batch PR's B_w 6 + m 3 gets
+            build.eval_stage(f"seed{seed} report-bw9-b48", sd / "report-bw9-b48",
+                             **self.serve_settings(seed, "report", limit, [48], [0, 1], bw=9, drafters=eagle)),
+            build.eval_stage(f"seed{seed} report-bw9-b24", sd / "report-bw9-b24",
+                             **self.serve_settings(seed, "report", limit, [24], [0], bw=9, drafters=eagle)),
+        ]
+
     def run(self) -> int:
         args, work = self.args, self.work
         work.mkdir(parents=True, exist_ok=True)
         check_settings(work / "data_settings.json", {k: getattr(args, k) for k in (
             "max_new_tokens", "max_length", "draft_vocab_size")} | {"splits": {k: [v.start, v.stop] for k, v in SPLITS.items()}})
+        upto = STAGE_GROUPS.index(args.until)
         stages = self.data_stages()
+        for seed in args.seeds:
+            self.seed_dir(seed).mkdir(exist_ok=True)
+            check_settings(self.seed_dir(seed) / "settings.json", {k: getattr(args, k) for k in (
+                "epochs", "warm_epochs", "lr", "eval_interval", "serve_max_new_tokens")})
+            stages += self.drafter_stages(seed) if upto >= 1 else []
+            stages += self.screen_stages(seed) if upto >= 2 else []
+            stages += self.report_stages(seed) if upto >= 3 else []
         if args.dry_run:
             for s in stages:
                 print(f"{s.name}: {s.output}{' (done)' if s.done() else ''}")

@@ -50,7 +50,9 @@ def test_every_shipped_recipe_loads_and_opens_with_its_command(path):
     assert first.startswith("# "), first
     assert "pr-specforge train -c recipes/" in open(path).read() or "recipes/launch/torchrun.sh recipes/" in open(path).read()
     draft = json.load(open(recipe.config.model.draft_model_config))
-    assert draft["architectures"] == ["LlamaForCausalLMEagle3"] and draft["fc_norm"] is True
+    two_layer = path.endswith("-2layer.yaml")  # the paper's depth control (Table 3): strategy eagle3, a second layer
+    assert draft["architectures"] == ["LlamaForCausalLMEagle3TwoLayer" if two_layer else "LlamaForCausalLMEagle3"]
+    assert draft["fc_norm"] is True and (recipe.config.training.strategy == "eagle3" or not two_layer)
     assert draft["num_hidden_layers"] == 1 and draft["tie_word_embeddings"] is False
     assert len(draft["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) == 3
     if recipe.config.training.strategy == "pr":
