@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("gsm8k", help="the GSM8K domain regime")
     g.add_argument("--workdir", default="work/regime-gsm8k")
     g.add_argument("--max-new-tokens", type=int, default=256, help="regeneration: new tokens per solution")
+    g.add_argument("--train-limit", type=int, default=None,
+                   help="regenerate and train on the first N problems of the training split only (default: all 1,000)")
     g.add_argument("--max-length", type=int, default=2048)
     g.add_argument("--draft-vocab-size", type=int, default=8192)
     g.add_argument("--seeds", nargs="+", type=int, default=[0])
@@ -83,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--serve-max-new-tokens", type=int, default=128)
     g.add_argument("--until", choices=STAGE_GROUPS, default="report", help="run the stages up to this group")
     g.add_argument("--dry-run", action="store_true", help="print the stages and their outputs, run nothing")
+    r = sub.add_parser("report", help="benchmarks/results/regimes.{md,json}: one verdict per regime")
+    r.add_argument("--gsm8k", default=None, help="the GSM8K regime's workdir")
+    r.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "regimes"))
     return p
 
 
@@ -127,7 +132,7 @@ class GSM8KRegime:
         return [
             build.target_stage(),
             Stage("splits", self.splits / "splits.json", lambda: write_splits(self.splits)),
-            build.regenerate_stage(**regenerate, conversations=self.splits / "train.jsonl"),
+            build.regenerate_stage(**regenerate, conversations=self.splits / "train.jsonl", limit=args.train_limit),
             build.features_stage(args.max_length, args.draft_vocab_size),
             build.regenerate_stage(**regenerate, conversations=self.splits / "screen.jsonl",
                                    out=self.screen / "regenerated.jsonl", name="screen-regenerate"),
@@ -209,7 +214,7 @@ class GSM8KRegime:
         args, work = self.args, self.work
         work.mkdir(parents=True, exist_ok=True)
         check_settings(work / "data_settings.json", {k: getattr(args, k) for k in (
-            "max_new_tokens", "max_length", "draft_vocab_size")} | {"splits": {k: [v.start, v.stop] for k, v in SPLITS.items()}})
+            "max_new_tokens", "max_length", "draft_vocab_size", "train_limit")} | {"splits": {k: [v.start, v.stop] for k, v in SPLITS.items()}})
         upto = STAGE_GROUPS.index(args.until)
         stages = self.data_stages()
         for seed in args.seeds:
@@ -227,12 +232,145 @@ class GSM8KRegime:
         return 0
 
 
+# ---------------------------------------------------------------- the report
+#: a PR drafter wins a regime when, in every seed, its mean T = 0 gain is at least this and no T = 0 cell's CI is below 0
+WIN_GAIN = 0.02
+CELLS = ((48, 0.0), (24, 0.0), (48, 1.0))
+
+
+def served_rows(eval_dirs: Sequence[Path], suffix: str = "") -> Dict[tuple, Dict[str, dict]]:
+    """(draft + suffix, budget, temperature) -> prompt -> row, over the finished eval directories given."""
+    from pr_specforge.data.io import read_jsonl_rows
+
+    out: Dict[tuple, Dict[str, dict]] = {}
+    for d in eval_dirs:
+        if (d / "results.jsonl").exists():
+            for r in read_jsonl_rows(d / "results.jsonl"):
+                out.setdefault((r["draft"] + suffix, r["budget"], float(r["temperature"])), {})[f"{r['set']}/{r['prompt']}"] = r
+    return out
+
+
+def tau(rows: Optional[Dict[str, dict]]) -> Optional[float]:
+    if not rows:
+        return None
+    return sum(r["accepted"] for r in rows.values()) / max(1, sum(r["rounds"] for r in rows.values()))
+
+
+def seed_summary(sd: Path, n: int = 2000) -> dict:
+    """One seed's served taus per drafter and cell, and each comparison's paired gain (95% bootstrap CI)."""
+    from pr_specforge.eval.statistics import paired_bootstrap_gain
+
+    rows = served_rows([sd / "report-b48", sd / "report-b24"])
+    rows.update(served_rows([sd / "report-bw9-b48", sd / "report-bw9-b24"], suffix="@bw9"))
+    pairs = {"pr": ("eagle3", "pr"), "pr/one-pass": ("eagle3", "pr/one-pass"), "pr/mechanism": ("pr/one-pass", "pr"),
+             "pr-warm": ("eagle3-long", "pr-warm"), "pr-warm/one-pass": ("eagle3-long", "pr-warm/one-pass"),
+             "pr-warm/mechanism": ("pr-warm/one-pass", "pr-warm"),
+             "eagle3-2layer": ("eagle3", "eagle3-2layer"), "eagle3@bw9": ("eagle3", "eagle3@bw9")}
+    cells = []
+    for budget, temp in CELLS:
+        cell: dict = {"budget": budget, "temperature": temp,
+                      "tau": {d: tau(r) for (d, b, t), r in sorted(rows.items()) if (b, t) == (budget, temp)}}
+        for name, (a, b) in pairs.items():
+            ra, rb = rows.get((a, budget, temp)), rows.get((b, budget, temp))
+            if ra and rb and set(ra) & set(rb):
+                cell[name] = paired_bootstrap_gain(ra, rb, n=n, seed=0)
+        cells.append(cell)
+    return {"cells": cells}
+
+
+def verdict(seeds: Dict[int, dict], drafter: str) -> Optional[dict]:
+    """`drafter`'s regime verdict: per seed the mean T = 0 gain and whether a T = 0 cell's CI is entirely below 0."""
+    per_seed = {}
+    for seed, summary in seeds.items():
+        t0 = [c[drafter] for c in summary["cells"] if c["temperature"] == 0.0 and drafter in c]
+        if t0:
+            per_seed[seed] = {"mean_t0_gain": sum(c["gain_rel"] for c in t0) / len(t0),
+                              "cell_below_zero": any(c["gain_rel_ci95"][1] < 0 for c in t0), "cells": len(t0)}
+    if not per_seed:
+        return None
+    wins = len(per_seed) >= 2 and all(v["mean_t0_gain"] >= WIN_GAIN and not v["cell_below_zero"] for v in per_seed.values())
+    return {"seeds": per_seed, "wins": wins}
+
+
+def gsm8k_row(work: Path) -> dict:
+    """The GSM8K domain regime's row from its workdir (whatever stages have finished)."""
+    manifest = work / "features" / "manifest.json"
+    feats = json.loads(manifest.read_text()) if manifest.exists() else {}
+    seeds = {int(sd.name[4:]): seed_summary(sd) for sd in sorted(work.glob("seed*")) if sd.name[4:].isdigit()}
+    headroom = {}
+    for sd in sorted(work.glob("seed*")):
+        for f in sorted((sd / "headroom").glob("*.json")):
+            headroom.setdefault(f.stem, {})[sd.name] = json.loads(f.read_text()).get("pooled")
+    return {"regime": "gsm8k-domain", "workdir": str(work), "splits": {k: [v.start, v.stop - 1] for k, v in SPLITS.items()},
+            "data": {k: feats.get(k) for k in ("samples", "tokens", "loss_tokens") if k in feats},
+            "seeds": seeds, "verdict": {d: verdict(seeds, d) for d in ("pr", "pr-warm")}, "headroom": headroom}
+
+
+def sharegpt_row() -> dict:
+    """The ShareGPT chat regime's row from the committed part D report (`smollm2-cpu-best.json`)."""
+    best = json.loads((REPO_ROOT / "benchmarks" / "results" / "smollm2-cpu-best.json").read_text())
+    seeds = {int(k): {"cells": v} for k, v in (best.get("seeds") or {}).items()}
+    t0 = [c for c in best.get("comparisons", []) if c["temperature"] == 0.0 and c["budget"] == 48]
+    return {"regime": "sharegpt-chat", "source": "benchmarks/results/smollm2-cpu-best.json (warm-isolated-separate-adapter16)",
+            "eagle3_tau_b48_t0": sum(c["tau_eagle3"] for c in t0) / len(t0) if t0 else None,
+            "verdict": {"pr-warm": verdict({s: {"cells": [dict(c, **{"pr-warm": c}) for c in v["cells"]]} for s, v in seeds.items()},
+                                           "pr-warm")},
+            "controls": "two-layer and B_w 9 not yet run at this scale"}
+
+
+def render(report: dict) -> str:
+    def pct(g):
+        return "-" if not g else f"{100 * g['gain_rel']:+.1f}% [{100 * g['gain_rel_ci95'][0]:+.1f}, {100 * g['gain_rel_ci95'][1]:+.1f}]"
+
+    lines = ["# Regimes (issue 27): where can PR pay?", "",
+             "GSM8K is the 1,319-problem test split, cut by index: training 40-1039, screening 1040-1159 "
+             "(variants are chosen here only), report 1160-1318 (served for these tables only).", ""]
+    for row in report["regimes"]:
+        lines += [f"## {row['regime']}", ""]
+        if row["regime"] == "sharegpt-chat":
+            lines += [f"EAGLE-3 tau (B 48, T 0, mean over sets): {row['eagle3_tau_b48_t0']:.3f}; source {row['source']}; "
+                      f"{row['controls']}.", ""]
+        for seed, summary in sorted((row.get("seeds") or {}).items()):
+            if row["regime"] != "gsm8k-domain":
+                continue
+            lines += [f"### seed {seed}", "", "| B | T | tau eagle3 | eagle3 B_w 9 | 2-layer | pr m3 / m0 | pr-warm m3 / m0 | eagle3-long |"
+                      " pr gain | one-pass | mechanism | pr-warm gain | one-pass | mechanism | 2-layer gain | B_w 9 gain |",
+                      "|" + "---|" * 16]
+            for c in summary["cells"]:
+                t = c["tau"]
+                f = lambda k: "-" if t.get(k) is None else f"{t[k]:.3f}"  # noqa: E731
+                lines.append(f"| {c['budget']} | {c['temperature']:g} | {f('eagle3')} | {f('eagle3@bw9')} | {f('eagle3-2layer')} | "
+                             f"{f('pr')} / {f('pr/one-pass')} | {f('pr-warm')} / {f('pr-warm/one-pass')} | {f('eagle3-long')} | "
+                             + " | ".join(pct(c.get(k)) for k in ("pr", "pr/one-pass", "pr/mechanism", "pr-warm", "pr-warm/one-pass",
+                                                                   "pr-warm/mechanism", "eagle3-2layer", "eagle3@bw9")) + " |")
+            lines.append("")
+        for name, v in (row.get("verdict") or {}).items():
+            if v:
+                per = "; ".join(f"seed {s}: mean T0 gain {100 * x['mean_t0_gain']:+.1f}%"
+                                f"{', a T0 cell below 0' if x['cell_below_zero'] else ''}" for s, x in sorted(v["seeds"].items()))
+                lines.append(f"- **{name}**: {'WINS' if v['wins'] else 'does not win'} ({per}).")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def write_regimes_report(gsm8k_work: Optional[Path], prefix: Path) -> dict:
+    from pr_specforge.data.io import atomic_write_json, atomic_write_text
+
+    report = {"regimes": [sharegpt_row()] + ([gsm8k_row(gsm8k_work)] if gsm8k_work and gsm8k_work.exists() else [])}
+    atomic_write_json(prefix.with_suffix(".json"), report)
+    atomic_write_text(prefix.with_suffix(".md"), render(report))
+    return report
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     try:
+        if args.regime == "report":
+            print(render(write_regimes_report(Path(args.gsm8k) if args.gsm8k else None, Path(args.out))))
+            return 0
         return GSM8KRegime(args).run()
     except STAGE_ERRORS as e:
         print(f"regimes: {e}", file=sys.stderr)

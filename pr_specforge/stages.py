@@ -179,15 +179,16 @@ class StageBuilder:
                                                   "--limit", limit, "--max-turns", "1", *extra, *holdout))
 
     def regenerate_stage(self, max_new_tokens: int, max_prompt_chars: int, batch_size: int, conversations: Optional[Path] = None,
-                         out: Optional[Path] = None, name: str = "regenerate") -> Stage:
-        """Greedy replies by the target (`data regenerate`); done once `<out stem>.done` exists."""
+                         out: Optional[Path] = None, name: str = "regenerate", limit: Optional[int] = None) -> Stage:
+        """Greedy replies by the target (`data regenerate`, the first `limit` conversations when given); done once
+        `<out stem>.done` exists."""
         conversations, out = conversations or self.convs, out or self.regen
         done = out.with_suffix(".done")
 
         def run() -> None:
             self.data("regenerate", "--target", self.target, "--input", conversations, "--output", out,
                       "--max-new-tokens", max_new_tokens, "--batch-size", batch_size, "--temperature", "0",
-                      "--max-prompt-chars", max_prompt_chars)
+                      "--max-prompt-chars", max_prompt_chars, *(["--limit", limit] if limit else []))
             done.write_text("ok\n")
         return Stage(name, done, run)
 
