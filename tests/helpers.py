@@ -58,8 +58,10 @@ def make_batch(cfg, batch=2, seq=24, seed=1, pad_last=0):
     return dict(input_ids=input_ids, attention_mask=attention_mask, target=target, loss_mask=loss_mask, hidden_states=hidden)
 
 
-def make_tiny_target(path, hidden=64, layers=4, vocab=97, seed=0):
-    """A tiny random Llama target saved as safetensors with an index JSON (TargetHead needs it)."""
+def make_tiny_target(path, hidden=64, layers=4, vocab=97, seed=0, tie=False, tokenizer=None):
+    """A tiny random Llama target saved as safetensors with an index JSON (TargetHead needs it).
+
+    `tie=True` ties the output embedding to the input one, as SmolLM2 does; a `tokenizer` is saved with it."""
     import json
     import os
 
@@ -68,21 +70,27 @@ def make_tiny_target(path, hidden=64, layers=4, vocab=97, seed=0):
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2,
-                      num_hidden_layers=layers, vocab_size=vocab, max_position_embeddings=512, tie_word_embeddings=False)
+                      num_hidden_layers=layers, vocab_size=vocab, max_position_embeddings=512, tie_word_embeddings=tie,
+                      architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
     model = LlamaForCausalLM(cfg).float().eval()
     with torch.no_grad():  # a peaked next-token distribution, as a trained model has (random init is ~uniform)
-        model.lm_head.weight.mul_(30.0)
+        (model.model.norm.weight if tie else model.lm_head.weight).mul_(30.0)  # tied: leave the input embedding as it is
     os.makedirs(path, exist_ok=True)
     cfg.save_pretrained(path)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    state = {k: v.clone().contiguous() for k, v in model.state_dict().items()}  # tied: lm_head saved too (TargetHead reads it)
     save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": {k: "model.safetensors" for k in state}}, f)
     return model
 
 
-def write_features(model, out_dir, n=8, seq=32, seed=0, draft_vocab=48):
-    """SpecForge offline EAGLE-3 feature files from a real forward of `model` + vocab mapping."""
+def write_features(model, out_dir, n=8, seq=32, seed=0, draft_vocab=48, generated=False):
+    """SpecForge offline EAGLE-3 feature files from a real forward of `model` + vocab mapping.
+
+    `generated=True`: the last 3/4 of each row (the supervised part) is `model`'s own greedy
+    continuation of a random prompt, as regenerated data is; else random tokens throughout."""
     import os
 
     g = torch.Generator().manual_seed(seed)
@@ -93,6 +101,10 @@ def write_features(model, out_dir, n=8, seq=32, seed=0, draft_vocab=48):
     os.makedirs(os.path.join(out_dir, "rows_0-2000"), exist_ok=True)
     for i in range(n):
         ids = torch.randint(1, cfg.vocab_size, (seq,), generator=g)
+        if generated:
+            with torch.no_grad():
+                ids = model.generate(ids[None, : seq // 4], max_new_tokens=seq - seq // 4, min_new_tokens=seq - seq // 4,
+                                     do_sample=False, pad_token_id=0)[0]
         mask = torch.zeros(seq, dtype=torch.long)
         mask[seq // 4:] = 1
         with torch.no_grad():
@@ -111,21 +123,25 @@ def write_features(model, out_dir, n=8, seq=32, seed=0, draft_vocab=48):
     return os.path.join(out_dir, "vocab_mapping", "vocab_mapping.pt")
 
 
-def write_workspace(root, strategy="pr", steps=6, nproc=1, pr_section=None, n=8, seq=32, extra=None):
-    """Target + features + draft config + recipe under `root`; returns the recipe path."""
+def write_workspace(root, strategy="pr", steps=6, nproc=1, pr_section=None, n=8, seq=32, extra=None, target=None,
+                    generated=False):
+    """Target + features + draft config + recipe under `root`; returns the recipe path.
+
+    `target`: `make_tiny_target` keyword arguments (default: 4 layers, vocab 97, untied)."""
     import json
     import os
 
     import yaml
 
     target_dir = os.path.join(root, "target")
-    model = make_tiny_target(target_dir)
+    model = make_tiny_target(target_dir, **(target or {}))
+    vocab = model.config.vocab_size
     feats = os.path.join(root, "features")
-    vm = write_features(model, feats, n=n, seq=seq)
+    vm = write_features(model, feats, n=n, seq=seq, generated=generated)
     draft_cfg = {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 64,
         "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
-        "vocab_size": 97, "draft_vocab_size": 48, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+        "vocab_size": vocab, "draft_vocab_size": 48, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
         "hidden_act": "silu", "tie_word_embeddings": False, "target_hidden_size": 64, "pad_token_id": 0,
         "torch_dtype": "float32",
     }

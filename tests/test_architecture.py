@@ -118,6 +118,28 @@ def test_light_modules_import_without_torch_and_the_adapter_patches_nothing():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+def test_the_sglang_cpu_bridge_is_never_imported_by_the_package():
+    """`pr_specforge.sglang_cpu` patches SGLang: only the tests and scripts/sglang_cpu_serve.sh load it."""
+    bridge = PACKAGE / "sglang_cpu"
+    offenders = []
+    for path, tree in _modules():
+        if bridge in path.parents:
+            continue
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{_rel(path)}:{node.lineno}" for n in names if n.startswith("pr_specforge.sglang_cpu")]
+    assert not offenders, offenders
+    code = ("import sys\n"
+            "import pr_specforge, pr_specforge.cli, pr_specforge.export, pr_specforge.data.hidden_states\n"
+            "import pr_specforge.data.regenerate, pr_specforge.eval.evaluator, pr_specforge.serving\n"
+            "assert not [m for m in sys.modules if m.startswith('pr_specforge.sglang_cpu')], 'bridge imported'\n"
+            "assert not [f for f in sys.meta_path if 'PatchAfterImport' in type(f).__name__], 'import hook installed'\n")
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def _specforge_private_names() -> set:
     """Private members (`_x`, not dunders) of every SpecForge class the adapter exposes, and of
     their SpecForge base classes: the names only the adapter may use."""

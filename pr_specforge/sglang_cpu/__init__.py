@@ -1,0 +1,30 @@
+"""A CPU bridge for SGLang 0.5.14's EAGLE-3 speculative serving (tests and `scripts/sglang_cpu_serve.sh`).
+
+Not imported by `import pr_specforge`. `child_env()` is the environment under which
+`python -m sglang.launch_server --device cpu --attention-backend torch_native ...`
+(or `sglang.Engine`) runs EAGLE-3 on a CPU: the bridge's import hook (`bridge.install`,
+via `site/sitecustomize.py`, inherited by SGLang's subprocesses), `SGLANG_USE_CPU_ENGINE=1`,
+`SGLANG_NATIVE_MOVE_KV_CACHE=1` and `TRITON_INTERPRET=1`. The server itself also needs
+`--disable-cuda-graph --disable-overlap-schedule` (`SERVER_FLAGS`).
+What is patched and why: `bridge`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional
+
+SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: the launch_server flags the bridge assumes (CPU device, torch_native attention, no graphs, no overlap)
+SERVER_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+                "--disable-overlap-schedule")
+
+
+def child_env(base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """`base` (default: os.environ) plus what an SGLang process needs to serve EAGLE-3 on this CPU."""
+    env = dict(os.environ if base is None else base)
+    path = [SITE_DIR, REPO_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env.update(PYTHONPATH=os.pathsep.join(path), PR_SPECFORGE_SGLANG_CPU="1", SGLANG_USE_CPU_ENGINE="1",
+               SGLANG_NATIVE_MOVE_KV_CACHE="1", TRITON_INTERPRET="1")
+    return env

@@ -1,0 +1,150 @@
+"""A live SGLang 0.5.14 server on this CPU (through `pr_specforge.sglang_cpu`) and what it serves.
+
+* `live_run`: a SmolLM2-shaped tiny target (Llama, tied embeddings, 8 layers so the three captured
+  layers 1, 3, 4 are distinct, a byte-level BPE tokenizer with SmolLM2's chat template) and a PR
+  drafter trained on the target's own greedy continuations (48 steps: it accepts most of what the
+  target says on prompts of that distribution), exported `--to sglang` (PR), as EAGLE-3 (the PR
+  tensors dropped) and `--to hf` (for our evaluator).
+* `sglang_server(...)`: `python -m sglang.launch_server` under `nice -n 19`, bound to 127.0.0.1 on a
+  free port, stopped (its whole process group) when the context exits, also on failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from tests.export.conftest import ENV, train_workspace
+
+STEPS = 48
+START_TIMEOUT = 300
+
+
+def _free_port() -> int:
+    """A free loopback port below 40000 (SGLang derives more ports from it, up to +10000 and more)."""
+    for port in random.Random(os.getpid() + time.time_ns()).sample(range(20000, 40000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-40000 on 127.0.0.1")
+
+
+def post(port: int, path: str, body: dict, timeout: float = 600) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def greedy(port: int, ids, max_new_tokens: int) -> dict:
+    return post(port, "/generate", {"input_ids": list(ids), "sampling_params": {
+        "temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}})
+
+
+class ServerFailed(RuntimeError):
+    """The server exited before it answered; the message holds the end of its log."""
+
+
+@contextlib.contextmanager
+def sglang_server(model: str, log_path, *args: str, dtype: str = "float32"):
+    """Yield the port of a live `launch_server` for `model` (extra CLI `args`); stop it on exit."""
+    from pr_specforge.sglang_cpu import SERVER_FLAGS, child_env
+
+    port = _free_port()
+    cmd = ["nice", "-n", "19", sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--dtype", dtype,
+           *SERVER_FLAGS, "--host", "127.0.0.1", "--port", str(port), "--max-total-tokens", "4096", *args]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, env=child_env(dict(ENV, HF_HUB_OFFLINE="1")), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + START_TIMEOUT
+        while True:
+            if proc.poll() is not None:
+                raise ServerFailed(open(log_path).read()[-6000:])
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200 and "fired up" in open(log_path).read():
+                        break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                raise ServerFailed(f"no answer after {START_TIMEOUT} s:\n" + open(log_path).read()[-6000:])
+            time.sleep(2)
+        yield port
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        log.close()
+
+
+def spec_args(draft: str, steps: int, topk: int, draft_tokens: int):
+    return ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft,
+            "--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),
+            "--speculative-num-draft-tokens", str(draft_tokens))
+
+
+def edit_export(src, dst, edit):
+    """A copy of the `--to sglang` export `src` whose tensors went through `edit(dict)`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(os.path.join(dst, "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
+
+
+@pytest.fixture(scope="session")
+def live_run(tmp_path_factory):
+    from pr_specforge.export import export_checkpoint
+    from tests.data.conftest import build_tokenizer
+
+    root = tmp_path_factory.mktemp("live_run")
+    tok = build_tokenizer()
+    train_workspace(root, strategy="pr", steps=STEPS, n=8, seq=48, generated=True, pr_section={"max_depth": 2},
+                    extra={"training": {"num_epochs": 6}}, target=dict(layers=8, vocab=len(tok), tie=True, tokenizer=tok))
+    (root / "target" / "pr_specforge_target.json").write_text(json.dumps({"chat_template_name": "smollm2"}))
+    ckpt = str(root / "out" / f"specforge-run-step{STEPS}")
+    export_checkpoint(ckpt, str(root / "pr-sglang"), "sglang")
+    export_checkpoint(ckpt, str(root / "hf"), "hf", target=str(root / "target"))
+    eagle3 = root / "eagle3-ckpt" / f"specforge-run-step{STEPS}"  # the same run as an eagle3 checkpoint
+    shutil.copytree(ckpt, eagle3)
+    state = torch.load(eagle3 / "training_state.pt", weights_only=False)
+    state["strategy"] = "eagle3"
+    state["draft_state_dict"] = {k: v for k, v in state["draft_state_dict"].items() if not k.startswith("pr_")}
+    torch.save(state, eagle3 / "training_state.pt")
+    export_checkpoint(str(eagle3), str(root / "eagle3-sglang"), "sglang", draft_config=str(root / "draft.json"))
+    prompts = [torch.load(root / "features" / "rows_0-2000" / f"data_{i}.ckpt")["input_ids"][:12].tolist()
+               for i in range(3)]
+    g = torch.Generator().manual_seed(7)
+    prompts.append(torch.randint(3, len(tok), (10,), generator=g).tolist())  # off the training distribution
+    return {"root": root, "target": str(root / "target"), "pr": str(root / "pr-sglang"),
+            "eagle3": str(root / "eagle3-sglang"), "hf": str(root / "hf"), "prompts": prompts}
+
+
+@pytest.fixture(scope="session")
+def plain_server(live_run, tmp_path_factory):
+    """The port of SGLang serving the target alone (plain greedy; with its tokenizer and chat template)."""
+    with sglang_server(live_run["target"], tmp_path_factory.mktemp("log") / "plain.log") as port:
+        yield port

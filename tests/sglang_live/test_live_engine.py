@@ -1,0 +1,95 @@
+"""SGLang's own EAGLE-3 engine, live on this CPU, serves our exports (the bridge: `pr_specforge.sglang_cpu`).
+
+Both sides run float32 and greedy: SGLang's chain (topk 1) must emit the plain server's tokens and
+accept, prompt by prompt and round by round, what our evaluator's decoder accepts with the same
+drafter at k = 1, B_w = 1, gamma = B = steps. Tolerance: none (equal counts). float32 removes bf16
+rounding; the remaining kernel differences (SGLang's fused qkv / gate_up matmuls, its SDPA calls vs
+transformers' eager attention) move logits by ~1e-6, far below the margins of the tiny target's
+peaked argmaxes, and the test is seeded, so a near-tie would fail it every time, not at random.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.sglang_live.conftest import ServerFailed, edit_export, greedy, sglang_server, spec_args
+
+CHAIN_STEPS = 3
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def ours(live_run):
+    from pr_specforge.eval.evaluator import load_target
+    from pr_specforge.modeling import load_drafter
+    from pr_specforge.serving import SpeculativeDecoder, TreeConfig
+
+    target, _ = load_target(live_run["target"])
+    drafter = load_drafter(live_run["hf"], "cpu", torch.float32)
+
+    def decode(steps, k=1, budget=None):
+        dec = SpeculativeDecoder(target, drafter, TreeConfig(budget=budget or steps, k=k, bw=k, gamma=steps, m=0))
+        return [dec.generate(p, MAX_NEW, 0.0, 0, None) for p in live_run["prompts"]]
+
+    return decode
+
+
+@pytest.fixture(scope="module")
+def plain(live_run, plain_server):
+    return [greedy(plain_server, p, MAX_NEW)["output_ids"] for p in live_run["prompts"]]
+
+
+def _served(live_run, log, *args):
+    with sglang_server(live_run["target"], log, *args) as port:
+        return [greedy(port, p, MAX_NEW) for p in live_run["prompts"]]
+
+
+def _tau(outs):
+    rounds = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
+    return (sum(o["meta_info"]["spec_num_correct_drafts"] for o in outs) + rounds) / rounds
+
+
+@pytest.mark.parametrize("export", ["eagle3", "pr"])
+def test_chain_drafting_is_lossless_and_accepts_what_our_evaluator_accepts(export, live_run, plain, ours, tmp_path):
+    served = _served(live_run, tmp_path / "server.log", *spec_args(live_run[export], CHAIN_STEPS, 1, CHAIN_STEPS + 1))
+    reference = ours(CHAIN_STEPS)
+    assert [o["output_ids"] for o in served] == plain
+    assert [r.tokens for r in reference] == plain
+    for out, ref in zip(served, reference):  # rounds and accepted drafts, prompt by prompt
+        meta = out["meta_info"]
+        assert (meta["spec_verify_ct"], meta["spec_num_correct_drafts"]) == (ref.rounds, sum(ref.accept_lengths) - ref.rounds)
+    tau = _tau(served)
+    assert tau == pytest.approx(sum(sum(r.accept_lengths) for r in reference) / sum(r.rounds for r in reference))
+    assert tau > 2.0, f"the trained drafter should accept most drafts on its own distribution, tau {tau}"
+
+
+def _rename(tensors):
+    tensors["midlayer.mlp.down_proj.w"] = tensors.pop("midlayer.mlp.down_proj.weight")
+
+
+def _drop(tensors):
+    tensors.pop("midlayer.self_attn.o_proj.weight")
+
+
+@pytest.mark.parametrize("edit,names", [(_rename, ["midlayer.mlp.down_proj.w", "model.layers.0.mlp.down_proj.weight"]),
+                                        (_drop, ["model.layers.0.self_attn.o_proj.weight"])], ids=["renamed", "missing"])
+def test_a_drafter_with_a_renamed_or_missing_tensor_does_not_serve(edit, names, live_run, tmp_path):
+    broken = edit_export(live_run["eagle3"], tmp_path / "broken", edit)
+    with pytest.raises(ServerFailed) as failed:
+        _served(live_run, tmp_path / "server.log", *spec_args(broken, CHAIN_STEPS, 1, CHAIN_STEPS + 1))
+    assert "DraftLoadError" in str(failed.value), str(failed.value)[-2000:]
+    for name in names:
+        assert name in str(failed.value)
+
+
+def test_tree_drafting_topk6_b48_is_lossless_and_reports_its_tau_next_to_ours(live_run, plain, ours, tmp_path,
+                                                                             record_property):
+    served = _served(live_run, tmp_path / "server.log", *spec_args(live_run["eagle3"], 8, 6, 49))
+    assert [o["output_ids"] for o in served] == plain  # a verify that ignored the tree mask would not be
+    reference = ours(8, k=6, budget=48)
+    ours_tau = sum(sum(r.accept_lengths) for r in reference) / sum(r.rounds for r in reference)
+    record_property("sglang_tree_tau", _tau(served))
+    record_property("our_tree_tau", ours_tau)
+    print(f"tree topk 6, B 48, 8 steps: SGLang tau {_tau(served):.3f}, ours {ours_tau:.3f}")
+    assert 1.0 <= _tau(served) <= 9.0
