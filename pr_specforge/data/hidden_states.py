@@ -184,8 +184,9 @@ class SGLangCapture:
 
         if not torch.cuda.is_available():
             raise RuntimeError(
-                "the sglang backend needs a CUDA GPU and none is visible; "
-                "use `--backend transformers` (CPU or GPU) instead"
+                "the sglang backend needs a CUDA GPU and none is visible (SpecForge 0.2.0's SGLang capture, "
+                "specforge/offline_capture/sglang_backend/capture.py, builds its model runner on "
+                "torch.cuda.current_device(), even with device='cpu'); use `--backend transformers` (CPU or GPU) instead"
             )
         import torch.distributed as dist
 
