@@ -5,7 +5,7 @@
   drafter trained on the target's own greedy continuations (48 steps: it accepts most of what the
   target says on prompts of that distribution), exported `--to sglang` (PR), as EAGLE-3 (the PR
   tensors dropped) and `--to hf` (for our evaluator).
-* `sglang_server(...)`: `python -m sglang.launch_server` under `nice -n 19`, bound to 127.0.0.1 on a
+* `sglang_server(...)`: `python -m sglang.launch_server`, bound to 127.0.0.1 on a
   free port, stopped (its whole process group) when the context exits, also on failure.
 """
 
@@ -66,7 +66,7 @@ def sglang_server(model: str, log_path, *args: str, dtype: str = "float32"):
     from pr_specforge.sglang_cpu import SERVER_FLAGS, child_env
 
     port = _free_port()
-    cmd = ["nice", "-n", "19", sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--dtype", dtype,
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--dtype", dtype,
            *SERVER_FLAGS, "--host", "127.0.0.1", "--port", str(port), "--max-total-tokens", "4096", *args]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, env=child_env(dict(ENV, HF_HUB_OFFLINE="1")), stdout=log, stderr=subprocess.STDOUT,
