@@ -172,6 +172,10 @@ def check_run(recipe) -> None:
                 + (" (the two-layer control trains with strategy eagle3)" if arch == TWO_LAYER_ARCHITECTURE else "")
             )
     check_target(cfg.model.target_model_path)
+    if cfg.training.strategy == "pr" and recipe.pr.init_from and draft_path:
+        from pr_specforge.training.warm_start import check_init_from
+
+        check_init_from(recipe.pr, draft_path)
     if recipe.online is not None:
         from pr_specforge.training.online import check_inputs
 

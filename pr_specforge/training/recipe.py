@@ -152,6 +152,7 @@ def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
     spec_raw = {k: v for k, v in raw.items() if k not in (PR_SECTION, BACKEND_SECTION)}
     spec_raw, spec_over = _resolve_auto_dtype(spec_raw, spec_over)
     config = _specforge_config(spec_raw, spec_over, path)
+    _check_finite(config.model_dump(), f"recipe {path}")
     backend_given = "attention_backend" in (spec_raw.get("training") or {}) or any(
         o.split("=", 1)[0] == "training.attention_backend" for o in spec_over)
     if config.training.strategy == "pr" and not backend_given:
@@ -210,6 +211,17 @@ def _specforge_config(spec_raw: Dict[str, Any], overrides: Sequence[str], path: 
             lines.append(f"  {loc or '<root>'}: {err.get('msg')}{_fix_hint(err)}")
         raise ConfigError(f"recipe {path}: invalid SpecForge config:\n" + "\n".join(lines)) from None
     return config
+
+
+def _check_finite(node: Any, where: str, dotted: str = "") -> None:
+    """Every number of SpecForge's config is finite (pydantic accepts `.nan` and `.inf` for a float)."""
+    import math
+
+    if isinstance(node, dict):
+        for key, value in node.items():
+            _check_finite(value, where, f"{dotted}.{key}" if dotted else str(key))
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(f"{where}: {dotted}: expected a finite number, got {node!r}")
 
 
 def _check_override_paths(config, overrides: Sequence[str]) -> None:

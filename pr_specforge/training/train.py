@@ -5,7 +5,8 @@
 
 Owns: the process launch (in-process for one rank or under torchrun; self-launch through
 torchrun for several ranks, re-entering THIS cli so every rank has the patched registry),
-resume-by-default, Ctrl-C, the runtime patches a run installs (`install_training_runtime`)
+resume-by-default, Ctrl-C, the stop at a non-finite loss (`check_finite_step`), the runtime
+patches a run installs (`install_training_runtime`)
 and `assembled_run` (SpecForge's assembled trainer in one process, for `diagnose`, tests
 and benchmarks).
 
@@ -64,6 +65,40 @@ SELF_LAUNCHED_ENV = "PR_SPECFORGE_SELF_LAUNCHED"
 
 class TrainingInterrupted(Exception):
     """Ctrl-C: the message says what was kept and how to resume."""
+
+
+class NonFiniteTraining(RuntimeError):
+    """The loss (or a tensor about to be checkpointed) went non-finite; the message names the step and the term."""
+
+
+def _loss_terms(metrics) -> List[str]:
+    """The loss terms among a step's metrics (`loss`, `ploss_i`, `pr/loss_*`, ...)."""
+    return sorted(k for k in metrics if "loss" in k.split("/")[-1] or k.endswith(("balance", "entropy")))
+
+
+def check_finite_step(original):
+    """`TrainerCore.train_step` that stops the run at the first optimizer step whose loss is
+    non-finite (every rank sees the same reduced metrics, so all stop together), before the
+    step can be checkpointed."""
+    import math
+
+    def train_step(self, batch, ctx=None):
+        result = original(self, batch, ctx)
+        if not result.optimizer_stepped:
+            return result
+        bad = [k for k in _loss_terms(result.metrics)
+               if isinstance(result.metrics[k], (int, float)) and not math.isfinite(result.metrics[k])]
+        if bad or not math.isfinite(float(result.loss)):
+            step = (ctx.global_step + 1) if ctx is not None else "?"
+            terms = [k for k in bad if k != "loss"] or ["loss"]
+            raise NonFiniteTraining(
+                f"training stopped at step {step}: the loss is {float(result.loss)} (non-finite term(s): "
+                f"{', '.join(terms[:6])}); nothing of this step was checkpointed. Check the features "
+                "(pr-specforge data validate) and lower training.learning_rate, then rerun to resume from the "
+                "newest checkpoint (or --start-over)")
+        return result
+
+    return train_step
 
 
 def interrupted_message(output_dir: str) -> str:
@@ -209,14 +244,16 @@ def _watch_sigint(seen: List[bool]):
 
 def install_training_runtime(recipe: Recipe) -> None:
     """Every runtime patch training needs, in one place (nothing is patched at import time):
-    SpecForge's loss on CPU, recipe-carrying atomic checkpoints, the metrics JSONL sink, the
-    acceptance simulator in the eval pass, and the chosen backend."""
-    from pr_specforge._specforge import install_cpu_loss, install_feature_file_errors
+    SpecForge's loss on CPU, the stop at a non-finite loss, recipe-carrying atomic checkpoints
+    (never of non-finite tensors), the metrics JSONL sink, the acceptance simulator in the eval
+    pass, and the chosen backend."""
+    from pr_specforge._specforge import install_cpu_loss, install_feature_file_errors, wrap_train_step
     from pr_specforge.training.backends.checkpoint import install_checkpoint_manager
     from pr_specforge.training.simulate import install_eval_simulator
     from pr_specforge.training.telemetry import install_metrics_sink
 
     install_cpu_loss()
+    wrap_train_step(check_finite_step)
     install_feature_file_errors()
     install_checkpoint_manager(resolved_payload(recipe))
     install_metrics_sink()

@@ -134,6 +134,17 @@ def _conversations_of_another_source(tmp_path, tiny_target):
     return ["conversations", "--source", str(b), "--output", str(tmp_path / "c.jsonl")]
 
 
+def _target_of_another_dtype(tmp_path, tiny_target):
+    """A finished float32 target directory, and `smollm2-target` asked for bfloat16 (its default) there."""
+    import shutil
+
+    from pr_specforge.data.smollm2 import write_index_json
+
+    shutil.copytree(tiny_target, tmp_path / "t32")
+    write_index_json(tmp_path / "t32")
+    return ["smollm2-target", "--output", str(tmp_path / "t32")]
+
+
 #: every class of bad `data` input: (argv builder, exit code, what the error says); nothing half-made is left behind
 BAD_INPUTS = {
     "conversations --limit -3": (lambda t, tt: ["conversations", "--source", "x.jsonl", "--output", "o", "--limit", "-3"],
@@ -148,6 +159,8 @@ BAD_INPUTS = {
         lambda t, tt: ["conversations", "--source", "x.jsonl", "--output", str(t / "o"), "--exclude-ids", str(t / "train.jsonl")],
         2, "train.jsonl: no such file"),
     "smollm2-target over a non-empty directory": (_nonempty_dir, 2, "pass --overwrite to replace it"),
+    "smollm2-target over a target of another dtype": (_target_of_another_dtype, 2,
+                                                       "holds a float32 target, not the bfloat16 one asked for"),
     "smollm2-target --overwrite of a non-model directory": (_not_a_model_dir, 2, "not a model directory"),
     "validate a directory that does not exist": (lambda t, tt: ["validate", str(t / "nothing")], 1, "no manifest.json"),
     "validate unfinished features": (_manifest_edit(status="in_progress"), 1, "did not finish"),
@@ -178,7 +191,7 @@ def test_bad_input_is_refused_in_one_line(tmp_path, tiny_target, capsys, monkeyp
     if case.startswith(("hidden-states over", "regenerate over", "conversations over")):  # a mismatch says how to start over
         assert "--start-over" in text and len(captured.err.strip().splitlines()) == 1, text
     assert not (tmp_path / "out").exists()  # an empty output would read as a finished stage
-    if "smollm2" in case:
+    if "non-" in case:
         assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
