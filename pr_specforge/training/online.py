@@ -5,7 +5,8 @@
       train_data_path: work/smollm2/regenerated.jsonl    # SpecForge's own field for raw conversations
       chat_template: smollm2
       max_length: 512
-      online_dtype: bfloat16                             # ours: the target's dtype (as `data hidden-states`)
+      online_dtype: bfloat16                             # ours: the target's dtype (as `data hidden-states`); its
+                                                         # states reach the drafter in model.torch_dtype
 
 SpecForge 0.2.0 dropped colocated online training (its online mode is an
 external SGLang server plus Mooncake). We keep its colocated offline runtime
@@ -129,9 +130,17 @@ def online_settings(config, request: Optional[Dict[str, Any]], where: str) -> Op
 
 
 def check_inputs(settings: OnlineSettings) -> None:
-    """Preflight: the files an online run reads exist (instead of a features directory)."""
+    """Preflight: the files an online run reads exist (instead of a features directory), and every line
+    of the conversations file is a JSON object (the rows are tokenised only when the run starts)."""
+    from pr_specforge.data.io import DataFormatError, iter_jsonl
+
     if not os.path.isfile(settings.conversations):
         raise ConfigError(f"data.train_data_path: {settings.conversations!r} does not exist (a conversation JSONL)")
+    try:
+        for _ in iter_jsonl(settings.conversations):
+            pass
+    except DataFormatError as e:
+        raise ConfigError(f"data.train_data_path: {e}") from None
     target = settings.target_path
     hub_id = not os.path.exists(target) and target.count("/") == 1 and not target.startswith((".", "/"))
     if not hub_id and not os.path.isfile(os.path.join(target, "config.json")):
@@ -286,7 +295,9 @@ class OnlineTargetMixin:
             t0 = time.perf_counter()
             final, aux = capture.forward(tensors["input_ids"], tensors["attention_mask"])
             keep = tensors["attention_mask"].to(final.device)[..., None].to(final.dtype)
-            tensors["target"], tensors["hidden_state"] = final * keep, aux * keep
+            # in the drafter's dtype, as its TargetHead and layers compute (data.online_dtype may differ)
+            dtype = next(self.trainable_module().parameters()).dtype
+            tensors["target"], tensors["hidden_state"] = (final * keep).to(dtype), (aux * keep).to(dtype)
             _sync(device)
         return time.perf_counter() - t0
 

@@ -135,6 +135,35 @@ def resume_or_start_over(output_dir: str, resume_from: Optional[str], start_over
     return output_dir
 
 
+#: what a run directory's schedule is made of: SpecForge resumes a checkpoint only under the same horizon
+SCHEDULE_FIELDS = ("max_steps", "num_epochs")
+
+
+def check_same_schedule(output_dir: str, training) -> None:
+    """A rerun resuming `output_dir` keeps the schedule it was trained with (SpecForge compares the
+    learning-rate horizon); a changed `training.max_steps` / `num_epochs` is refused in one line
+    that says how to train longer. The run's schedule is read from its `resolved_recipe.yaml`."""
+    import yaml
+
+    path = os.path.join(output_dir, "resolved_recipe.yaml")
+    try:
+        with open(path) as f:
+            before = (yaml.safe_load(f) or {}).get("training") or {}
+    except (OSError, yaml.YAMLError):
+        return  # nothing recorded: SpecForge's own resume check decides
+    changed = [(k, before[k], getattr(training, k)) for k in SCHEDULE_FIELDS
+               if k in before and before[k] != getattr(training, k)]
+    if not changed:
+        return
+    key, old, new = changed[0]
+    latest = run_checkpoints(output_dir)
+    raise ConfigError(
+        f"training.{key}={new}, but {output_dir} was trained with training.{key}={old} and a resumed run keeps "
+        f"its learning-rate schedule. To train longer, start a new run from its weights: output_dir=NEW_DIR "
+        f"model.draft_checkpoint_path={latest} training.{key}={new} (a fresh optimiser and schedule); or rerun "
+        f"with --start-over to retrain {output_dir} from step 0; or keep training.{key}={old} to resume it")
+
+
 def _first_feature_file(root: str) -> Optional[str]:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
@@ -179,7 +208,8 @@ def check_run(recipe) -> None:
     if recipe.online is not None:
         from pr_specforge.training.online import check_inputs
 
-        check_inputs(recipe.online)  # the online run builds its own vocab map
+        check_inputs(recipe.online)
+        check_vocab_map(cfg.model.vocab_mapping_path, draft, None)  # when given; else the run builds its own
     else:
         check_vocab_map(cfg.model.vocab_mapping_path, draft, cfg.data.hidden_states_path)
     for field in ("hidden_states_path", "eval_hidden_states_path"):

@@ -145,7 +145,7 @@ def _children(pid: int) -> List[int]:
 
 def _resume_by_default(recipe: Recipe, recipe_path: str, overrides: List[str], start_over: bool):
     """A run directory holding checkpoints is resumed unless the user said `--start-over` (which discards them)."""
-    from pr_specforge.training.preflight import resume_or_start_over
+    from pr_specforge.training.preflight import check_same_schedule, resume_or_start_over
 
     cfg = recipe.config
     if start_over and int(os.environ.get("RANK", "0")) != 0:
@@ -155,6 +155,7 @@ def _resume_by_default(recipe: Recipe, recipe_path: str, overrides: List[str], s
         log.info("--start-over: discarded the checkpoints and metrics in %s; training from step 0", cfg.output_dir)
     if resume is None or resume == cfg.training.resume_from:
         return recipe, overrides
+    check_same_schedule(cfg.output_dir, cfg.training)
     log.info("%s holds checkpoints: resuming from the newest (pass --start-over to discard them and train from step 0)",
              cfg.output_dir)
     overrides = [*overrides, f"training.resume_from={resume}"]

@@ -243,6 +243,13 @@ def test_rerun_resumes_start_over_discards_ctrl_c_and_bad_files_are_one_line(wor
     assert main(cmd) == 0
     assert (out / "metrics.jsonl").read_text().splitlines() == first
     assert sorted(p.name for p in out.glob("specforge-run-step*")) == [f"specforge-run-step{s}" for s in (1, 2, 3)]
+    # ...a larger training.max_steps cannot resume its schedule: one line saying how to train longer
+    capsys.readouterr()
+    assert main([*cmd, "training.max_steps=5"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "trained with training.max_steps=3" in err, err
+    assert f"model.draft_checkpoint_path={out / 'specforge-run-step3'}" in err and "--start-over" in err, err
+    assert (out / "metrics.jsonl").read_text().splitlines() == first
     # --start-over discards them and trains from step 0
     started = time.time()
     assert main([*cmd, "--start-over"]) == 0
