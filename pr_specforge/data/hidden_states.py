@@ -345,8 +345,8 @@ def prepare_hidden_states(
     in a one-rank run. Rank 0 writes the vocab map and the final manifest once
     every rank is done (`pr_specforge.data.sharding`).
 
-    An existing `output_dir` is resumed only when made from the same input (content),
-    target and settings (`check_output_dir`); `start_over` discards its features first.
+    An `output_dir` is resumed only when made from the same input, target and settings
+    (`check_output_dir`); `start_over` discards its features first.
     """
     from transformers import AutoConfig, AutoTokenizer
 
@@ -359,27 +359,16 @@ def prepare_hidden_states(
     device = shard.device(device)
     out_dir = Path(output_dir)
     config = capture.model.config if capture is not None and hasattr(capture, "model") else AutoConfig.from_pretrained(target_path)
-    tcfg = _text_config(config)
     if aux_layers is None:
-        aux_layers = list(getattr(capture, "aux_layers", None) or default_aux_layers(tcfg.num_hidden_layers))
+        aux_layers = list(getattr(capture, "aux_layers", None) or default_aux_layers(_text_config(config).num_hidden_layers))
     target = target_fingerprint(config, aux_layers, target_path)
     resume = {"input": file_digest(input_path), "chat_template": chat_template, "max_length": max_length,
               "dtype": dtype, "backend": backend}
-    if start_over:
-        if shard.is_main:
-            discard_features(out_dir)
-        barrier(shard)
-    else:
-        check_output_dir(out_dir, target, resume)
-    if draft_vocab_size < 1:
-        raise ValueError(f"draft_vocab_size must be at least 1, got {draft_vocab_size}")
-    if draft_vocab_size > target["vocab_size"]:
-        raise ValueError(f"draft_vocab_size {draft_vocab_size} exceeds the target vocab size {target['vocab_size']}")
+    _start_or_resume(out_dir, target, resume, start_over, shard)
+    _check_draft_vocab_size(draft_vocab_size, target["vocab_size"])
 
-    if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(target_path)
+    tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(target_path)
     check_tokenizer(tokenizer, chat_template)
-
     stats = HiddenStateStats()
     items, counts = _tokenized_items(input_path, tokenizer, chat_template, max_length, target["vocab_size"], stats, limit)
     todo = _unfinished_batches(items, shard, out_dir, stats, batch_size, max_batch_tokens)
@@ -405,6 +394,26 @@ def prepare_hidden_states(
     if shard.is_main:
         _complete(out_dir, manifest, stats, per_rank, counts, draft_vocab_size)
     return stats
+
+
+def _check_draft_vocab_size(draft_vocab_size: int, vocab_size: int) -> None:
+    if draft_vocab_size < 1:
+        raise ValueError(f"draft_vocab_size must be at least 1, got {draft_vocab_size}")
+    if draft_vocab_size > vocab_size:
+        raise ValueError(f"draft_vocab_size {draft_vocab_size} exceeds the target vocab size {vocab_size}")
+
+
+def _start_or_resume(out_dir: Path, target: dict, resume: dict, start_over: bool, shard) -> None:
+    """`start_over`: rank 0 discards the directory's features, every rank waits; else refuse features
+    made from another target, input or settings (every rank reads the same manifest: all refuse)."""
+    from pr_specforge.data.sharding import barrier
+
+    if start_over:
+        if shard.is_main:
+            discard_features(out_dir)
+        barrier(shard)
+    else:
+        check_output_dir(out_dir, target, resume)
 
 
 def _capture_batches(capture, todo: list, out_dir: Path, stats: HiddenStateStats, shard, progress: bool) -> None:

@@ -268,20 +268,9 @@ def regenerate_conversations(
     resume_jsonl_output(output_path, fingerprint, start_over, extra=(parts_dir,), write=shard.is_main)
     barrier(shard)  # no rank reads what it has done before rank 0 has discarded (--start-over) or recorded
     final_path, output_path = output_path, _part_path(output_path, shard)
-    done = read_done_ids(final_path) | read_done_ids(output_path)
-    if shard.world == 1:  # parts a sharded run left (killed before its merge): their rows are done too
-        done |= {i for p in sorted(glob.glob(os.path.join(parts_dir, "rank*.jsonl"))) for i in read_done_ids(p)}
+    done = _done_ids(final_path, output_path, shard)
     rows = list(_usable_rows(input_path, shard, stats, limit, max_prompt_chars))
-    units = _batches(rows, batch_size) if batched else [[row] for row in rows]
-    todo = []
-    for k, unit in enumerate(units):
-        if not shard.owns(k):
-            continue
-        stats.read += len(unit)
-        kept = sum(row["id"] in done for row in unit)
-        stats.resumed += kept
-        if kept < len(unit):
-            todo.append(unit)
+    todo = _unfinished(_batches(rows, batch_size) if batched else [[row] for row in rows], shard, done, stats)
 
     def emit(out, row, conv):
         if row["id"] in done:
@@ -306,6 +295,29 @@ def regenerate_conversations(
     stats = _finish_shards(shard, stats, input_path, final_path)
     logger.info("regenerate: %s", stats.as_dict())
     return stats
+
+
+def _done_ids(final_path, part_path, shard) -> set:
+    """Ids this rank need not regenerate: in the output, in its own part, and for one rank in any
+    part a sharded run left (killed before its merge)."""
+    done = read_done_ids(final_path) | read_done_ids(part_path)
+    if shard.world == 1:
+        done |= {i for p in sorted(glob.glob(os.path.join(f"{final_path}.parts", "rank*.jsonl"))) for i in read_done_ids(p)}
+    return done
+
+
+def _unfinished(units: list, shard, done: set, stats: RegenerateStats) -> list:
+    """This rank's units (batches, or single rows for a server) holding a row still to write; the rows are counted."""
+    todo = []
+    for k, unit in enumerate(units):
+        if not shard.owns(k):
+            continue
+        stats.read += len(unit)
+        kept = sum(row["id"] in done for row in unit)
+        stats.resumed += kept
+        if kept < len(unit):
+            todo.append(unit)
+    return todo
 
 
 def _usable_rows(input_path, shard, stats: RegenerateStats, limit: int | None, max_prompt_chars: int | None):

@@ -116,6 +116,18 @@ def target_dtype(path: Path) -> str | None:
     return None
 
 
+def _reusable(output_dir: Path, dtype: str, overwrite: bool) -> bool:
+    """An existing converted target of `dtype` is reused (without `overwrite`); one of another dtype is refused."""
+    if overwrite or not (output_dir / "model.safetensors.index.json").exists():
+        return False
+    held = target_dtype(output_dir)
+    if held is not None and held != dtype:
+        raise FileExistsError(f"--output {output_dir}: holds a {held} target, not the {dtype} one asked for; "
+                              f"pass --overwrite to rebuild it in {dtype}, or choose another directory")
+    logger.info("%s already holds a converted target; reusing it", output_dir)
+    return True
+
+
 def convert_smollm2_gguf(
     output_dir: str | os.PathLike,
     gguf_path: str | os.PathLike | None = None,
@@ -133,12 +145,7 @@ def convert_smollm2_gguf(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     output_dir = Path(output_dir)
-    if (output_dir / "model.safetensors.index.json").exists() and not overwrite:
-        held = target_dtype(output_dir)
-        if held is not None and held != dtype:
-            raise FileExistsError(f"--output {output_dir}: holds a {held} target, not the {dtype} one asked for; "
-                                  f"pass --overwrite to rebuild it in {dtype}, or choose another directory")
-        logger.info("%s already holds a converted target; reusing it", output_dir)
+    if _reusable(output_dir, dtype, overwrite):
         return output_dir
     check_replaceable(output_dir, overwrite)
     gguf_path = Path(gguf_path) if gguf_path else smollm2_gguf_path()

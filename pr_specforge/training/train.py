@@ -39,10 +39,13 @@ def _in_torchrun() -> bool:
 
 def run_train(recipe_path: str, overrides: Sequence[str], dry_run: bool = False, start_over: bool = False) -> int:
     recipe = load_recipe(recipe_path, overrides)
-    check_run(recipe)
+    resume = check_run(recipe, start_over=start_over, dry_run=dry_run)  # every pre-flight check, one pass
     if dry_run:
         return 0
-    recipe, overrides = _resume_by_default(recipe, recipe_path, list(overrides), start_over)
+    overrides = list(overrides)
+    if resume is not None:  # resume-by-default: the run directory's newest checkpoint
+        recipe = with_resume_from(recipe, resume)
+        overrides.append(f"training.resume_from={resume}")  # for the ranks a self-launch starts
     cfg = recipe.config
     world = cfg.deployment.trainer.nnodes * cfg.deployment.trainer.nproc_per_node
     if not _in_torchrun() and world > 1:
@@ -143,23 +146,13 @@ def _children(pid: int) -> List[int]:
         return []
 
 
-def _resume_by_default(recipe: Recipe, recipe_path: str, overrides: List[str], start_over: bool):
-    """A run directory holding checkpoints is resumed unless the user said `--start-over` (which discards them)."""
-    from pr_specforge.training.preflight import check_same_schedule, resume_or_start_over
+def with_resume_from(recipe: Recipe, resume: str) -> Recipe:
+    """`recipe` with `training.resume_from=resume` (what the same override would load)."""
+    import dataclasses
 
     cfg = recipe.config
-    if start_over and int(os.environ.get("RANK", "0")) != 0:
-        return recipe, overrides  # rank 0 discards the old checkpoints; no rank resumes
-    resume = resume_or_start_over(cfg.output_dir, cfg.training.resume_from, start_over)
-    if start_over:
-        log.info("--start-over: discarded the checkpoints and metrics in %s; training from step 0", cfg.output_dir)
-    if resume is None or resume == cfg.training.resume_from:
-        return recipe, overrides
-    check_same_schedule(cfg.output_dir, cfg.training)
-    log.info("%s holds checkpoints: resuming from the newest (pass --start-over to discard them and train from step 0)",
-             cfg.output_dir)
-    overrides = [*overrides, f"training.resume_from={resume}"]
-    return load_recipe(recipe_path, overrides), overrides
+    training = cfg.training.model_copy(update={"resume_from": resume})
+    return dataclasses.replace(recipe, config=cfg.model_copy(update={"training": training}))
 
 
 def _run_worker(recipe: Recipe) -> int:
@@ -174,8 +167,9 @@ def _run_worker(recipe: Recipe) -> int:
     cfg, registry = run_config(recipe)
     resolved = resolve_run(cfg, registry)
     os.makedirs(cfg.output_dir, exist_ok=True)
-    _write_resolved_recipe(recipe)
-    install_training_runtime(recipe)
+    payload = resolved_payload(recipe)
+    _write_resolved_recipe(recipe, payload)
+    install_training_runtime(recipe, payload)
     interrupted: List[bool] = []
     with _watch_sigint(interrupted):
         try:
@@ -243,11 +237,11 @@ def _watch_sigint(seen: List[bool]):
         signal.signal(signal.SIGINT, previous)
 
 
-def install_training_runtime(recipe: Recipe) -> None:
+def install_training_runtime(recipe: Recipe, payload: dict) -> None:
     """Every runtime patch training needs, in one place (nothing is patched at import time):
     SpecForge's loss on CPU, the stop at a non-finite loss, recipe-carrying atomic checkpoints
-    (never of non-finite tensors), the metrics JSONL sink, the acceptance simulator in the eval
-    pass, and the chosen backend."""
+    (never of non-finite tensors) carrying `payload` (`resolved_payload`), the metrics JSONL sink,
+    the acceptance simulator in the eval pass, and the chosen backend."""
     from pr_specforge._specforge import install_cpu_loss, install_feature_file_errors, wrap_train_step
     from pr_specforge.training.backends.checkpoint import install_checkpoint_manager
     from pr_specforge.training.simulate import install_eval_simulator
@@ -256,7 +250,7 @@ def install_training_runtime(recipe: Recipe) -> None:
     install_cpu_loss()
     wrap_train_step(check_finite_step)
     install_feature_file_errors()
-    install_checkpoint_manager(resolved_payload(recipe))
+    install_checkpoint_manager(payload)
     install_metrics_sink()
     install_eval_simulator()
     if recipe.backend.name == "deepspeed":
@@ -265,12 +259,11 @@ def install_training_runtime(recipe: Recipe) -> None:
         install_deepspeed_backend(recipe.backend, recipe.config)
 
 
-def _write_resolved_recipe(recipe: Recipe) -> None:
+def _write_resolved_recipe(recipe: Recipe, payload) -> None:
     """Store the resolved recipe (SpecForge config dump + pr section) in the output dir, atomically."""
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:
         return
-    payload = resolved_payload(recipe)
     from pr_specforge.data.io import atomic_write_text
 
     atomic_write_text(os.path.join(recipe.config.output_dir, "resolved_recipe.yaml"),
