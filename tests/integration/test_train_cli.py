@@ -152,7 +152,7 @@ BAD_INPUTS = {
     "override of a field that does not exist": (lambda r, t: ["training.max_stepz=5"], "no field 'max_stepz'"),
     "pr section on the eagle3 strategy": (lambda r, t: ["training.strategy=eagle3"], "training.strategy=pr"),
     "features of another target width": (_draft_edit(target_hidden_size=96), "aux_hidden_state width 192"),
-    "draft config that is not EAGLE-3": (_draft_edit(architectures=["Qwen3ForCausalLM"]), "not an EAGLE-3 drafter"),
+    "draft config that is not EAGLE-3": (_draft_edit(architectures=["Qwen3ForCausalLM"]), "strategy does not train"),
     "corrupt first feature file": (lambda r, t: [f"data.hidden_states_path={_features_copy(r, t, corrupt=0)}"],
                                    "does not load"),
     "features whose preparation did not finish": (
