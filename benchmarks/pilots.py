@@ -166,9 +166,10 @@ def matched_baseline(name: str) -> Optional[str]:
 def comparisons(out: Path, names: Sequence[str], n: int = 2000, seed: int = 0) -> List[dict]:
     """Per PR pilot, paired over the served prompts of every set (95% bootstrap CI of the relative tau gain):
     `gain` PR (m = 3) over its matched EAGLE-3 = `one_pass` (its m = 0 tree over that EAGLE-3: what sharing the
-    layer did to the one-pass drafter) combined with `mechanism` (m = 3 over m = 0: what reconsideration did)."""
+    layer did to the one-pass drafter) combined with `mechanism` (m = 3 over m = 0: what reconsideration did);
+    `eval.statistics.decompose_gain`'s rule for missing rows, the experiment report's too."""
     from pr_specforge.data.io import read_jsonl_rows
-    from pr_specforge.eval.statistics import paired_bootstrap_gain
+    from pr_specforge.eval.statistics import decompose_gain
 
     cache: Dict[str, Dict[str, Dict[str, dict]]] = {}
 
@@ -188,11 +189,7 @@ def comparisons(out: Path, names: Sequence[str], n: int = 2000, seed: int = 0) -
             continue
         pr, eagle = served(name), served(base).get(base)
         m3, m0 = pr.get(name), pr.get(f"{name}/one-pass")
-        cell: dict = {"variant": name, "baseline": base}
-        for key, (a, b) in {"gain": (eagle, m3), "one_pass": (eagle, m0), "mechanism": (m0, m3)}.items():
-            if a and b and set(a) & set(b):
-                cell[key] = paired_bootstrap_gain(a, b, n=n, seed=seed)
-        cells.append(cell)
+        cells.append({"variant": name, "baseline": base, **decompose_gain(eagle, m3, m0, n=n, seed=seed)})
     return cells
 
 

@@ -258,22 +258,23 @@ def tau(rows: Optional[Dict[str, dict]]) -> Optional[float]:
 
 def seed_summary(sd: Path, n: int = 2000) -> dict:
     """One seed's served taus per drafter and cell, and each comparison's paired gain (95% bootstrap CI)."""
-    from pr_specforge.eval.statistics import paired_bootstrap_gain
+    from pr_specforge.eval.statistics import decompose_gain
 
     rows = served_rows([sd / "report-b48", sd / "report-b24"])
     rows.update(served_rows([sd / "report-bw9-b48", sd / "report-bw9-b24"], suffix="@bw9"))
-    pairs = {"pr": ("eagle3", "pr"), "pr/one-pass": ("eagle3", "pr/one-pass"), "pr/mechanism": ("pr/one-pass", "pr"),
-             "pr-warm": ("eagle3-long", "pr-warm"), "pr-warm/one-pass": ("eagle3-long", "pr-warm/one-pass"),
-             "pr-warm/mechanism": ("pr-warm/one-pass", "pr-warm"),
-             "eagle3-2layer": ("eagle3", "eagle3-2layer"), "eagle3@bw9": ("eagle3", "eagle3@bw9")}
+    # name -> (baseline, one-pass tree or None): split by `decompose_gain`, the experiment report's rule
+    pairs = {"pr": ("eagle3", "pr/one-pass"), "pr-warm": ("eagle3-long", "pr-warm/one-pass"),
+             "eagle3-2layer": ("eagle3", None), "eagle3@bw9": ("eagle3", None)}
     cells = []
     for budget, temp in CELLS:
         cell: dict = {"budget": budget, "temperature": temp,
                       "tau": {d: tau(r) for (d, b, t), r in sorted(rows.items()) if (b, t) == (budget, temp)}}
-        for name, (a, b) in pairs.items():
-            ra, rb = rows.get((a, budget, temp)), rows.get((b, budget, temp))
-            if ra and rb and set(ra) & set(rb):
-                cell[name] = paired_bootstrap_gain(ra, rb, n=n, seed=0)
+        for name, (base, one_pass) in pairs.items():
+            parts = decompose_gain(rows.get((base, budget, temp)), rows.get((name, budget, temp)),
+                                   rows.get((one_pass, budget, temp)) if one_pass else None, n=n, seed=0)
+            for part, key in (("gain", name), ("one_pass", f"{name}/one-pass"), ("mechanism", f"{name}/mechanism")):
+                if part in parts:
+                    cell[key] = parts[part]
         cells.append(cell)
     return {"cells": cells}
 

@@ -14,6 +14,7 @@ and by the few tools that run SpecForge's loss on CPU:
     plain PyTorch, CUDA tensors stay on the original kernel;
   * `wrap_evaluate`: SpecForge's eval pass runs through a wrapper of ours (the PR-aware
     acceptance simulator adds its `sim/` metrics to the pass's `eval/` ones);
+  * `wrap_train_step`: the trainer's step, checked by training for a non-finite loss;
   * `wrap_trainer_logger`, `use_checkpoint_manager`, `use_training_backend`, `use_feature_store`:
     the factories SpecForge's assembly, trainer and launcher look up by module-level name (the
     metrics sink, the recipe-carrying checkpoint manager, the DeepSpeed backend, online
@@ -74,6 +75,7 @@ from specforge.runtime.data_plane.offline_reader import OfflineManifestReader  #
 from specforge.training.backend import FSDPTrainingBackend, ParallelConfig, TrainingBackend  # noqa: F401
 from specforge.training.checkpoint import STATE_FILE, CheckpointManager  # noqa: F401
 from specforge.training.controller import TrainerController  # noqa: F401  (progress hook)
+from specforge.training.controller import TrainerCore as _TrainerCore
 from specforge.training.strategies.base import Eagle3TrainStrategy, StepOutput  # noqa: F401
 from specforge.training.tracking import TrackerLogger, scalar_metrics, training_metric_names  # noqa: F401
 from specforge.utils import padding  # noqa: F401
@@ -216,6 +218,12 @@ def wrap_trainer_logger(wrap: Callable[[Any, Any], Any]) -> None:
     """Every logger SpecForge's assembly builds becomes `wrap(logger, config)` (idempotent)."""
     original = _original(_assembly_module, "_configured_logger")
     _patch(_assembly_module, "_configured_logger", lambda cfg: wrap(original(cfg), cfg))
+
+
+def wrap_train_step(wrap: Callable[[Any], Any]) -> None:
+    """SpecForge's one training step (`TrainerCore.train_step(self, batch, ctx)`, returning a
+    `StepResult` whose boundary metrics are reduced over ranks) becomes `wrap(original)` (idempotent)."""
+    _patch(_TrainerCore, "train_step", wrap(_original(_TrainerCore, "train_step")))
 
 
 def use_checkpoint_manager(cls) -> None:

@@ -112,13 +112,17 @@ def _main(argv: List[str]) -> int:
     args = _parser().parse_args(argv)
     if args.command == "train":
         from pr_specforge.config import ConfigError
-        from pr_specforge.training.train import TrainingInterrupted, run_train
+        from pr_specforge.data.io import DataFormatError
+        from pr_specforge.training.train import NonFiniteTraining, TrainingInterrupted, run_train
 
         try:
             return run_train(args.config, args.overrides, dry_run=args.dry_run, start_over=args.start_over)
-        except ConfigError as e:
+        except (ConfigError, DataFormatError) as e:  # a recipe value, or a row of the data it names
             print(f"pr-specforge train: {e}", file=sys.stderr)
             return 2
+        except NonFiniteTraining as e:
+            print(f"pr-specforge train: {e}", file=sys.stderr)
+            return 1
         except TrainingInterrupted as e:
             if os.environ.get("RANK", "0") == "0":
                 print(f"pr-specforge train: {e}", file=sys.stderr)

@@ -14,6 +14,7 @@ dotted overrides (`pr_specforge.training.recipe`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, Mapping, Optional
 
@@ -180,8 +181,8 @@ class PRConfig(PRDraftSettings):
         tensors are loaded; the `pr_` tensors start fresh. Default None.
     freeze_one_pass: keep every EAGLE-3 tensor of the drafter fixed (no gradient,
         not in the optimiser): only the reconsideration-only parameters train.
-        Meant with `init_from` (adds reconsideration to an existing EAGLE-3
-        drafter). Default False.
+        Needs `init_from` (it adds reconsideration to an existing EAGLE-3
+        drafter; without it a random one-pass drafter would be frozen: refused). Default False.
     """
 
     balance_coef: float = 0.01
@@ -208,6 +209,9 @@ class PRConfig(PRDraftSettings):
             "gate_init_bias": (int, float),
             "freeze_one_pass": bool,
         })
+        for name in ("balance_coef", "gate_init_bias"):  # a NaN passes every comparison and trains to NaN
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"pr.{name}: expected a finite number, got {getattr(self, name)!r}")
         if self.balance_coef < 0:
             raise ConfigError(
                 f"pr.balance_coef: beta must be >= 0 (paper: 0.01), got {self.balance_coef}; a negative "
@@ -223,6 +227,9 @@ class PRConfig(PRDraftSettings):
             raise ConfigError(f"pr.init_from: expected null or a path to an EAGLE-3 drafter, got {self.init_from!r}")
         if self.freeze_one_pass and self.max_depth == 0:
             raise ConfigError("pr.freeze_one_pass: with pr.max_depth=0 nothing would train; set pr.max_depth >= 1")
+        if self.freeze_one_pass and not self.init_from:
+            raise ConfigError("pr.freeze_one_pass=true without pr.init_from would freeze a randomly initialised "
+                              "one-pass drafter; set pr.init_from to a trained EAGLE-3 drafter, or drop freeze_one_pass")
         if self.mixed_rollout_length is not None and (
             isinstance(self.mixed_rollout_length, bool) or not isinstance(self.mixed_rollout_length, int) or self.mixed_rollout_length < 1
         ):

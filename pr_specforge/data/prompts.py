@@ -34,6 +34,14 @@ class Prompt:
     id: str
     turns: list[str]
 
+    @property
+    def digest(self) -> str:
+        """A short hash of the prompt's turns: what an evaluation row of this prompt was made from."""
+        import hashlib
+        import json
+
+        return hashlib.sha256(json.dumps(self.turns, ensure_ascii=False).encode()).hexdigest()[:16]
+
 
 def _read_lines(path: str):
     return iter_jsonl(path)

@@ -14,14 +14,16 @@ Backends:
 Modes: `first` keeps [system?, first user] and generates one reply; `all`
 walks every user turn in order, feeding the regenerated history back.
 
-Output rows are written in input order and fsynced one by one; a rerun skips
-ids already in the output, so an interruption loses only the rows in flight.
+Output rows are fsynced one by one; a rerun skips ids already in the output
+(when made with the same input and settings: `regenerate_fingerprint`), so an
+interruption loses only the rows in flight. A finished output is in input order.
 
 It deliberately does not tokenise for training or capture hidden states.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -32,7 +34,8 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from pr_specforge.data.io import DataFormatError, JsonlAppender, StageStats, iter_jsonl, read_done_ids
+from pr_specforge.data.io import (DataFormatError, JsonlAppender, StageStats, dir_fingerprint, file_digest, iter_jsonl,
+                                  read_done_ids, resume_jsonl_output)
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +75,7 @@ class OpenAIChatBackend:
         self.backoff = backoff
         self.concurrency = concurrency
         self.name = model
+        self.fingerprint = {"server": self.url, "model": model}  # what decides its replies (`regenerate_fingerprint`)
 
     def _post(self, payload: dict) -> dict:
         headers = {"Content-Type": "application/json"}
@@ -127,6 +131,8 @@ class TransformersBackend:
         self.device = device
         self.name = name or getattr(model.config, "_name_or_path", "transformers")
         self.last_new_tokens = 0
+        # what decides its replies (`regenerate_fingerprint`); `from_pretrained` adds the target's files
+        self.fingerprint = {"name": self.name, "dtype": str(model.dtype).replace("torch.", "")}
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: str = "auto", device: str = "cpu"):
@@ -138,7 +144,10 @@ class TransformersBackend:
         dtype = resolve_dtype(dtype, device)
         torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
-        return cls(model, AutoTokenizer.from_pretrained(path), device=device, name=os.path.basename(path.rstrip("/")))
+        backend = cls(model, AutoTokenizer.from_pretrained(path), device=device, name=os.path.basename(path.rstrip("/")))
+        backend.fingerprint.update(target=os.path.abspath(path), target_files=dir_fingerprint(path, hash_weights=False),
+                                   device=str(device).split(":")[0])
+        return backend
 
     def generate(self, batch: list[list[dict]], sampling: SamplingConfig) -> list[str]:
         import torch
@@ -195,6 +204,17 @@ def _prompt_chars(conversation: list) -> int:
     return sum(len(str(m.get("content", ""))) for m in conversation if isinstance(m, dict) and m.get("role") in ("user", "system"))
 
 
+def regenerate_fingerprint(input_path, backend, turns: str, sampling: SamplingConfig, batch_size: int | None,
+                           limit: int | None, max_prompt_chars: int | None) -> dict:
+    """What decides the replies `regenerate_conversations` writes: the input's content, the backend
+    (`backend.fingerprint`: the target or the server and model), the sampling, and for in-process
+    backends the batches (`batch_size`, and `limit`, which decides the rows they are formed from)."""
+    return {"input": file_digest(input_path), "backend": getattr(backend, "fingerprint", {"name": backend.name}),
+            "turns": turns, "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "max_new_tokens": sampling.max_new_tokens, "max_prompt_chars": max_prompt_chars,
+            "batch_size": batch_size, "limit": limit}
+
+
 def regenerate_conversations(
     input_path: str | os.PathLike,
     output_path: str | os.PathLike,
@@ -205,6 +225,7 @@ def regenerate_conversations(
     limit: int | None = None,
     progress: bool = True,
     max_prompt_chars: int | None = None,
+    start_over: bool = False,
 ) -> RegenerateStats:
     """Regenerate every conversation of `input_path` into `output_path` (resumable).
 
@@ -212,77 +233,122 @@ def regenerate_conversations(
     with at most `2 * concurrency` in flight; in-process backends run
     `batch_size` conversations per `generate` call. Rows whose reply failed
     are counted (`skipped["failed"]`), not written, and retried by a rerun.
-    In-process batches are formed from rows sorted by prompt length (stable), so one
-    long prompt does not pad a whole batch; `max_prompt_chars` skips (and counts)
-    conversations whose user turns exceed it.
+    In-process batches are formed from every usable row sorted by prompt length
+    (stable), so one long prompt does not pad a whole batch; a batch holding a
+    row still to write is regenerated whole (a row's reply depends on its
+    batch-mates' padding), so a resumed run writes what an uninterrupted one
+    does. `max_prompt_chars` skips (and counts) conversations whose user turns
+    exceed it. The output ends in input order.
 
-    Under `torchrun` rank r takes input rows r, r + N, ... and appends them to
-    its own `<output>.parts/rank{r}.jsonl` (resumed per rank); once every rank
-    is done, rank 0 merges the parts into `output_path` in input order.
+    An existing output is resumed only when made with the same fingerprint
+    (`regenerate_fingerprint`; `ResumeMismatch` otherwise); `start_over`
+    discards it first.
+
+    Under `torchrun` every rank forms the same batches and takes batches
+    r, r + N, ... (server backends: rows r, r + N, ...), as one rank would
+    form them; it appends its rows to its own `<output>.parts/rank{r}.jsonl`
+    (resumed per rank); once every rank is done, rank 0 merges the parts into
+    `output_path` in input order: the same file a one-rank run writes.
     """
     from tqdm import tqdm
 
-    from pr_specforge.data.sharding import current_shard
+    from pr_specforge.data.sharding import barrier, current_shard
 
     if turns not in ("first", "all"):
         raise ValueError(f"turns must be 'first' or 'all', got {turns!r}")
     sampling = sampling or SamplingConfig()
     stats = RegenerateStats()
     shard = current_shard()
+    if next(iter_jsonl(input_path), None) is None:  # every rank sees the same file: all refuse together
+        raise DataFormatError(f"{input_path}: no rows to regenerate (an empty file)")
+    batched = not getattr(backend, "concurrency", None)
+    fingerprint = regenerate_fingerprint(input_path, backend, turns, sampling, batch_size if batched else None,
+                                         limit if batched else None, max_prompt_chars)
+    parts_dir = f"{output_path}.parts"
+    resume_jsonl_output(output_path, fingerprint, start_over, extra=(parts_dir,), write=shard.is_main)
+    barrier(shard)  # no rank reads what it has done before rank 0 has discarded (--start-over) or recorded
     final_path, output_path = output_path, _part_path(output_path, shard)
-    done = read_done_ids(final_path) | (read_done_ids(output_path) if shard.world > 1 else set())
-
-    def pending():
-        return _pending_rows(input_path, shard, done, stats, limit, max_prompt_chars)
+    done = _done_ids(final_path, output_path, shard)
+    rows = list(_usable_rows(input_path, shard, stats, limit, max_prompt_chars))
+    todo = _unfinished(_batches(rows, batch_size) if batched else [[row] for row in rows], shard, done, stats)
 
     def emit(out, row, conv):
+        if row["id"] in done:
+            return  # a batch-mate regenerated for its padding; written before
         if any(m["role"] == "assistant" and not m["content"] for m in conv):
             stats.skipped["empty_reply"] += 1
             return
         out.write({"id": row["id"], "conversations": conv, "regenerated_by": backend.name})
         stats.written += 1
 
-    if next(iter_jsonl(input_path), None) is None:  # every rank sees the same file: all refuse together
-        raise DataFormatError(f"{input_path}: no rows to regenerate (an empty file)")
-    todo = list(pending())
     desc = "regenerate" if shard.world == 1 else f"regenerate (rank {shard.rank}/{shard.world})"
-    with JsonlAppender(output_path) as out, tqdm(total=len(todo), desc=desc, unit="conv", disable=not progress,
+    total = sum(len(u) for u in todo)
+    with JsonlAppender(output_path) as out, tqdm(total=total, desc=desc, unit="conv", disable=not progress,
                                                  position=shard.local_rank) as bar:
-        if getattr(backend, "concurrency", None):
-            _regenerate_threaded(todo, backend, turns, sampling, lambda r, c: emit(out, r, c), stats, bar)
+        if batched:
+            for batch in todo:
+                for r, conv in zip(batch, regenerate_batch(backend, batch, turns, sampling)):
+                    emit(out, r, conv)
+                bar.update(len(batch))
         else:
-            _regenerate_batched(todo, backend, turns, sampling, lambda r, c: emit(out, r, c), batch_size, bar)
-    if shard.world > 1:
-        stats = _finish_shards(shard, stats, input_path, final_path)
+            _regenerate_threaded([u[0] for u in todo], backend, turns, sampling, lambda r, c: emit(out, r, c), stats, bar)
+    stats = _finish_shards(shard, stats, input_path, final_path)
     logger.info("regenerate: %s", stats.as_dict())
     return stats
 
 
-def _pending_rows(input_path, shard, done: set, stats: RegenerateStats, limit: int | None, max_prompt_chars: int | None):
-    """This rank's input rows still to regenerate, as `{"id", "conversations"}`; the others are counted."""
+def _done_ids(final_path, part_path, shard) -> set:
+    """Ids this rank need not regenerate: in the output, in its own part, and for one rank in any
+    part a sharded run left (killed before its merge)."""
+    done = read_done_ids(final_path) | read_done_ids(part_path)
+    if shard.world == 1:
+        done |= {i for p in sorted(glob.glob(os.path.join(f"{final_path}.parts", "rank*.jsonl"))) for i in read_done_ids(p)}
+    return done
+
+
+def _unfinished(units: list, shard, done: set, stats: RegenerateStats) -> list:
+    """This rank's units (batches, or single rows for a server) holding a row still to write; the rows are counted."""
+    todo = []
+    for k, unit in enumerate(units):
+        if not shard.owns(k):
+            continue
+        stats.read += len(unit)
+        kept = sum(row["id"] in done for row in unit)
+        stats.resumed += kept
+        if kept < len(unit):
+            todo.append(unit)
+    return todo
+
+
+def _usable_rows(input_path, shard, stats: RegenerateStats, limit: int | None, max_prompt_chars: int | None):
+    """Every usable input row as `{"id", "conversations"}`, in input order (every rank reads them all);
+    rank 0 counts the rows it skips, by reason, and they count as read there."""
     seen = set()
     for pos, (lineno, row) in enumerate(iter_jsonl(input_path)):
         if limit is not None and pos >= limit:
             return
-        if not shard.owns(pos):
-            continue
-        stats.read += 1
         rid = str(row.get("id", f"line{lineno}"))
         conv = row.get("conversations")
+        reason = None
         if not isinstance(conv, list) or not any(isinstance(m, dict) and m.get("role") == "user" for m in conv):
-            stats.skipped["no_user_turn"] += 1
-            continue
-        if rid in done:
-            stats.resumed += 1
-            continue
-        if rid in seen:
-            stats.skipped["duplicate_id"] += 1
-            continue
-        if max_prompt_chars is not None and _prompt_chars(conv) > max_prompt_chars:
-            stats.skipped["prompt_too_long"] += 1
+            reason = "no_user_turn"
+        elif rid in seen:
+            reason = "duplicate_id"
+        elif max_prompt_chars is not None and _prompt_chars(conv) > max_prompt_chars:
+            reason = "prompt_too_long"
+        if reason is not None:
+            if shard.is_main:
+                stats.read += 1
+                stats.skipped[reason] += 1
             continue
         seen.add(rid)
         yield {"id": rid, "conversations": conv}
+
+
+def _batches(rows: list, batch_size: int) -> list:
+    """In-process batches: `batch_size` rows at a time, sorted by prompt length (stable)."""
+    ordered = sorted(rows, key=lambda r: _prompt_chars(r["conversations"]))
+    return [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
 
 
 def _regenerate_threaded(rows, backend, turns: str, sampling, emit, stats: RegenerateStats, bar) -> None:
@@ -307,20 +373,6 @@ def _regenerate_threaded(rows, backend, turns: str, sampling, emit, stats: Regen
         drain(0)
 
 
-def _regenerate_batched(rows, backend, turns: str, sampling, emit, batch_size: int, bar) -> None:
-    """In-process backends: `batch_size` conversations per `generate` call, sorted by prompt length."""
-    batch: list = []
-    ordered = sorted(rows, key=lambda r: _prompt_chars(r["conversations"]))
-    for row in ordered + [None]:
-        if row is not None:
-            batch.append(row)
-        if batch and (row is None or len(batch) >= batch_size):
-            for r, conv in zip(batch, regenerate_batch(backend, batch, turns, sampling)):
-                emit(r, conv)
-            bar.update(len(batch))
-            batch = []
-
-
 def _part_path(output_path, shard) -> str:
     """Where this rank appends its rows (the output itself for one rank)."""
     if shard.world == 1:
@@ -329,7 +381,7 @@ def _part_path(output_path, shard) -> str:
 
 
 def _finish_shards(shard, stats: RegenerateStats, input_path, output_path) -> RegenerateStats:
-    """Wait for every rank; rank 0 sums the counters and merges the parts in input order."""
+    """Wait for every rank; rank 0 sums the counters and merges the parts (and its own rows) in input order."""
     from collections import Counter
 
     from pr_specforge.data.sharding import gather_to_main
@@ -354,9 +406,6 @@ def merge_parts(input_path, output_path) -> int:
     file is in place (a kill before that leaves them for the next merge).
     Returns the number of rows in the merged output.
     """
-    import glob
-    import json
-
     from pr_specforge.data.io import atomic_write_text, read_jsonl_rows
 
     parts = sorted(glob.glob(os.path.join(f"{output_path}.parts", "rank*.jsonl")))

@@ -103,6 +103,31 @@ def check_replaceable(output_dir: Path, overwrite: bool) -> None:
             "replace it even with --overwrite (choose a new directory)")
 
 
+def target_dtype(path: Path) -> str | None:
+    """The dtype a target directory's weights are stored in (our metadata, else its config.json)."""
+    for name, keys in (("pr_specforge_target.json", ("dtype",)), ("config.json", ("dtype", "torch_dtype"))):
+        try:
+            meta = json.loads((path / name).read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        for key in keys:
+            if isinstance(meta.get(key), str):
+                return meta[key]
+    return None
+
+
+def _reusable(output_dir: Path, dtype: str, overwrite: bool) -> bool:
+    """An existing converted target of `dtype` is reused (without `overwrite`); one of another dtype is refused."""
+    if overwrite or not (output_dir / "model.safetensors.index.json").exists():
+        return False
+    held = target_dtype(output_dir)
+    if held is not None and held != dtype:
+        raise FileExistsError(f"--output {output_dir}: holds a {held} target, not the {dtype} one asked for; "
+                              f"pass --overwrite to rebuild it in {dtype}, or choose another directory")
+    logger.info("%s already holds a converted target; reusing it", output_dir)
+    return True
+
+
 def convert_smollm2_gguf(
     output_dir: str | os.PathLike,
     gguf_path: str | os.PathLike | None = None,
@@ -113,14 +138,14 @@ def convert_smollm2_gguf(
 
     Written to a temp directory beside `output_dir` and renamed into place, so an
     interrupted conversion leaves nothing half-written; an existing complete
-    output is reused unless `overwrite`.
+    output of the same `dtype` is reused unless `overwrite` (one of another dtype
+    is refused without `overwrite`).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     output_dir = Path(output_dir)
-    if (output_dir / "model.safetensors.index.json").exists() and not overwrite:
-        logger.info("%s already holds a converted target; reusing it", output_dir)
+    if _reusable(output_dir, dtype, overwrite):
         return output_dir
     check_replaceable(output_dir, overwrite)
     gguf_path = Path(gguf_path) if gguf_path else smollm2_gguf_path()

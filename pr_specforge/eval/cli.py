@@ -4,7 +4,8 @@
         --prompts mtbench gsm8k humaneval --budget 24 48 --temperature 0 1 \
         --max-new-tokens 256 --limit 20 --out-dir runs/eval --json runs/eval/summary.json
 
-Per-prompt rows go to OUT_DIR/results.jsonl (a rerun skips prompts already there);
+Per-prompt rows go to OUT_DIR/results.jsonl (a rerun skips prompts already there, when made with the
+same settings, drafter files and prompt text; otherwise it says what changed, and --start-over discards them);
 the summary, report.md and plots are rewritten from all rows at the end.
 Exit codes: 0 ok, 2 bad arguments or inputs, 3 a temperature-0 output was not lossless, 130 interrupted.
 
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="diagnostic: per round, also build the m=0 tree from the same drafter state and count frontier "
                         "slots taken by reconsidered branches, one-pass nodes displaced from the cut and accepted tokens "
                         "only reconsideration put under the cut (timings then include the extra tree: not speed numbers)")
+    p.add_argument("--start-over", action="store_true",
+                   help="discard the per-prompt rows already in --out-dir (without it they are reused, and refused "
+                        "if made with other settings, drafter files or prompt text)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -85,6 +89,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         Evaluator,
         LosslessnessError,
         check_out_dir,
+        discard_rows,
         load_draft_entries,
         provenance,
         load_target,
@@ -117,12 +122,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         drafts = load_draft_entries(args.draft, args.device, dtype, args.also_one_pass)
         evaluator = Evaluator(target, tokenizer, drafts, settings, args.out_dir, progress=not args.no_progress)
         paths = dict(spec.partition("=")[::2] for spec in args.draft)
+        if args.start_over:
+            discard_rows(args.out_dir)
         check_out_dir(args.out_dir, provenance(settings, args.target, paths, args.dtype))
     except (ValueError, FileNotFoundError) as e:
         print(f"pr-specforge eval: {e}", file=sys.stderr)
         return 2
     try:
         summary = evaluator.run(prompt_sets)
+    except ValueError as e:  # rows of an edited prompt (`check_prompts`)
+        print(f"pr-specforge eval: {e}", file=sys.stderr)
+        return 2
     except LosslessnessError as e:
         print(f"pr-specforge eval: NOT LOSSLESS: {e}", file=sys.stderr)
         return 3

@@ -7,7 +7,8 @@ Owns:
     decode (speed baseline; at T = 0 also the reference output, checked token for
     token: `lossless`, and a `LosslessnessError` if it differs), results appended
     per prompt to `results.jsonl` / `baseline.jsonl` in `out_dir` (a rerun skips
-    what is there), and `summarize` to aggregate them.
+    what is there: rows are keyed by prompt id and content hash, and a prompt whose
+    text changed under its id is refused, `check_prompts`), and `summarize` to aggregate them.
   * Diagnostic buckets: acceptance of the one-pass top-1 token by drafter
     confidence (10 equal-width buckets, Figure 1a) and, for one-pass misses, the
     share recovered by reconsideration by drafter x target confidence
@@ -25,7 +26,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from pr_specforge.data.io import append_jsonl, read_jsonl_rows
+from pr_specforge.data.io import append_jsonl, check_resume, dir_fingerprint, read_jsonl_rows
 from pr_specforge.training.objective.metrics import CONFIDENCE_BANDS
 from pr_specforge.serving import TREE_BUILDERS, SpeculativeDecoder, TreeConfig, autoregressive_decode
 
@@ -156,6 +157,7 @@ class Evaluator:
         row = {
             "set": set_name,
             "prompt": prompt.id,
+            "prompt_sha": prompt.digest,
             "temperature": float(temperature),
             "outputs": [o[0] for o in outs],
             "tokens": sum(len(o[0]) for o in outs),
@@ -198,6 +200,7 @@ class Evaluator:
             "temperature": float(temperature),
             "set": set_name,
             "prompt": prompt.id,
+            "prompt_sha": prompt.digest,
             "seed": seed,
             "tau": accepted / max(1, rounds),
             "accepted": accepted,
@@ -225,10 +228,10 @@ class Evaluator:
             if not prompts:
                 raise ValueError(f"prompts {name!r}: no usable prompt")
         s = self.settings
-        done = {
-            (r["draft"], r["budget"], r["temperature"], r["set"], r["prompt"]) for r in read_jsonl_rows(self.results_path)
-        }
-        base_done = {(r["set"], r["prompt"], r["temperature"]): r for r in read_jsonl_rows(self.baseline_path)}
+        rows, base_rows = read_jsonl_rows(self.results_path), read_jsonl_rows(self.baseline_path)
+        check_prompts(self.out_dir, prompt_sets, rows + base_rows)
+        done = {(r["draft"], r["budget"], r["temperature"], r["set"], r["prompt"]) for r in rows}
+        base_done = {(r["set"], r["prompt"], r["temperature"]): r for r in base_rows}
         jobs = [
             (set_name, idx, prompt, float(t), entry, b)
             for set_name, prompts in prompt_sets.items()
@@ -252,6 +255,20 @@ class Evaluator:
                     "target's greedy decode at temperature 0"
                 )
         return summarize(read_jsonl_rows(self.results_path), s)
+
+
+def check_prompts(out_dir: str, prompt_sets: Dict[str, list], rows: Iterable[dict]) -> None:
+    """Rows of `out_dir` are reused for a prompt only when made from the same text: a prompt edited
+    under its id (or a prompts file whose lines moved: ids default to line numbers) is refused."""
+    current = {f"prompt {name}/{p.id}": p.digest for name, prompts in prompt_sets.items() for p in prompts}
+    recorded = {}
+    for r in rows:
+        key = f"prompt {r['set']}/{r['prompt']}"
+        if key in current:
+            recorded.setdefault(key, r.get("prompt_sha"))  # None: a row of an older version
+    check_resume(f"--out-dir {out_dir}", recorded, {k: v for k, v in current.items() if k in recorded},
+                 "its rows of that prompt were made from another text: rerun with --start-over to discard them, "
+                 "or use a new --out-dir")
 
 
 def _sum_counts(counts: Iterable[Optional[Dict[str, int]]]) -> Dict[str, int]:
@@ -338,29 +355,6 @@ def summarize(rows: Iterable[dict], settings: Optional[EvalSettings] = None) -> 
 PROVENANCE_FILE = "eval_config.json"
 
 
-def dir_fingerprint(path: str, hash_weights: bool = True) -> str:
-    """A short hash of a model directory: its config files' contents, and its weight files' contents
-    (or, with `hash_weights=False`, their names and sizes: cheap for a large target)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name in sorted(os.listdir(path)):
-        full = os.path.join(path, name)
-        if not os.path.isfile(full):
-            continue
-        weights = name.endswith((".safetensors", ".bin", ".pt", ".pth"))
-        if not weights and not name.endswith(".json"):
-            continue
-        h.update(name.encode())
-        if weights and not hash_weights:
-            h.update(str(os.path.getsize(full)).encode())
-            continue
-        with open(full, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()[:16]
-
-
 def provenance(settings: EvalSettings, target: str, drafts: Dict[str, str], dtype: str) -> dict:
     """Everything that decides a row besides its (drafter, B, T, set, prompt) key."""
     shared = {"target": dir_fingerprint(target, hash_weights=False), "dtype": dtype,
@@ -372,14 +366,14 @@ def provenance(settings: EvalSettings, target: str, drafts: Dict[str, str], dtyp
 
 def check_out_dir(out_dir: str, current: dict) -> None:
     """Rows in `out_dir` are reused only when made the same way: refuse other settings, another target,
-    or changed files under a drafter name; record the drafters this run adds."""
+    or changed files under a drafter name (`check_resume`); record the drafters this run adds."""
     import json
     import logging
 
     from pr_specforge.data.io import atomic_write_json
 
     path = os.path.join(out_dir, PROVENANCE_FILE)
-    rows_exist = any(os.path.exists(os.path.join(out_dir, f)) for f in ("results.jsonl", "baseline.jsonl"))
+    rows_exist = any(os.path.exists(os.path.join(out_dir, f)) for f in ROW_FILES)
     if not os.path.exists(path):
         if rows_exist:
             logging.getLogger(__name__).warning(
@@ -389,19 +383,28 @@ def check_out_dir(out_dir: str, current: dict) -> None:
         return
     with open(path) as f:
         before = json.load(f)
-    fix = f"use a new --out-dir, or delete {out_dir} to start over"
-    changed = [f"{k}: {v!r} -> {current['shared'].get(k)!r}" for k, v in before.get("shared", {}).items()
-               if current["shared"].get(k) != v]
-    if changed:
-        raise ValueError(f"--out-dir {out_dir}: its rows were made with other settings ({', '.join(changed)}); {fix}")
+    fix = "its rows were made another way: rerun with --start-over to discard them, or use a new --out-dir"
+    check_resume(f"--out-dir {out_dir}", before.get("shared", {}), current["shared"], fix)
     drafters = dict(before.get("drafters", {}))
     for name, fp in current["drafters"].items():
         if drafters.get(name, fp) != fp:
             raise ValueError(f"--out-dir {out_dir}: drafter {name!r} there was made from other files; "
-                             f"give this drafter another NAME, or {fix}")
+                             f"give this drafter another NAME, or rerun with --start-over to discard its rows")
         drafters[name] = fp
     if drafters != before.get("drafters"):
         atomic_write_json(path, {**before, "drafters": drafters})
+
+
+#: what `eval` writes per prompt in its --out-dir, and the provenance of those rows (`--start-over` deletes them)
+ROW_FILES = ("results.jsonl", "baseline.jsonl")
+
+
+def discard_rows(out_dir: str) -> None:
+    """`eval --start-over`: delete the per-prompt rows and their provenance (reports are rewritten)."""
+    for name in (*ROW_FILES, PROVENANCE_FILE):
+        path = os.path.join(out_dir, name)
+        if os.path.exists(path):
+            os.unlink(path)
 
 
 # ---------------------------------------------------------------- loading

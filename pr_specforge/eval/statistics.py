@@ -1,7 +1,8 @@
 """The experiment's statistics: PR's acceptance-length gain over EAGLE-3 with a paired bootstrap CI.
 
 Owns: `paired_bootstrap_gain` (one set x budget x temperature cell, from the evaluator's
-per-prompt rows), `comparisons` (every cell of some `pr-specforge eval` output directories
+per-prompt rows), `decompose_gain` (the one rule splitting PR's gain into its one-pass and
+mechanism parts, shared with `benchmarks/pilots.py`), `comparisons` (every cell of some `pr-specforge eval` output directories
 that served both an `eagle3` and a `pr` drafter, split into one-pass and mechanism parts where
 the PR drafter was also served at m = 0) and `seed_comparisons` (every training
 seed evaluated in an experiment workdir).
@@ -13,7 +14,7 @@ or the report (`experiment_report`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from pr_specforge.data.io import read_jsonl_rows
 
@@ -52,13 +53,33 @@ def paired_bootstrap_gain(rows_a: Dict[str, dict], rows_b: Dict[str, dict], n: i
 ONE_PASS = "pr/one-pass"
 
 
+def decompose_gain(eagle: Optional[Dict[str, dict]], pr: Optional[Dict[str, dict]],
+                   one_pass: Optional[Dict[str, dict]] = None, n: int = 2000, seed: int = 0) -> Dict[str, dict]:
+    """PR's tau gain over EAGLE-3 and its split (issue 16, part A), each a `paired_bootstrap_gain`:
+
+    `gain` (PR over EAGLE-3), `one_pass` (PR's m = 0 tree over EAGLE-3: what training PR did to
+    the one-pass drafter), `mechanism` (PR over its m = 0 tree: what reconsideration did).
+    Each argument maps a prompt key to its row (`accepted`, `rounds`), or is None (not served).
+
+    The rule for missing rows: each part is paired over the prompts both of its drafters were
+    served on, and a part one of whose drafters is missing, or that share no prompt, is left
+    out. Served on the same prompts (every `eval --also-one-pass` run), the parts satisfy
+    (1 + gain) = (1 + one_pass)(1 + mechanism) exactly.
+    """
+    out = {}
+    for key, (a, b) in {"gain": (eagle, pr), "one_pass": (eagle, one_pass), "mechanism": (one_pass, pr)}.items():
+        if a and b and set(a) & set(b):
+            out[key] = paired_bootstrap_gain(a, b, n=n, seed=seed)
+    return out
+
+
 def comparisons(eval_dirs, n: int, seed: int) -> List[dict]:
     """PR vs EAGLE-3 per set x budget x temperature from the evaluators' per-prompt rows.
 
     Where the PR drafter was also served at m = 0 (`pr/one-pass`), the cell also carries the
-    decomposition of the gain (issue 16, part A): `one_pass` (PR at m = 0 over EAGLE-3: what
-    training PR did to the one-pass drafter) and `mechanism` (PR over PR at m = 0: what
-    reconsideration did), each with its own paired CI; (1 + gain) = (1 + one_pass)(1 + mechanism).
+    decomposition of the gain (`decompose_gain`: `one_pass` and `mechanism`, each with its own
+    paired CI). A cell needs both an `eagle3` and a `pr` row sharing a prompt; its gain's
+    fields are the cell's own.
     """
     cells = []
     for eval_dir in eval_dirs:
@@ -69,13 +90,10 @@ def comparisons(eval_dirs, n: int, seed: int) -> List[dict]:
             eagle = per_prompt.get(("eagle3", set_name, budget, temp))
             if draft != "pr" or eagle is None:
                 continue
-            cell = {"set": set_name, "budget": budget, "temperature": temp,
-                    **paired_bootstrap_gain(eagle, rows, n=n, seed=seed)}
-            one_pass = per_prompt.get((ONE_PASS, set_name, budget, temp))
-            if one_pass:
-                cell["one_pass"] = paired_bootstrap_gain(eagle, one_pass, n=n, seed=seed)
-                cell["mechanism"] = paired_bootstrap_gain(one_pass, rows, n=n, seed=seed)
-            cells.append(cell)
+            parts = decompose_gain(eagle, rows, per_prompt.get((ONE_PASS, set_name, budget, temp)), n=n, seed=seed)
+            if "gain" not in parts:
+                continue  # no prompt served by both
+            cells.append({"set": set_name, "budget": budget, "temperature": temp, **parts.pop("gain"), **parts})
     cells.sort(key=lambda c: (c["budget"], c["temperature"], c["set"]))
     return cells
 

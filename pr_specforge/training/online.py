@@ -1,11 +1,12 @@
 """Online training: the target runs inside every training rank, no feature files.
 
     data:
-      online: true                                       # ours: stripped before SpecForge's strict Config
+      online: true                                       # ours: read by training.recipe, not SpecForge
       train_data_path: work/smollm2/regenerated.jsonl    # SpecForge's own field for raw conversations
       chat_template: smollm2
       max_length: 512
-      online_dtype: bfloat16                             # ours: the target's dtype (as `data hidden-states`)
+      online_dtype: bfloat16                             # ours: the target's dtype (as `data hidden-states`); its
+                                                         # states reach the drafter in model.torch_dtype
 
 SpecForge 0.2.0 dropped colocated online training (its online mode is an
 external SGLang server plus Mooncake). We keep its colocated offline runtime
@@ -25,6 +26,9 @@ sample is:
   it does offline. The target is frozen (eval, inference mode) and lives
   outside the wrapped model: never optimised, never checkpointed.
 
+This module owns the online runtime only: the recipe keys are read by `training.recipe`
+(`OnlineSettings`), the pre-flight checks of the files made by `training.preflight`.
+
 Telemetry: `online/target_s` (seconds of target forward per step) and
 `online/target_share` (target seconds over wall seconds between consecutive
 steps, measured over the previous step).
@@ -39,7 +43,6 @@ import os
 import shutil
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -47,96 +50,17 @@ import torch
 from pr_specforge import _specforge as sf
 from pr_specforge._specforge import Eagle3TrainStrategy, LocalFeatureStore, OfflineManifestReader
 from pr_specforge.config import ConfigError
+from pr_specforge.training.recipe import ONLINE_STRATEGIES, OnlineSettings
 from pr_specforge.training.registration import PRTrainStrategy
 
 log = logging.getLogger(__name__)
 
-ONLINE_KEY, DTYPE_KEY = "online", "online_dtype"
-DTYPES = ("bfloat16", "float32", "float16")
 SCHEME = "conv://"
 FEATURE_KEYS = ("input_ids", "loss_mask")
 
 #: abs conversations path -> (tokenisation key, {row index: (input_ids int32, loss_mask uint8)});
 #: shared by the reader and the store of one process (the loader's prefetch workers are threads).
 _SAMPLES: Dict[str, Tuple[tuple, Dict[int, Tuple[torch.Tensor, torch.Tensor]]]] = {}
-
-
-@dataclass(frozen=True)
-class OnlineSettings:
-    """What each rank needs to turn a conversation into EAGLE-3 features."""
-
-    conversations: str
-    target_path: str
-    chat_template: str
-    max_length: int
-    dtype: str = "bfloat16"
-    aux_layers: Optional[Tuple[int, ...]] = None  # resolved at run time (draft config / target depth)
-
-    def to_recipe(self) -> Dict[str, Any]:
-        """The `data:` keys a resolved recipe stores for this run (its user-facing form)."""
-        return {ONLINE_KEY: True, DTYPE_KEY: self.dtype, "train_data_path": self.conversations, "hidden_states_path": ""}
-
-
-# ------------------------------------------------------------------ recipe
-
-
-def pop_online_keys(raw: Dict[str, Any], overrides, where: str) -> Tuple[Optional[Dict[str, Any]], Dict[str, Any], list]:
-    """Strip `data.online` / `data.online_dtype` from the recipe mapping and the dotted overrides.
-
-    For an online run, SpecForge (whose strict config refuses colocated online runs) is handed
-    its colocated offline form: the conversations file moves from `data.train_data_path` to
-    `data.hidden_states_path`. Returns `(online request or None, recipe, SpecForge overrides)`.
-    """
-    from pr_specforge.training.recipe import _parse_value
-
-    data = dict(raw.get("data") or {})
-    keys = {k: data.pop(k) for k in (ONLINE_KEY, DTYPE_KEY) if k in data}
-    rest = []
-    for item in overrides:
-        key, _, value = item.partition("=")
-        if key.startswith("data.") and key[5:] in (ONLINE_KEY, DTYPE_KEY, "train_data_path", "hidden_states_path"):
-            data[key[5:]] = _parse_value(value) if key[5:] in (ONLINE_KEY, DTYPE_KEY) else value
-        else:
-            rest.append(item)
-    keys.update({k: data.pop(k) for k in (ONLINE_KEY, DTYPE_KEY) if k in data})
-    online, dtype = keys.get(ONLINE_KEY, False), keys.get(DTYPE_KEY, "bfloat16")
-    if not isinstance(online, bool):
-        raise ConfigError(f"{where}: data.online: expected true or false, got {online!r}")
-    if dtype not in DTYPES:
-        raise ConfigError(f"{where}: data.online_dtype: expected one of {list(DTYPES)}, got {dtype!r}")
-    if not online and DTYPE_KEY in keys:
-        raise ConfigError(f"{where}: data.online_dtype is set but data.online is not; set data.online=true or drop it")
-    request = None
-    if online:
-        if not data.get("train_data_path") or data.get("hidden_states_path"):
-            raise ConfigError(f"{where}: data.online=true reads conversations from data.train_data_path; set it "
-                              "(a conversation JSONL) and leave data.hidden_states_path unset")
-        request = {"conversations": os.path.abspath(data.pop("train_data_path")), "dtype": dtype}
-        data["hidden_states_path"] = request["conversations"]
-    return request, dict(raw, data=data), rest
-
-
-def online_settings(config, request: Optional[Dict[str, Any]], where: str) -> Optional[OnlineSettings]:
-    """The run's `OnlineSettings` (None for an offline run)."""
-    if request is None:
-        return None
-    if config.training.strategy not in ONLINE_CLASSES:
-        raise ConfigError(f"{where}: data.online=true supports training.strategy in {sorted(ONLINE_CLASSES)}, "
-                          f"got {config.training.strategy!r}")
-    data = config.data
-    return OnlineSettings(conversations=request["conversations"], target_path=config.model.target_model_path,
-                          chat_template=data.chat_template, max_length=data.max_length, dtype=request["dtype"])
-
-
-def check_inputs(settings: OnlineSettings) -> None:
-    """Preflight: the files an online run reads exist (instead of a features directory)."""
-    if not os.path.isfile(settings.conversations):
-        raise ConfigError(f"data.train_data_path: {settings.conversations!r} does not exist (a conversation JSONL)")
-    target = settings.target_path
-    hub_id = not os.path.exists(target) and target.count("/") == 1 and not target.startswith((".", "/"))
-    if not hub_id and not os.path.isfile(os.path.join(target, "config.json")):
-        raise ConfigError(f"model.target_model_path: {target!r} has no config.json; online training runs the target "
-                          "(build it first, e.g. `pr-specforge data smollm2-target`)")
 
 
 # ------------------------------------------------------------------ data
@@ -286,7 +210,9 @@ class OnlineTargetMixin:
             t0 = time.perf_counter()
             final, aux = capture.forward(tensors["input_ids"], tensors["attention_mask"])
             keep = tensors["attention_mask"].to(final.device)[..., None].to(final.dtype)
-            tensors["target"], tensors["hidden_state"] = final * keep, aux * keep
+            # in the drafter's dtype, as its TargetHead and layers compute (data.online_dtype may differ)
+            dtype = next(self.trainable_module().parameters()).dtype
+            tensors["target"], tensors["hidden_state"] = (final * keep).to(dtype), (aux * keep).to(dtype)
             _sync(device)
         return time.perf_counter() - t0
 
@@ -305,6 +231,7 @@ class OnlinePRTrainStrategy(OnlineTargetMixin, PRTrainStrategy):
 
 
 ONLINE_CLASSES = {"eagle3": OnlineEagle3TrainStrategy, "pr": OnlinePRTrainStrategy}
+assert set(ONLINE_CLASSES) == set(ONLINE_STRATEGIES)  # the strategies `training.recipe` accepts online
 
 
 # ------------------------------------------------------------------ wiring

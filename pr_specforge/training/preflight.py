@@ -6,9 +6,11 @@ the drafter needs, and the map the features were made with: the features'
 complete checkpoint, by SpecForge's rule) and the guard on a run directory that
 already holds checkpoints (resume it, or start over only when told to).
 
-Also owns `check_run(recipe)`, every check `pr-specforge train` makes after loading the recipe
-(the draft config's architecture, the target, the vocab map, the first feature file of each
-feature directory against the draft config), and `check_feature_dir` (`diagnose` uses it too).
+Also owns `check_run(recipe)`, every check `pr-specforge train` makes after loading the recipe,
+in one pass (the draft config's architecture, the target, `pr.init_from`, an online run's
+conversations, the vocab map, the first feature file of each feature directory against the
+draft config; then the run directory's resume guard and schedule), and `check_feature_dir`
+(`diagnose` uses it too).
 
 Does not own: recipe parsing (`training.recipe`).
 """
@@ -135,6 +137,35 @@ def resume_or_start_over(output_dir: str, resume_from: Optional[str], start_over
     return output_dir
 
 
+#: what a run directory's schedule is made of: SpecForge resumes a checkpoint only under the same horizon
+SCHEDULE_FIELDS = ("max_steps", "num_epochs")
+
+
+def check_same_schedule(output_dir: str, training) -> None:
+    """A rerun resuming `output_dir` keeps the schedule it was trained with (SpecForge compares the
+    learning-rate horizon); a changed `training.max_steps` / `num_epochs` is refused in one line
+    that says how to train longer. The run's schedule is read from its `resolved_recipe.yaml`."""
+    import yaml
+
+    path = os.path.join(output_dir, "resolved_recipe.yaml")
+    try:
+        with open(path) as f:
+            before = (yaml.safe_load(f) or {}).get("training") or {}
+    except (OSError, yaml.YAMLError):
+        return  # nothing recorded: SpecForge's own resume check decides
+    changed = [(k, before[k], getattr(training, k)) for k in SCHEDULE_FIELDS
+               if k in before and before[k] != getattr(training, k)]
+    if not changed:
+        return
+    key, old, new = changed[0]
+    latest = run_checkpoints(output_dir)
+    raise ConfigError(
+        f"training.{key}={new}, but {output_dir} was trained with training.{key}={old} and a resumed run keeps "
+        f"its learning-rate schedule. To train longer, start a new run from its weights: output_dir=NEW_DIR "
+        f"model.draft_checkpoint_path={latest} training.{key}={new} (a fresh optimiser and schedule); or rerun "
+        f"with --start-over to retrain {output_dir} from step 0; or keep training.{key}={old} to resume it")
+
+
 def _first_feature_file(root: str) -> Optional[str]:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
@@ -144,8 +175,37 @@ def _first_feature_file(root: str) -> Optional[str]:
     return None
 
 
-def check_run(recipe) -> None:
-    """Cheap checks that turn deep trainer failures into errors naming the file and field."""
+def check_run(recipe, start_over: bool = False, dry_run: bool = False) -> Optional[str]:
+    """Every check `train` makes before its first step, in one pass, each turning a deep trainer failure
+    into an error naming the file and field; then (not for `dry_run`) the run directory's guard.
+    Returns the checkpoint the run resumes by default (its output_dir's newest), or None."""
+    check_inputs(recipe)
+    if dry_run:
+        return None
+    return _resume_source(recipe.config, start_over)
+
+
+def _resume_source(cfg, start_over: bool) -> Optional[str]:
+    """A run directory holding checkpoints is resumed (under the same schedule) unless `start_over`,
+    which discards them (rank 0; no rank resumes)."""
+    import logging
+
+    log = logging.getLogger(__name__)
+    if start_over and int(os.environ.get("RANK", "0")) != 0:
+        return None
+    resume = resume_or_start_over(cfg.output_dir, cfg.training.resume_from, start_over)
+    if start_over:
+        log.info("--start-over: discarded the checkpoints and metrics in %s; training from step 0", cfg.output_dir)
+    if resume is None or resume == cfg.training.resume_from:
+        return None
+    check_same_schedule(cfg.output_dir, cfg.training)
+    log.info("%s holds checkpoints: resuming from the newest (pass --start-over to discard them and train from step 0)",
+             cfg.output_dir)
+    return resume
+
+
+def check_inputs(recipe) -> None:
+    """The checks of the files a recipe names (draft config, target, init_from, data, vocab map)."""
     import json
 
     from pr_specforge.modeling.drafter import EAGLE3_ARCHITECTURE, PR_ARCHITECTURE
@@ -172,10 +232,13 @@ def check_run(recipe) -> None:
                 + (" (the two-layer control trains with strategy eagle3)" if arch == TWO_LAYER_ARCHITECTURE else "")
             )
     check_target(cfg.model.target_model_path)
-    if recipe.online is not None:
-        from pr_specforge.training.online import check_inputs
+    if cfg.training.strategy == "pr" and recipe.pr.init_from and draft_path:
+        from pr_specforge.training.warm_start import check_init_from
 
-        check_inputs(recipe.online)  # the online run builds its own vocab map
+        check_init_from(recipe.pr, draft_path)
+    if recipe.online is not None:
+        check_online_inputs(recipe.online)
+        check_vocab_map(cfg.model.vocab_mapping_path, draft, None)  # when given; else the run builds its own
     else:
         check_vocab_map(cfg.model.vocab_mapping_path, draft, cfg.data.hidden_states_path)
     for field in ("hidden_states_path", "eval_hidden_states_path"):
@@ -191,6 +254,26 @@ def check_run(recipe) -> None:
                 "float32, and SpecForge's eagle3 eval loop does not cast them; set model.torch_dtype=bfloat16 "
                 "or train without held-out eval"
             )
+
+
+def check_online_inputs(settings) -> None:
+    """An online run reads conversations and runs the target (instead of a features directory): the
+    conversations file exists and every line is a JSON object (rows are tokenised only when the run
+    starts), and the target is a model directory."""
+    from pr_specforge.data.io import DataFormatError, iter_jsonl
+
+    if not os.path.isfile(settings.conversations):
+        raise ConfigError(f"data.train_data_path: {settings.conversations!r} does not exist (a conversation JSONL)")
+    try:
+        for _ in iter_jsonl(settings.conversations):
+            pass
+    except DataFormatError as e:
+        raise ConfigError(f"data.train_data_path: {e}") from None
+    target = settings.target_path
+    hub_id = not os.path.exists(target) and target.count("/") == 1 and not target.startswith((".", "/"))
+    if not hub_id and not os.path.isfile(os.path.join(target, "config.json")):
+        raise ConfigError(f"model.target_model_path: {target!r} has no config.json; online training runs the target "
+                          "(build it first, e.g. `pr-specforge data smollm2-target`)")
 
 
 def _check_manifest_status(field: str, feats: str) -> None:

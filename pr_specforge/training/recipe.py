@@ -10,8 +10,11 @@ Owns: reading a recipe and its `extends:` chain, dotted overrides for every sect
 SpecForge's validation errors in one line each with the fix, and `resolved_payload` (the
 resolved recipe a run stores beside its checkpoints and inside each one).
 
+Also owns the online keys of `data:` (`data.online`, `data.online_dtype`: stripped before
+SpecForge's strict config, `OnlineSettings`), so every section of a recipe is read here.
+
 Does not own: the meaning of the `pr:` fields (`pr_specforge.config`), of `backend:`
-(`training.backends.config`) or of `data.online` (`training.online`).
+(`training.backends.config`), or the online runtime (`training.online`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
@@ -41,11 +44,80 @@ class Recipe:
     raw: Dict[str, Any]
     path: str
     backend: BackendConfig = BackendConfig()
-    online: Any = None  # pr_specforge.training.online.OnlineSettings when data.online is true
+    online: Any = None  # OnlineSettings when data.online is true
 
 
 def _parse_value(text: str) -> Any:
     return yaml.safe_load(text) if text != "" else ""
+
+
+# ------------------------------------------------------------------ data.online (ours, beside SpecForge's data:)
+ONLINE_KEY, DTYPE_KEY = "online", "online_dtype"
+DTYPES = ("bfloat16", "float32", "float16")
+#: the strategies an online run supports (`training.online` has a step for each)
+ONLINE_STRATEGIES = ("eagle3", "pr")
+
+
+@dataclass(frozen=True)
+class OnlineSettings:
+    """What each rank needs to turn a conversation into EAGLE-3 features."""
+
+    conversations: str
+    target_path: str
+    chat_template: str
+    max_length: int
+    dtype: str = "bfloat16"
+    aux_layers: Optional[Tuple[int, ...]] = None  # resolved at run time (draft config / target depth)
+
+    def to_recipe(self) -> Dict[str, Any]:
+        """The `data:` keys a resolved recipe stores for this run (its user-facing form)."""
+        return {ONLINE_KEY: True, DTYPE_KEY: self.dtype, "train_data_path": self.conversations, "hidden_states_path": ""}
+
+
+def pop_online_keys(raw: Dict[str, Any], overrides, where: str) -> Tuple[Optional[Dict[str, Any]], Dict[str, Any], list]:
+    """Strip `data.online` / `data.online_dtype` from the recipe mapping and the dotted overrides.
+
+    For an online run, SpecForge (whose strict config refuses colocated online runs) is handed
+    its colocated offline form: the conversations file moves from `data.train_data_path` to
+    `data.hidden_states_path`. Returns `(online request or None, recipe, SpecForge overrides)`.
+    """
+    data = dict(raw.get("data") or {})
+    keys = {k: data.pop(k) for k in (ONLINE_KEY, DTYPE_KEY) if k in data}
+    rest = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.startswith("data.") and key[5:] in (ONLINE_KEY, DTYPE_KEY, "train_data_path", "hidden_states_path"):
+            data[key[5:]] = _parse_value(value) if key[5:] in (ONLINE_KEY, DTYPE_KEY) else value
+        else:
+            rest.append(item)
+    keys.update({k: data.pop(k) for k in (ONLINE_KEY, DTYPE_KEY) if k in data})
+    online, dtype = keys.get(ONLINE_KEY, False), keys.get(DTYPE_KEY, "bfloat16")
+    if not isinstance(online, bool):
+        raise ConfigError(f"{where}: data.online: expected true or false, got {online!r}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"{where}: data.online_dtype: expected one of {list(DTYPES)}, got {dtype!r}")
+    if not online and DTYPE_KEY in keys:
+        raise ConfigError(f"{where}: data.online_dtype is set but data.online is not; set data.online=true or drop it")
+    request = None
+    if online:
+        if not data.get("train_data_path") or data.get("hidden_states_path"):
+            raise ConfigError(f"{where}: data.online=true reads conversations from data.train_data_path; set it "
+                              "(a conversation JSONL) and leave data.hidden_states_path unset")
+        request = {"conversations": os.path.abspath(data.pop("train_data_path")), "dtype": dtype}
+        data["hidden_states_path"] = request["conversations"]
+    return request, dict(raw, data=data), rest
+
+
+def online_settings(config, request: Optional[Dict[str, Any]], where: str) -> Optional[OnlineSettings]:
+    """The run's `OnlineSettings` (None for an offline run)."""
+    if request is None:
+        return None
+    if config.training.strategy not in ONLINE_STRATEGIES:
+        raise ConfigError(f"{where}: data.online=true supports training.strategy in {list(ONLINE_STRATEGIES)}, "
+                          f"got {config.training.strategy!r}")
+    data = config.data
+    return OnlineSettings(conversations=request["conversations"], target_path=config.model.target_model_path,
+                          chat_template=data.chat_template, max_length=data.max_length, dtype=request["dtype"])
 
 
 def split_overrides(overrides: Sequence[str]) -> Tuple[List[str], Dict[str, Any]]:
@@ -136,8 +208,6 @@ def read_recipe_mapping(path: str, _chain: Tuple[str, ...] = ()) -> Dict[str, An
 
 def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
     """Read a recipe YAML/JSON; validate SpecForge's part, the `pr:` and `backend:` parts strictly."""
-    from pr_specforge.training.online import online_settings, pop_online_keys
-
     raw = read_recipe_mapping(path)
     spec_over, pr_over = split_overrides(overrides)
     online_request, raw, spec_over = pop_online_keys(raw, spec_over, path)
@@ -152,6 +222,7 @@ def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
     spec_raw = {k: v for k, v in raw.items() if k not in (PR_SECTION, BACKEND_SECTION)}
     spec_raw, spec_over = _resolve_auto_dtype(spec_raw, spec_over)
     config = _specforge_config(spec_raw, spec_over, path)
+    _check_finite(config.model_dump(), f"recipe {path}")
     backend_given = "attention_backend" in (spec_raw.get("training") or {}) or any(
         o.split("=", 1)[0] == "training.attention_backend" for o in spec_over)
     if config.training.strategy == "pr" and not backend_given:
@@ -210,6 +281,17 @@ def _specforge_config(spec_raw: Dict[str, Any], overrides: Sequence[str], path: 
             lines.append(f"  {loc or '<root>'}: {err.get('msg')}{_fix_hint(err)}")
         raise ConfigError(f"recipe {path}: invalid SpecForge config:\n" + "\n".join(lines)) from None
     return config
+
+
+def _check_finite(node: Any, where: str, dotted: str = "") -> None:
+    """Every number of SpecForge's config is finite (pydantic accepts `.nan` and `.inf` for a float)."""
+    import math
+
+    if isinstance(node, dict):
+        for key, value in node.items():
+            _check_finite(value, where, f"{dotted}.{key}" if dotted else str(key))
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(f"{where}: {dotted}: expected a finite number, got {node!r}")
 
 
 def _check_override_paths(config, overrides: Sequence[str]) -> None:

@@ -5,7 +5,8 @@
 
 Owns: the process launch (in-process for one rank or under torchrun; self-launch through
 torchrun for several ranks, re-entering THIS cli so every rank has the patched registry),
-resume-by-default, Ctrl-C, the runtime patches a run installs (`install_training_runtime`)
+resume-by-default, Ctrl-C, the stop at a non-finite loss (`check_finite_step`), the runtime
+patches a run installs (`install_training_runtime`)
 and `assembled_run` (SpecForge's assembled trainer in one process, for `diagnose`, tests
 and benchmarks).
 
@@ -38,10 +39,13 @@ def _in_torchrun() -> bool:
 
 def run_train(recipe_path: str, overrides: Sequence[str], dry_run: bool = False, start_over: bool = False) -> int:
     recipe = load_recipe(recipe_path, overrides)
-    check_run(recipe)
+    resume = check_run(recipe, start_over=start_over, dry_run=dry_run)  # every pre-flight check, one pass
     if dry_run:
         return 0
-    recipe, overrides = _resume_by_default(recipe, recipe_path, list(overrides), start_over)
+    overrides = list(overrides)
+    if resume is not None:  # resume-by-default: the run directory's newest checkpoint
+        recipe = with_resume_from(recipe, resume)
+        overrides.append(f"training.resume_from={resume}")  # for the ranks a self-launch starts
     cfg = recipe.config
     world = cfg.deployment.trainer.nnodes * cfg.deployment.trainer.nproc_per_node
     if not _in_torchrun() and world > 1:
@@ -64,6 +68,40 @@ SELF_LAUNCHED_ENV = "PR_SPECFORGE_SELF_LAUNCHED"
 
 class TrainingInterrupted(Exception):
     """Ctrl-C: the message says what was kept and how to resume."""
+
+
+class NonFiniteTraining(RuntimeError):
+    """The loss (or a tensor about to be checkpointed) went non-finite; the message names the step and the term."""
+
+
+def _loss_terms(metrics) -> List[str]:
+    """The loss terms among a step's metrics (`loss`, `ploss_i`, `pr/loss_*`, ...)."""
+    return sorted(k for k in metrics if "loss" in k.split("/")[-1] or k.endswith(("balance", "entropy")))
+
+
+def check_finite_step(original):
+    """`TrainerCore.train_step` that stops the run at the first optimizer step whose loss is
+    non-finite (every rank sees the same reduced metrics, so all stop together), before the
+    step can be checkpointed."""
+    import math
+
+    def train_step(self, batch, ctx=None):
+        result = original(self, batch, ctx)
+        if not result.optimizer_stepped:
+            return result
+        bad = [k for k in _loss_terms(result.metrics)
+               if isinstance(result.metrics[k], (int, float)) and not math.isfinite(result.metrics[k])]
+        if bad or not math.isfinite(float(result.loss)):
+            step = (ctx.global_step + 1) if ctx is not None else "?"
+            terms = [k for k in bad if k != "loss"] or ["loss"]
+            raise NonFiniteTraining(
+                f"training stopped at step {step}: the loss is {float(result.loss)} (non-finite term(s): "
+                f"{', '.join(terms[:6])}); nothing of this step was checkpointed. Check the features "
+                "(pr-specforge data validate) and lower training.learning_rate, then rerun to resume from the "
+                "newest checkpoint (or --start-over)")
+        return result
+
+    return train_step
 
 
 def interrupted_message(output_dir: str) -> str:
@@ -108,22 +146,13 @@ def _children(pid: int) -> List[int]:
         return []
 
 
-def _resume_by_default(recipe: Recipe, recipe_path: str, overrides: List[str], start_over: bool):
-    """A run directory holding checkpoints is resumed unless the user said `--start-over` (which discards them)."""
-    from pr_specforge.training.preflight import resume_or_start_over
+def with_resume_from(recipe: Recipe, resume: str) -> Recipe:
+    """`recipe` with `training.resume_from=resume` (what the same override would load)."""
+    import dataclasses
 
     cfg = recipe.config
-    if start_over and int(os.environ.get("RANK", "0")) != 0:
-        return recipe, overrides  # rank 0 discards the old checkpoints; no rank resumes
-    resume = resume_or_start_over(cfg.output_dir, cfg.training.resume_from, start_over)
-    if start_over:
-        log.info("--start-over: discarded the checkpoints and metrics in %s; training from step 0", cfg.output_dir)
-    if resume is None or resume == cfg.training.resume_from:
-        return recipe, overrides
-    log.info("%s holds checkpoints: resuming from the newest (pass --start-over to discard them and train from step 0)",
-             cfg.output_dir)
-    overrides = [*overrides, f"training.resume_from={resume}"]
-    return load_recipe(recipe_path, overrides), overrides
+    training = cfg.training.model_copy(update={"resume_from": resume})
+    return dataclasses.replace(recipe, config=cfg.model_copy(update={"training": training}))
 
 
 def _run_worker(recipe: Recipe) -> int:
@@ -138,8 +167,9 @@ def _run_worker(recipe: Recipe) -> int:
     cfg, registry = run_config(recipe)
     resolved = resolve_run(cfg, registry)
     os.makedirs(cfg.output_dir, exist_ok=True)
-    _write_resolved_recipe(recipe)
-    install_training_runtime(recipe)
+    payload = resolved_payload(recipe)
+    _write_resolved_recipe(recipe, payload)
+    install_training_runtime(recipe, payload)
     interrupted: List[bool] = []
     with _watch_sigint(interrupted):
         try:
@@ -207,18 +237,20 @@ def _watch_sigint(seen: List[bool]):
         signal.signal(signal.SIGINT, previous)
 
 
-def install_training_runtime(recipe: Recipe) -> None:
+def install_training_runtime(recipe: Recipe, payload: dict) -> None:
     """Every runtime patch training needs, in one place (nothing is patched at import time):
-    SpecForge's loss on CPU, recipe-carrying atomic checkpoints, the metrics JSONL sink, the
-    acceptance simulator in the eval pass, and the chosen backend."""
-    from pr_specforge._specforge import install_cpu_loss, install_feature_file_errors
+    SpecForge's loss on CPU, the stop at a non-finite loss, recipe-carrying atomic checkpoints
+    (never of non-finite tensors) carrying `payload` (`resolved_payload`), the metrics JSONL sink,
+    the acceptance simulator in the eval pass, and the chosen backend."""
+    from pr_specforge._specforge import install_cpu_loss, install_feature_file_errors, wrap_train_step
     from pr_specforge.training.backends.checkpoint import install_checkpoint_manager
     from pr_specforge.training.simulate import install_eval_simulator
     from pr_specforge.training.telemetry import install_metrics_sink
 
     install_cpu_loss()
+    wrap_train_step(check_finite_step)
     install_feature_file_errors()
-    install_checkpoint_manager(resolved_payload(recipe))
+    install_checkpoint_manager(payload)
     install_metrics_sink()
     install_eval_simulator()
     if recipe.backend.name == "deepspeed":
@@ -227,12 +259,11 @@ def install_training_runtime(recipe: Recipe) -> None:
         install_deepspeed_backend(recipe.backend, recipe.config)
 
 
-def _write_resolved_recipe(recipe: Recipe) -> None:
+def _write_resolved_recipe(recipe: Recipe, payload) -> None:
     """Store the resolved recipe (SpecForge config dump + pr section) in the output dir, atomically."""
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:
         return
-    payload = resolved_payload(recipe)
     from pr_specforge.data.io import atomic_write_text
 
     atomic_write_text(os.path.join(recipe.config.output_dir, "resolved_recipe.yaml"),

@@ -23,12 +23,13 @@ from typing import Dict
 
 import torch
 
+from pr_specforge.config import ConfigError
 from pr_specforge.modeling.drafter import PR_PARAM_PREFIXES
 
 log = logging.getLogger(__name__)
 
 
-class InitFromError(ValueError):
+class InitFromError(ConfigError):
     """`pr.init_from` names something that is not a compatible EAGLE-3 drafter."""
 
 
@@ -67,19 +68,42 @@ def one_pass_names(draft) -> Dict[str, torch.Size]:
     return {k: v.shape for k, v in draft.state_dict().items() if not _is_embedding(k) and not k.startswith(PR_PARAM_PREFIXES)}
 
 
+def _check_fits(where: str, state: Dict[str, torch.Tensor], expected: Dict[str, torch.Size]) -> None:
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise InitFromError(f"{where}: does not match this EAGLE-3 drafter: missing {missing[:4]}"
+                            f"{' ...' if len(missing) > 4 else ''}, unexpected {unexpected[:4]}{' ...' if len(unexpected) > 4 else ''}")
+    wrong = [f"{k}: {tuple(state[k].shape)} vs {tuple(s)}" for k, s in expected.items() if tuple(state[k].shape) != tuple(s)]
+    if wrong:
+        raise InitFromError(f"{where}: tensor shapes differ from the draft config: {'; '.join(wrong[:3])}"
+                            f"{f' (and {len(wrong) - 3} more)' if len(wrong) > 3 else ''}")
+
+
+def check_init_from(pr, draft_config_path: str) -> None:
+    """Pre-flight (also `train --dry-run`): `pr.init_from` is a drafter whose one-pass tensors fit the
+    recipe's draft config by name and shape (the drafter is built on the meta device: no weights)."""
+    import json
+
+    from transformers import LlamaConfig
+
+    from pr_specforge.modeling import LlamaForCausalLMEagle3PR
+    from pr_specforge.training.registration import pr_draft_config
+
+    state = read_one_pass_state(pr.init_from)
+    with open(draft_config_path) as f:
+        config = pr_draft_config(LlamaConfig.from_dict(json.load(f)), pr)
+    with torch.device("meta"):
+        expected = one_pass_names(LlamaForCausalLMEagle3PR(config))
+    _check_fits(f"pr.init_from={pr.init_from!r}", state, expected)
+
+
 @torch.no_grad()
 def init_one_pass_from(draft, path: str) -> None:
     """Load the one-pass tensors of `path` into `draft` (see module doc); refuse any mismatch by name."""
     where = f"pr.init_from={path!r}"
     state = read_one_pass_state(path)
-    expected = one_pass_names(draft)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise InitFromError(f"{where}: does not match this EAGLE-3 drafter: missing {missing}, unexpected {unexpected}")
-    wrong = [f"{k}: {tuple(state[k].shape)} vs {tuple(s)}" for k, s in expected.items() if tuple(state[k].shape) != tuple(s)]
-    if wrong:
-        raise InitFromError(f"{where}: tensor shapes differ from the draft config: {wrong}")
+    _check_fits(where, state, one_pass_names(draft))
     own = draft.state_dict()
     for key in ("t2d", "d2t"):
         if not torch.equal(state[key].to(own[key].dtype).cpu(), own[key].cpu()):

@@ -110,6 +110,41 @@ def _malformed(tmp_path, tiny_target):
             "--draft-vocab-size", "16"]
 
 
+def _features_of_another_input(tmp_path, tiny_target):
+    """Features made from 2 conversations, then the command rerun over them with another input file."""
+    _features(tmp_path, tiny_target)
+    other = write_jsonl(tmp_path / "other.jsonl", CONVERSATIONS[2:4])
+    return ["hidden-states", "--input", str(other), "--output", str(tmp_path / "f"), "--target", str(tiny_target),
+            "--dtype", "float32", "--draft-vocab-size", "16"]
+
+
+def _regenerated_with_other_settings(tmp_path, tiny_target):
+    """Replies regenerated with --max-new-tokens 16, then the command rerun with 32."""
+    src = write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS[:2])
+    argv = ["regenerate", "--input", str(src), "--output", str(tmp_path / "r.jsonl"), "--model", "tiny"]
+    with FakeOpenAI() as srv:
+        assert main([*argv, "--server", srv.url, "--max-new-tokens", "16"]) == 0
+        return [*argv, "--server", srv.url, "--max-new-tokens", "32"]
+
+
+def _conversations_of_another_source(tmp_path, tiny_target):
+    a = write_jsonl(tmp_path / "a.jsonl", CONVERSATIONS[:2])
+    assert main(["conversations", "--source", str(a), "--output", str(tmp_path / "c.jsonl")]) == 0
+    b = write_jsonl(tmp_path / "b.jsonl", CONVERSATIONS[2:4])
+    return ["conversations", "--source", str(b), "--output", str(tmp_path / "c.jsonl")]
+
+
+def _target_of_another_dtype(tmp_path, tiny_target):
+    """A finished float32 target directory, and `smollm2-target` asked for bfloat16 (its default) there."""
+    import shutil
+
+    from pr_specforge.data.smollm2 import write_index_json
+
+    shutil.copytree(tiny_target, tmp_path / "t32")
+    write_index_json(tmp_path / "t32")
+    return ["smollm2-target", "--output", str(tmp_path / "t32")]
+
+
 #: every class of bad `data` input: (argv builder, exit code, what the error says); nothing half-made is left behind
 BAD_INPUTS = {
     "conversations --limit -3": (lambda t, tt: ["conversations", "--source", "x.jsonl", "--output", "o", "--limit", "-3"],
@@ -124,10 +159,17 @@ BAD_INPUTS = {
         lambda t, tt: ["conversations", "--source", "x.jsonl", "--output", str(t / "o"), "--exclude-ids", str(t / "train.jsonl")],
         2, "train.jsonl: no such file"),
     "smollm2-target over a non-empty directory": (_nonempty_dir, 2, "pass --overwrite to replace it"),
+    "smollm2-target over a target of another dtype": (_target_of_another_dtype, 2,
+                                                       "holds a float32 target, not the bfloat16 one asked for"),
     "smollm2-target --overwrite of a non-model directory": (_not_a_model_dir, 2, "not a model directory"),
     "validate a directory that does not exist": (lambda t, tt: ["validate", str(t / "nothing")], 1, "no manifest.json"),
     "validate unfinished features": (_manifest_edit(status="in_progress"), 1, "did not finish"),
     "validate an empty vocab map": (_empty_map, 1, "empty vocab map"),
+    "hidden-states over features of another input": (_features_of_another_input, 2,
+                                                      "field 'resume.input' is"),
+    "regenerate over replies made with other settings": (_regenerated_with_other_settings, 2,
+                                                          "field 'max_new_tokens' is 16 but this run's is 32"),
+    "conversations over rows of another source": (_conversations_of_another_source, 2, "field 'sources'"),
     "validate a vocab map the features were not made with": (_manifest_edit(vocab_fingerprint="0123456789abcdef"), 1,
                                                               "not the map these features were made with"),
 }
@@ -146,8 +188,10 @@ def test_bad_input_is_refused_in_one_line(tmp_path, tiny_target, capsys, monkeyp
     captured = capsys.readouterr()
     text = captured.out + captured.err
     assert rc == code and needle in text and "Traceback" not in text, text
+    if case.startswith(("hidden-states over", "regenerate over", "conversations over")):  # a mismatch says how to start over
+        assert "--start-over" in text and len(captured.err.strip().splitlines()) == 1, text
     assert not (tmp_path / "out").exists()  # an empty output would read as a finished stage
-    if "smollm2" in case:
+    if "non-" in case:
         assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
@@ -182,3 +226,21 @@ def test_bf16_features_are_written_in_bf16(tmp_path, tiny_target):
                  "--dtype", "bfloat16", "--draft-vocab-size", "16"]) == 0
     d = torch.load(next((tmp_path / "f").rglob("data_0.ckpt")), weights_only=True)
     assert d["hidden_state"].dtype == torch.bfloat16 and d["aux_hidden_state"].dtype == torch.bfloat16
+
+
+def test_start_over_rewrites_an_output_made_from_another_input(tmp_path, tiny_target, capsys):
+    """The issue-25 case: features of A, rerun on B: refused; with --start-over, every file holds B
+    and the manifest and vocab map are B's, as a fresh run on B makes them."""
+    feats = _features(tmp_path, tiny_target)  # from CONVERSATIONS[:2]
+    other = write_jsonl(tmp_path / "other.jsonl", CONVERSATIONS[2:4])
+    argv = ["hidden-states", "--input", str(other), "--output", str(feats), "--target", str(tiny_target),
+            "--dtype", "float32", "--draft-vocab-size", "16"]
+    assert main(argv) == 2
+    capsys.readouterr()
+    assert main([*argv, "--start-over"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["written"] == 2
+    assert main([*argv[:4], str(tmp_path / "fresh"), *argv[5:]]) == 0
+    for rel in ("rows_0-2000/data_0.ckpt", "rows_0-2000/data_1.ckpt", "vocab_mapping/vocab_mapping.pt"):
+        a, b = torch.load(feats / rel, weights_only=True), torch.load(tmp_path / "fresh" / rel, weights_only=True)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rel
+    assert main(argv) == 0  # resumes now: same input, same settings

@@ -33,6 +33,8 @@ def test_real_smollm2_conversion_reloads_and_answers(tmp_path):
 
     out = convert_smollm2_gguf(tmp_path / "smollm2")
     assert (out / "model.safetensors.index.json").exists()
+    with pytest.raises(FileExistsError, match="holds a bfloat16 target, not the float32 one"):
+        convert_smollm2_gguf(out, dtype="float32")  # never a silent bf16 for a float32 request
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.eos_token == "<|im_end|>" and tok.chat_template
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)

@@ -14,7 +14,6 @@ from conftest import CONVERSATIONS, write_jsonl
 
 from pr_specforge.data.hidden_states import BATCH_SLEEP_ENV, prepare_hidden_states
 from pr_specforge.data.io import read_jsonl_rows
-from pr_specforge.data.regenerate import SamplingConfig, TransformersBackend, regenerate_conversations
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", HF_HUB_OFFLINE="1")
 pytestmark = pytest.mark.slow  # launches torchrun
@@ -108,19 +107,16 @@ def test_two_ranks_with_one_killed_mid_shard_resume_to_the_one_rank_features(tmp
         assert mb["counts"][key] == ma["counts"][key], key
 
 
-def test_two_rank_regeneration_merges_in_input_order_like_one_rank(tmp_path, tiny_target, tokenizer):
-    from transformers import AutoModelForCausalLM
+def test_two_rank_regeneration_with_the_default_batch_size_writes_the_one_rank_file(tmp_path, tiny_target):
+    """16 rows of 5 prompt lengths, `--batch-size` left at its default (8): both ranks form the one-rank
+    run's length-sorted batches and take every other one, so padding, replies and row order are the same."""
+    from pr_specforge.data.cli import main
 
-    src = write_jsonl(tmp_path / "conv.jsonl", ROWS[:8])
-    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
-    backend = TransformersBackend(model, tokenizer, name="tiny")
-    regenerate_conversations(src, tmp_path / "one.jsonl", backend, sampling=SamplingConfig(max_new_tokens=6),
-                             batch_size=1, progress=False)
+    src = write_jsonl(tmp_path / "conv.jsonl", ROWS[:16])
+    args = ["regenerate", "--input", str(src), "--target", str(tiny_target), "--dtype", "float32", "--max-new-tokens", "6"]
+    assert main([*args, "--output", str(tmp_path / "one.jsonl")]) == 0
     two = tmp_path / "two.jsonl"
-    torchrun("regenerate", "--input", str(src), "--output", str(two), "--target", str(tiny_target),
-             "--dtype", "float32", "--batch-size", "1", "--max-new-tokens", "6")
+    torchrun(*args, "--output", str(two))
     assert not os.path.exists(f"{two}.parts")  # merged, parts removed
-    rows = read_jsonl_rows(two)
-    assert [r["id"] for r in rows] == [r["id"] for r in ROWS[:8]]  # input order
-    one = {r["id"]: r["conversations"] for r in read_jsonl_rows(tmp_path / "one.jsonl")}
-    assert {r["id"]: r["conversations"] for r in rows} == one
+    assert [r["id"] for r in read_jsonl_rows(two)] == [r["id"] for r in ROWS[:16]]  # input order
+    assert two.read_bytes() == (tmp_path / "one.jsonl").read_bytes()

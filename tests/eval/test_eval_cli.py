@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from pr_specforge.eval.cli import main
+from pr_specforge.eval.cli import main, select_prompts
 from tests.helpers import make_drafters
 from tests.serving.test_serving_tree import eager_gate, sharpen, strong_self_query, tiny_target
 
@@ -88,7 +88,7 @@ def test_eval_end_to_end_lossless_json_report_and_resume(dirs, tmp_path, capsys)
     assert (out / "results.jsonl").read_text().splitlines() == lines
     # ...but never reuses rows made another way: other tree settings, or other files under a drafter's name
     swapped = [a.replace(f"pr={dirs / 'pr'}", f"pr={dirs / 'eagle'}") for a in args]
-    for rerun, needle in ((args + ["--m", "0"], "m: 3 -> 0"), (swapped, "drafter 'pr'")):
+    for rerun, needle in ((args + ["--m", "0"], "field 'm' is 3 but this run's is 0"), (swapped, "drafter 'pr'")):
         assert main(rerun) == 2
         assert needle in capsys.readouterr().err
     assert (out / "results.jsonl").read_text().splitlines() == lines
@@ -116,8 +116,23 @@ def _edit_out_dir_of_other_settings(root, tmp, args):
 
 
 def _edit_out_dir_with_other_drafter_files(root, tmp, args):
+    from pr_specforge.eval.evaluator import EvalSettings, provenance
+    from pr_specforge.serving import TreeConfig
+
     (tmp / "o").mkdir(exist_ok=True)
-    (tmp / "o" / "eval_config.json").write_text(json.dumps({"shared": {}, "drafters": {"pr": "0123456789abcdef"}}))
+    settings = EvalSettings(max_new_tokens=16, shape=TreeConfig(k=6, bw=6, gamma=4, m=3))  # base_args' settings
+    shared = provenance(settings, str(root / "target"), {}, "float32")["shared"]
+    (tmp / "o" / "eval_config.json").write_text(json.dumps({"shared": shared, "drafters": {"pr": "0123456789abcdef"}}))
+
+
+def _edit_prompt_after_its_rows(root, tmp, args):
+    """Rows of an id-less prompts file (ids are line numbers), then its first prompt edited."""
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the cat sat on the mat"}) + "\n")
+    args[args.index("--prompts") + 1] = str(prompts)
+    assert main([*args, "--limit", "1", "--budget", "4"]) == 0
+    prompts.write_text(json.dumps({"prompt": "the dog sat on the mat"}) + "\n")
+    args += ["--limit", "1", "--budget", "4"]
 
 
 #: every class of bad `eval` input: (extra args, edit of the arguments/files, what the one-line error says)
@@ -130,7 +145,9 @@ BAD_INPUTS = {
     "drafter spec without NAME=": (["--draft", "nameless"], None, "NAME=DIR"),
     "drafter of another target vocab": ([], _edit_other_vocab_drafter, "vocab_size"),
     "target directory without config.json": ([], _edit_target_without_config, "no config.json"),
-    "out-dir made with other settings": ([], _edit_out_dir_of_other_settings, "m: 5 -> 3"),
+    "out-dir made with other settings": ([], _edit_out_dir_of_other_settings, "field 'm' is 5 but this run's is 3"),
+    "prompt edited under its id since its rows were made": ([], _edit_prompt_after_its_rows,
+                                                             "field 'prompt prompts/prompts-0' is"),
     "out-dir with other files under a drafter name": ([], _edit_out_dir_with_other_drafter_files, "drafter 'pr'"),
 }
 
@@ -144,6 +161,10 @@ def test_bad_input_is_one_clear_line(dirs, tmp_path, capsys, case):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err, err
+    if "edited" in case:  # the rows of the old text are discarded on request, then the new text is evaluated
+        assert "--start-over" in err and main([*args, "--start-over"]) == 0
+        rows = [json.loads(line) for line in (tmp_path / "o" / "results.jsonl").read_text().splitlines()]
+        assert {r["prompt_sha"] for r in rows} == {select_prompts(args[args.index("--prompts") + 1], 0, 1, "first")[0].digest}
 
 
 def test_ctrl_c_says_what_is_kept_and_how_to_resume(dirs, tmp_path, capsys, monkeypatch):

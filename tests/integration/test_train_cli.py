@@ -129,6 +129,19 @@ def _other_run_map(recipe, tmp):
     return [f"data.hidden_states_path={feats}", *_write_map(tmp, "other.pt", other)]
 
 
+def _drafter_of_another_shape(recipe, tmp):
+    """An HF EAGLE-3 drafter directory whose MLP is twice the draft config's width."""
+    from transformers import LlamaConfig
+
+    from pr_specforge.modeling import LlamaForCausalLMEagle3PR, PRDraftSettings, build_pr_config
+
+    cfg = json.loads(open(os.path.join(_root(recipe), "draft.json")).read())
+    cfg["intermediate_size"] *= 2
+    LlamaForCausalLMEagle3PR(build_pr_config(LlamaConfig.from_dict(cfg), PRDraftSettings(max_depth=1))).save_pretrained(
+        tmp / "wide")
+    return [f"pr.init_from={tmp / 'wide'}"]
+
+
 #: every class of bad `train` input caught before the first step: (edit -> extra overrides, the one-line error)
 BAD_INPUTS = {
     "unknown pr key": (lambda r, t: ["pr.bogus=1"], "unknown key"),
@@ -139,7 +152,7 @@ BAD_INPUTS = {
     "override of a field that does not exist": (lambda r, t: ["training.max_stepz=5"], "no field 'max_stepz'"),
     "pr section on the eagle3 strategy": (lambda r, t: ["training.strategy=eagle3"], "training.strategy=pr"),
     "features of another target width": (_draft_edit(target_hidden_size=96), "aux_hidden_state width 192"),
-    "draft config that is not EAGLE-3": (_draft_edit(architectures=["Qwen3ForCausalLM"]), "not an EAGLE-3 drafter"),
+    "draft config that is not EAGLE-3": (_draft_edit(architectures=["Qwen3ForCausalLM"]), "strategy does not train"),
     "corrupt first feature file": (lambda r, t: [f"data.hidden_states_path={_features_copy(r, t, corrupt=0)}"],
                                    "does not load"),
     "features whose preparation did not finish": (
@@ -158,6 +171,15 @@ BAD_INPUTS = {
     "empty vocab map": (lambda r, t: _write_map(t, "empty.pt", {"t2d": _own_map(r)["t2d"] & False,
                                                                 "d2t": _own_map(r)["d2t"][:0]}), "empty vocab map"),
     "vocab map of another run, same sizes": (_other_run_map, "is not the map the features"),
+    "pr.gate_init_bias NaN": (lambda r, t: ["pr.gate_init_bias=.nan"], "pr.gate_init_bias: expected a finite number"),
+    "pr.balance_coef inf": (lambda r, t: ["pr.balance_coef=.inf"], "pr.balance_coef: expected a finite number"),
+    "training.learning_rate inf": (lambda r, t: ["training.learning_rate=inf"],
+                                   "training.learning_rate: expected a finite number"),
+    "pr.init_from a path that does not exist": (lambda r, t: [f"pr.init_from={t / 'nowhere'}"], "no such file"),
+    "pr.init_from a directory that is not a drafter": (lambda r, t: (t / "notes").mkdir() or [f"pr.init_from={t / 'notes'}"],
+                                                       "neither an HF drafter directory"),
+    "pr.init_from tensors of another shape": (_drafter_of_another_shape, "tensor shapes differ from the draft config"),
+    "pr.freeze_one_pass without pr.init_from": (lambda r, t: ["pr.freeze_one_pass=true"], "without pr.init_from"),
 }
 
 
@@ -221,6 +243,13 @@ def test_rerun_resumes_start_over_discards_ctrl_c_and_bad_files_are_one_line(wor
     assert main(cmd) == 0
     assert (out / "metrics.jsonl").read_text().splitlines() == first
     assert sorted(p.name for p in out.glob("specforge-run-step*")) == [f"specforge-run-step{s}" for s in (1, 2, 3)]
+    # ...a larger training.max_steps cannot resume its schedule: one line saying how to train longer
+    capsys.readouterr()
+    assert main([*cmd, "training.max_steps=5"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "trained with training.max_steps=3" in err, err
+    assert f"model.draft_checkpoint_path={out / 'specforge-run-step3'}" in err and "--start-over" in err, err
+    assert (out / "metrics.jsonl").read_text().splitlines() == first
     # --start-over discards them and trains from step 0
     started = time.time()
     assert main([*cmd, "--start-over"]) == 0
@@ -252,3 +281,33 @@ def test_rerun_resumes_start_over_discards_ctrl_c_and_bad_files_are_one_line(wor
     assert main([*cmd, "--start-over", f"data.hidden_states_path={feats}"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and re.search(r"feature file \S+data_\d+\.ckpt: does not load", err), err
+
+
+def test_a_non_finite_loss_stops_training_in_one_line_and_no_checkpoint_holds_nan(workspace, tmp_path, capsys):
+    """Features holding NaN (a corrupt preparation): the first step's loss is NaN; the run stops there in one
+    line naming the step and the terms, before that step's checkpoint; a NaN state is never saved either."""
+    import shutil
+
+    import torch
+
+    from pr_specforge.cli import main
+    from pr_specforge.training.backends.checkpoint import recipe_checkpoint_manager
+    from pr_specforge.training.train import NonFiniteTraining
+
+    feats = tmp_path / "features"
+    shutil.copytree(os.path.join(_root(workspace), "features"), feats)
+    for path in feats.glob("rows_*/data_*.ckpt"):
+        sample = torch.load(path, weights_only=True)
+        sample["hidden_state"] = torch.full_like(sample["hidden_state"], float("nan"))
+        torch.save(sample, path)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    rc = main(["train", "-c", workspace, f"output_dir={out}", "training.save_interval=1", f"data.hidden_states_path={feats}"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err, err
+    assert re.search(r"training stopped at step 1: the loss is nan \(non-finite term\(s\): \S*loss", err), err
+    assert not list(out.glob("*-step*"))
+    manager = recipe_checkpoint_manager()(str(tmp_path / "direct"), "run")
+    with pytest.raises(NonFiniteTraining, match="drafter tensor 'w' holds NaN"):
+        manager.save({"draft_state_dict": {"w": torch.tensor([1.0, float("inf")])}}, 4, rank_state={})
+    assert not list((tmp_path / "direct").glob("run-step*"))

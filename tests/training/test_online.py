@@ -152,3 +152,44 @@ def test_two_rank_deepspeed_online_run_resumes_exactly(workspace):
     resumed = torch.load(final, weights_only=False)
     for key, value in reference["draft_state_dict"].items():
         assert torch.equal(value, resumed["draft_state_dict"][key]), key
+
+
+def test_a_float32_target_trains_a_bf16_drafter(workspace):
+    """`data.online_dtype=float32` (the target in fp32) with the bf16 drafter of the SmolLM2 recipes: the
+    target's states reach the drafter in its dtype, as bf16 features would offline."""
+    path = write_recipe(workspace, "fp32-target", "pr", online=True)
+    raw = yaml.safe_load(open(path))
+    raw["data"]["online_dtype"] = "float32"
+    open(path, "w").write(yaml.safe_dump(raw))
+    steps, _ = first_steps(path, 1)
+    assert torch.isfinite(steps[0][1]) and steps[0][1] > 0 and steps[0][2]
+
+
+def _malformed_line(root, tmp):
+    (tmp / "bad.jsonl").write_text(json.dumps(CONVERSATIONS[0]) + "\n" + '{"id": "x", "conversations": [\n')
+    return [f"data.train_data_path={tmp / 'bad.jsonl'}"]
+
+
+def _non_object_row(root, tmp):
+    (tmp / "list.jsonl").write_text(json.dumps(CONVERSATIONS[0]) + "\n" + json.dumps(["not", "a", "row"]) + "\n")
+    return [f"data.train_data_path={tmp / 'list.jsonl'}"]
+
+
+#: bad inputs of an online run, refused by `train --dry-run` in one line naming the file and row or field
+ONLINE_BAD_INPUTS = {
+    "conversations with a malformed JSON line": (_malformed_line, "bad.jsonl:2: malformed JSON"),
+    "conversations with a row that is not an object": (_non_object_row, "list.jsonl:2: expected a JSON object"),
+    "model.vocab_mapping_path that does not exist": (lambda r, t: [f"model.vocab_mapping_path={t / 'none.pt'}"],
+                                                     "model.vocab_mapping_path"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ONLINE_BAD_INPUTS))
+def test_online_bad_input_is_one_line(workspace, tmp_path, capsys, case):
+    from pr_specforge.cli import main
+
+    edit, needle = ONLINE_BAD_INPUTS[case]
+    path = write_recipe(workspace, "bad-input", "pr", online=True)
+    assert main(["train", "-c", path, *edit(workspace, tmp_path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err

@@ -11,6 +11,8 @@ tests/training/test_kill_resume.py). What it lacks, and this subclass adds:
   checkpoint, under `pr_specforge_recipe` (the exporter reads it);
 * durability: files and the directory entry are fsynced before the rename,
   so a power cut cannot leave a renamed-but-empty `training_state.pt`;
+* no checkpoint of non-finite tensors: a NaN/inf in the drafter's state refuses the
+  save in one line naming the tensor (the newest checkpoint stays the last good one);
 * ordering across ranks: every rank's `training_state_rank{r}.pt` is on disk
   (all ranks agree) before rank 0 writes the `training_state.pt` that marks the
   checkpoint complete; upstream rank 0 may mark it complete while another rank
@@ -58,6 +60,8 @@ def _manager_class():
         recipe: Optional[Dict[str, Any]] = None
 
         def save(self, state, step, *, rank_state=None):
+            if state is not None:
+                check_finite_state(state.get("draft_state_dict") or {}, step)
             if state is not None and self.recipe is not None:
                 state = {**state, RECIPE_STATE_KEY: self.recipe}
             self._saving_step = step
@@ -103,6 +107,16 @@ def _manager_class():
                 time.sleep(float(seconds))
 
     return RecipeCheckpointManager
+
+
+def check_finite_state(tensors: Dict[str, Any], step) -> None:
+    """Refuse to checkpoint a drafter state holding a NaN or inf (one line naming the tensor)."""
+    from pr_specforge.training.train import NonFiniteTraining
+
+    for name, value in tensors.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise NonFiniteTraining(f"checkpoint of step {step} not written: drafter tensor {name!r} holds NaN or inf; "
+                                    "the newest checkpoint in the run directory is the last finite one")
 
 
 _CLASS = None
