@@ -115,7 +115,7 @@ def edit_export(src, dst, edit):
     return str(dst)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def live_run(tmp_path_factory):
     from pr_specforge.export import export_checkpoint
     from tests.data.conftest import build_tokenizer
@@ -143,8 +143,9 @@ def live_run(tmp_path_factory):
             "eagle3": str(root / "eagle3-sglang"), "hf": str(root / "hf"), "prompts": prompts}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def plain_server(live_run, tmp_path_factory):
-    """The port of SGLang serving the target alone (plain greedy; with its tokenizer and chat template)."""
+    """The port of SGLang serving the target alone (plain greedy; with its tokenizer and chat template). Package-scoped:
+    an idle SGLang scheduler polls (about half a core here), so it must not outlive the live tests."""
     with sglang_server(live_run["target"], tmp_path_factory.mktemp("log") / "plain.log") as port:
         yield port
