@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from pr_specforge._specforge import LlamaForCausalLMEagle3
 from pr_specforge.modeling.two_layer import TWO_LAYER_ARCHITECTURE, LlamaForCausalLMEagle3TwoLayer
 from pr_specforge.serving import TREE_BUILDERS, DrafterRuntime, SpeculativeDecoder, TreeConfig, autoregressive_decode
 from tests.conftest import tiny_llama_config
@@ -51,7 +52,7 @@ def test_serving_runtime_runs_the_training_backbone():
         pos = torch.arange(t)[None]
         full = two.backbone(emb, hidden, None, causal_mask(t), pos)[0]
         ttt0 = two.backbone(emb, hidden, [[], []], causal_mask(t), pos)[0]  # SpecForge's TTT cache path, step 0
-        one_layer = LlamaForCausalLMEagle3TwoLayer.__mro__[1].backbone(two, emb, hidden, None, causal_mask(t), pos)[0]
+        one_layer = LlamaForCausalLMEagle3.backbone(two, emb, hidden, None, causal_mask(t), pos)[0]
     torch.testing.assert_close(served, full, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ttt0, full, rtol=1e-5, atol=1e-5)
     assert (full - one_layer).abs().max() > 1e-2  # the second layer really ran
