@@ -17,6 +17,8 @@ stored final hidden states); a target token outside the draft vocab can never be
             per-step counts are SpecForge's own (`_acc_and_loss`'s correct / denom), so
             `sim/acc_len_one_pass` equals `eval/simulated_acc_len` exactly.
   width2    the target token is among depth 0's top-2 (a wider tree's control, one more proposal).
+  width6    the target token is among depth 0's top-6: what a tree of offer width k = 6 (the
+            evaluator's and the paper's default) holds at a node.
   pr        (PR drafters with R >= 1) depth 0's top-1 is right, or the gate reconsiders past depth 0
             and the halt depth's top-1 is right, in expectation over the halt depth as the serving
             tree draws it (`serving.tree`: pooled with 1 - lambda_0, halting at depth r with
@@ -27,6 +29,11 @@ stored final hidden states); a target token outside the draft vocab can never be
             `objective.ttt`), which at step 0 reconsiders the one-pass feature itself and at step j
             continues from step j - 1's sampled halt depth, as a reconsidered branch of the tree does.
             Steps past `pr.mixed_rollout_length` have no reconsidered depths: accept = c_0.
+  width6_pr (PR drafters) `pr` with c_0 replaced by `width6`'s hit: a halt depth's right token
+            counts only where depth 0's top-6 lacks the target token. `width6_pr / width6` is
+            what reconsideration can add to a width-6 tree; `pr / one_pass` credits it also with
+            tokens the tree already holds as siblings, and over-predicts the served mechanism
+            when those dominate (measured: docs/telemetry.md, "Is the simulator honest?").
 Not simulated: the serving cap of `m` reconsidered rows per draft step. It binds only through
 competition with the tree's off-path nodes, which a teacher-forced chain does not have.
 
@@ -45,7 +52,11 @@ from typing import Dict, List, Optional
 import torch
 
 #: the rules, in the order they are reported
-RULES = ("one_pass", "width2", "pr")
+RULES = ("one_pass", "width2", "pr", "width6", "width6_pr")
+#: the rules that need reconsidered depths (PR drafters with R >= 1)
+PR_RULES = ("pr", "width6_pr")
+#: the offer width of the `width6` rules
+WIDE_K = 6
 
 
 def sim_key(rule: str) -> str:
@@ -183,9 +194,10 @@ def depth_rows(lo: int, logits: List[torch.Tensor], q: torch.Tensor, d2t: torch.
     return DepthRows(lo, top1, torch.stack([p.amax(-1) for p in probs], dim=-1), q.float())
 
 
-def pr_accept(a: OnePassRows, d: Optional[DepthRows]) -> torch.Tensor:
-    """Expected PR acceptance per row of one step (see the module docstring)."""
-    c0 = a.correct.float()
+def pr_accept(a: OnePassRows, d: Optional[DepthRows], c0: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Expected PR acceptance per row of one step (see the module docstring): `c0` is depth 0's own
+    acceptance per row (default: its top-1 is right; `width6_pr` passes the top-6 hit)."""
+    c0 = a.correct.float() if c0 is None else c0.float()
     if d is None:
         return c0
     recovered = (d.recovered(a.target).float() * d.q[..., 1:]).sum(-1)
@@ -198,6 +210,8 @@ def pr_accept(a: OnePassRows, d: Optional[DepthRows]) -> torch.Tensor:
 class Simulator(ChainObserver):
     """Pooled per-step acceptance counts of each rule; `metrics()` gives the `sim/` lengths."""
 
+    topk = WIDE_K
+
     def __init__(self) -> None:
         super().__init__()
         self.sums: Optional[torch.Tensor] = None  # [len(RULES) + 1, L] float64: denom, then one row per rule
@@ -209,10 +223,13 @@ class Simulator(ChainObserver):
     def add(self, one_pass: List[OnePassRows], depths: Dict[int, DepthRows]) -> None:
         for j, a in enumerate(one_pass):
             w2 = a.correct | (a.topk[..., : 2] == a.target[..., None]).any(-1)
+            w6 = a.correct | (a.topk[..., :WIDE_K] == a.target[..., None]).any(-1)
+            accept = {"width2": w2.float(), "pr": pr_accept(a, depths.get(j)), "width6": w6.float(),
+                      "width6_pr": pr_accept(a, depths.get(j), c0=w6)}
             self.sums[0, j] += float(a.denom)
             self.sums[1, j] += float(a.correct_sum)
-            self.sums[2, j] += float((w2.float() * a.mask).sum())
-            self.sums[3, j] += float((pr_accept(a, depths.get(j)) * a.mask).sum())
+            for i, rule in enumerate(RULES[1:], start=2):
+                self.sums[i, j] += float((accept[rule] * a.mask).sum())
 
     def reduce(self) -> None:
         """Sum the counts over the ranks (collective: every rank calls it)."""
@@ -226,7 +243,7 @@ class Simulator(ChainObserver):
         self.sums = buf.cpu()
 
     def rules(self) -> List[str]:
-        return list(RULES) if self.max_depth > 0 else list(RULES[:2])
+        return [r for r in RULES if self.max_depth > 0 or r not in PR_RULES]
 
     def per_step(self) -> Dict[str, List[float]]:
         """Each rule's pooled acceptance per TTT step (SpecForge's `clamp_min(1)` on the denominator)."""

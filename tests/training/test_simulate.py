@@ -78,7 +78,7 @@ def test_a_pr_drafter_whose_reconsidered_head_is_the_target_gives_the_maximal_pr
     g = torch.Generator().manual_seed(5)
     sim = Simulator()
     sim.start(TTT, 2)
-    rows, depths, expected = [], {}, []
+    rows, depths, expected, expected_wide = [], {}, [], []
     lo = 2
     for j in range(TTT):
         views = _step(target, mask, t2d, j)
@@ -90,9 +90,38 @@ def test_a_pr_drafter_whose_reconsidered_head_is_the_target_gives_the_maximal_pr
         c0 = rows[-1].correct.float()
         m = rows[-1].mask
         expected.append(float(((c0 + (1 - c0) * (1 - q0)) * m).sum() / m.sum()))  # rows < lo are unscored (mask)
+        w = (rows[-1].topk == rows[-1].target[..., None]).any(-1).float()  # the top-k hit (k = 2 proposals kept here)
+        expected_wide.append(float(((w + (1 - w) * (1 - q0)) * m).sum() / m.sum()))
     sim.add(rows, depths)
     m = sim.metrics()
     assert m[sim_key("pr")] == pytest.approx(sf.simulated_acc_len(expected))
+    assert m[sim_key("width6_pr")] == pytest.approx(sf.simulated_acc_len(expected_wide))
     if q0 == 0.0:
-        assert m[sim_key("pr")] == pytest.approx(TTT)
+        assert m[sim_key("pr")] == pytest.approx(TTT) and m[sim_key("width6_pr")] == pytest.approx(TTT)
     assert m[sim_key("one_pass")] < m[sim_key("pr")]
+
+
+def test_width6_holds_rank_4_and_a_reconsidered_sibling_adds_nothing_to_it():
+    """Depth 0 ranks the target token 4th everywhere; every reconsidered depth has it at top-1.
+    The top-1 chain and width 2 accept nothing, width 6 the whole chain; `pr` credits
+    reconsideration with the whole chain, `width6_pr` with nothing beyond width 6 (the token is a
+    sibling a width-6 tree already holds)."""
+    target, mask, t2d, d2t = _oracle_setup(seed=2)
+    sim = Simulator()
+    sim.start(TTT, 1)
+    rows, depths, lo = [], {}, 2
+    for j in range(TTT):
+        views = _step(target, mask, t2d, j)
+        oracle = torch.cat([target[:, j:], target[:, :j]], dim=1)
+        tok = oracle.argmax(-1, keepdim=True)
+        fourth = oracle.clone()  # three other tokens above the target's
+        others = (tok + torch.arange(1, 4)) % oracle.shape[-1]
+        fourth.scatter_(-1, others, oracle.gather(-1, tok).expand_as(others) + torch.arange(3, 0, -1).float())
+        rows.append(one_pass_rows(d2t, 6, logits=fourth, **views))
+        q = torch.tensor([0.0, 1.0]).expand(*oracle.shape[:2], 2)[:, lo:]
+        depths[j] = depth_rows(lo, [fourth[:, lo:], oracle[:, lo:]], q, d2t)
+    sim.add(rows, depths)
+    m = sim.metrics()
+    assert m[sim_key("one_pass")] == 0.0 and m[sim_key("width2")] == 0.0
+    assert m[sim_key("width6")] == pytest.approx(TTT) and m[sim_key("pr")] == pytest.approx(TTT)
+    assert m[sim_key("width6_pr")] == pytest.approx(m[sim_key("width6")])
