@@ -236,6 +236,8 @@ class GSM8KRegime:
 #: a PR drafter wins a regime when, in every seed, its mean T = 0 gain is at least this and no T = 0 cell's CI is below 0
 WIN_GAIN = 0.02
 CELLS = ((48, 0.0), (24, 0.0), (48, 1.0))
+#: the screening serve's one cell
+SCREEN_CELLS = ((48, 0.0),)
 
 
 def served_rows(eval_dirs: Sequence[Path], suffix: str = "") -> Dict[tuple, Dict[str, dict]]:
@@ -256,21 +258,35 @@ def tau(rows: Optional[Dict[str, dict]]) -> Optional[float]:
     return sum(r["accepted"] for r in rows.values()) / max(1, sum(r["rounds"] for r in rows.values()))
 
 
-def seed_summary(sd: Path, n: int = 2000) -> dict:
-    """One seed's served taus per drafter and cell, and each comparison's paired gain (95% bootstrap CI)."""
+def seed_summary(sd: Path, n: int = 2000, split: str = "report") -> dict:
+    """One seed's served taus per drafter and cell, and each comparison's paired gain (95% bootstrap CI).
+
+    `split="report"`: the report serves (`report-*`; the verdict's cells). `split="screen"`: every
+    `screen-b48*` folder (B 48, T 0; what variants are chosen on). Cells nothing was served in are left out.
+    """
     from pr_specforge.eval.statistics import decompose_gain
 
-    rows = served_rows([sd / "report-b48", sd / "report-b24"])
-    rows.update(served_rows([sd / "report-bw9-b48", sd / "report-bw9-b24"], suffix="@bw9"))
+    if split == "report":
+        rows = served_rows([sd / "report-b48", sd / "report-b24"])
+        rows.update(served_rows([sd / "report-bw9-b48", sd / "report-bw9-b24"], suffix="@bw9"))
+        cells_served = CELLS
+    else:
+        rows = served_rows(sorted(d for d in sd.glob("screen-b48*") if d.is_dir()))
+        cells_served = SCREEN_CELLS
     # name -> (baseline, one-pass tree or None): split by `decompose_gain`, the experiment report's rule
     pairs = {"pr": ("eagle3", "pr/one-pass"), "pr-warm": ("eagle3-long", "pr-warm/one-pass"),
+             "pr-warm@eagle3": ("eagle3", "pr-warm/one-pass"), "eagle3-long": ("eagle3", None),
              "eagle3-2layer": ("eagle3", None), "eagle3@bw9": ("eagle3", None)}
     cells = []
-    for budget, temp in CELLS:
+    for budget, temp in cells_served:
         cell: dict = {"budget": budget, "temperature": temp,
-                      "tau": {d: tau(r) for (d, b, t), r in sorted(rows.items()) if (b, t) == (budget, temp)}}
+                      "tau": {d: tau(r) for (d, b, t), r in sorted(rows.items()) if (b, t) == (budget, temp)},
+                      "prompts": {d: len(r) for (d, b, t), r in sorted(rows.items()) if (b, t) == (budget, temp)}}
+        if not cell["tau"]:
+            continue
         for name, (base, one_pass) in pairs.items():
-            parts = decompose_gain(rows.get((base, budget, temp)), rows.get((name, budget, temp)),
+            drafter = name.split("@")[0] if name.endswith("@eagle3") else name
+            parts = decompose_gain(rows.get((base, budget, temp)), rows.get((drafter, budget, temp)),
                                    rows.get((one_pass, budget, temp)) if one_pass else None, n=n, seed=0)
             for part, key in (("gain", name), ("one_pass", f"{name}/one-pass"), ("mechanism", f"{name}/mechanism")):
                 if part in parts:
@@ -297,14 +313,72 @@ def gsm8k_row(work: Path) -> dict:
     """The GSM8K domain regime's row from its workdir (whatever stages have finished)."""
     manifest = work / "features" / "manifest.json"
     feats = json.loads(manifest.read_text()) if manifest.exists() else {}
-    seeds = {int(sd.name[4:]): seed_summary(sd) for sd in sorted(work.glob("seed*")) if sd.name[4:].isdigit()}
+    seed_dirs = [sd for sd in sorted(work.glob("seed*")) if sd.name[4:].isdigit()]
+    seeds = {int(sd.name[4:]): seed_summary(sd) for sd in seed_dirs}
+    seeds = {s: v for s, v in seeds.items() if v["cells"]}
+    screening = {int(sd.name[4:]): seed_summary(sd, split="screen") for sd in seed_dirs}
     headroom = {}
-    for sd in sorted(work.glob("seed*")):
+    for sd in seed_dirs:
         for f in sorted((sd / "headroom").glob("*.json")):
             headroom.setdefault(f.stem, {})[sd.name] = json.loads(f.read_text()).get("pooled")
-    return {"regime": "gsm8k-domain", "workdir": str(work), "splits": {k: [v.start, v.stop - 1] for k, v in SPLITS.items()},
-            "data": {k: feats.get(k) for k in ("samples", "tokens", "loss_tokens") if k in feats},
-            "seeds": seeds, "verdict": {d: verdict(seeds, d) for d in ("pr", "pr-warm")}, "headroom": headroom}
+    row = {"regime": "gsm8k-domain", "workdir": str(work), "splits": {k: [v.start, v.stop - 1] for k, v in SPLITS.items()},
+           "data": {k: v for k, v in (feats.get("counts") or feats).items() if k in ("samples", "tokens", "loss_tokens")},
+           "seeds": seeds, "screening": {s: v for s, v in screening.items() if v["cells"]},
+           "verdict": {d: verdict(seeds, d) for d in ("pr", "pr-warm")}, "headroom": headroom}
+    row["conditions"] = conditions(row)
+    return row
+
+
+#: the paper's figures for the conditions PR relies on (Llama-3.1-8B unless said; GSM8K where the paper has it)
+PAPER_CONDITIONS = {
+    "eagle3_tau": (4.84, "Table 3, EAGLE-3.1 on GSM8K, B 48, T 0"),
+    "two_layer_gain": (0.006, "Table 3, GSM8K (+2.0% averaged over three sets)"),
+    "bw9_gain": (0.009, "Table 4, Gemma-3-12B, GSM8K, T 1"),
+    "one_pass_acceptance": (0.698, "Sec. 2.2, EAGLE-3.1 held-out top-1 acceptance"),
+    "recovered_low_cd": (0.288, "Table 7, share of c_d < 0.5 rejects a reconsidered depth gets right"),
+    "misses_outside_top6": (None, "not reported; what only a second guess could add to a width-6 tree"),
+    "recon_only": (None, "not reported; one-pass misses only a reconsidered depth proposes (outside depth 0's top 6)"),
+    "mechanism_gain": (0.096, "Table 4, PR over PR m = 0, averaged"),
+}
+
+
+def conditions(row: dict) -> dict:
+    """What the paper's gain relies on, measured in this regime (the report split where served, else screening).
+
+    Each entry: the measured value per seed, where it came from, and the paper's figure beside it.
+    """
+    def cells_of(summary_by_seed, source):
+        return [(seed, source, c) for seed, s in sorted(summary_by_seed.items()) for c in s["cells"]
+                if (c["budget"], c["temperature"]) == (48, 0.0)]
+
+    cells = cells_of(row.get("seeds") or {}, "report") or cells_of(row.get("screening") or {}, "screening")
+    out: dict = {}
+
+    def put(key, seed, source, value):
+        if value is not None:
+            out.setdefault(key, {"paper": PAPER_CONDITIONS[key][0], "paper_source": PAPER_CONDITIONS[key][1],
+                                 "measured": {}})["measured"][f"seed{seed}"] = {"value": value, "from": source}
+
+    for seed, source, c in cells:
+        put("eagle3_tau", seed, source, c["tau"].get("eagle3"))
+        put("two_layer_gain", seed, source, (c.get("eagle3-2layer") or {}).get("gain_rel"))
+        put("bw9_gain", seed, source, (c.get("eagle3@bw9") or {}).get("gain_rel"))
+        mech = [c[k]["gain_rel"] for k in ("pr-warm/mechanism", "pr/mechanism") if k in c]
+        put("mechanism_gain", seed, source, max(mech) if mech else None)
+    for name, per_seed in (row.get("headroom") or {}).items():
+        for sd, pooled in per_seed.items():
+            if not pooled:
+                continue
+            guess = pooled.get("second_guess") or {}
+            if name == "eagle3":
+                put("one_pass_acceptance", sd[4:], "headroom (screen features)", pooled.get("acceptance"))
+                put("misses_outside_top6", sd[4:], "headroom of eagle3 (screen features)", guess.get("outside_topk"))
+            if name == "pr-warm":
+                put("recon_only", sd[4:], "headroom of pr-warm (screen features)", guess.get("recon_only"))
+            table7 = pooled.get("table7")
+            if table7 and name == "pr-warm":
+                put("recovered_low_cd", sd[4:], f"headroom of {name} (screen features)", table7["recovered"][0][3])
+    return out
 
 
 def sharegpt_row() -> dict:
@@ -319,37 +393,70 @@ def sharegpt_row() -> dict:
             "controls": "two-layer and B_w 9 not yet run at this scale"}
 
 
-def render(report: dict) -> str:
-    def pct(g):
-        return "-" if not g else f"{100 * g['gain_rel']:+.1f}% [{100 * g['gain_rel_ci95'][0]:+.1f}, {100 * g['gain_rel_ci95'][1]:+.1f}]"
+#: rows of a served cell's table: drafter -> the comparison key whose gain it shows (None: tau only)
+TABLE_ROWS = (("eagle3", None), ("eagle3@bw9", "eagle3@bw9"), ("eagle3-2layer", "eagle3-2layer"),
+              ("eagle3-long", "eagle3-long"), ("pr", "pr"), ("pr/one-pass", None), ("pr-warm", "pr-warm"),
+              ("pr-warm/one-pass", None))
+BASE_OF = {"eagle3@bw9": "eagle3", "eagle3-2layer": "eagle3", "eagle3-long": "eagle3", "pr": "eagle3",
+           "pr-warm": "eagle3-long"}
 
+
+def _pct(g: Optional[dict]) -> str:
+    return "-" if not g else f"{100 * g['gain_rel']:+.1f}% [{100 * g['gain_rel_ci95'][0]:+.1f}, {100 * g['gain_rel_ci95'][1]:+.1f}]"
+
+
+def render_cells(cells: List[dict]) -> List[str]:
+    """One table per served cell: each drafter's tau, its gain over its baseline, and PR's decomposition."""
+    lines = []
+    for c in cells:
+        lines += [f"B {c['budget']}, T {c['temperature']:g}:", "",
+                  "| drafter | prompts | tau | gain over | gain [95% CI] | one-pass part | mechanism |", "|---|---|---|---|---|---|---|"]
+        for name, key in TABLE_ROWS:
+            if c["tau"].get(name) is None:
+                continue
+            extra = ""
+            if name == "pr-warm" and c.get("pr-warm@eagle3"):
+                extra = f"; over eagle3: {_pct(c['pr-warm@eagle3'])}"
+            lines.append(f"| {name} | {c['prompts'].get(name, '-')} | {c['tau'][name]:.3f} | {BASE_OF.get(name, '-') if key else '-'} | "
+                         f"{_pct(c.get(key)) if key else '-'}{extra} | {_pct(c.get(f'{key}/one-pass')) if key else '-'} | "
+                         f"{_pct(c.get(f'{key}/mechanism')) if key else '-'} |")
+        lines.append("")
+    return lines
+
+
+def render(report: dict) -> str:
     lines = ["# Regimes (issue 27): where can PR pay?", "",
              "GSM8K is the 1,319-problem test split, cut by index: training 40-1039, screening 1040-1159 "
-             "(variants are chosen here only), report 1160-1318 (served for these tables only).", ""]
+             "(variants are chosen here only), report 1160-1318 (served for the report tables only).", ""]
     for row in report["regimes"]:
         lines += [f"## {row['regime']}", ""]
         if row["regime"] == "sharegpt-chat":
             lines += [f"EAGLE-3 tau (B 48, T 0, mean over sets): {row['eagle3_tau_b48_t0']:.3f}; source {row['source']}; "
                       f"{row['controls']}.", ""]
-        for seed, summary in sorted((row.get("seeds") or {}).items()):
-            if row["regime"] != "gsm8k-domain":
-                continue
-            lines += [f"### seed {seed}", "", "| B | T | tau eagle3 | eagle3 B_w 9 | 2-layer | pr m3 / m0 | pr-warm m3 / m0 | eagle3-long |"
-                      " pr gain | one-pass | mechanism | pr-warm gain | one-pass | mechanism | 2-layer gain | B_w 9 gain |",
-                      "|" + "---|" * 16]
-            for c in summary["cells"]:
-                t = c["tau"]
-                f = lambda k: "-" if t.get(k) is None else f"{t[k]:.3f}"  # noqa: E731
-                lines.append(f"| {c['budget']} | {c['temperature']:g} | {f('eagle3')} | {f('eagle3@bw9')} | {f('eagle3-2layer')} | "
-                             f"{f('pr')} / {f('pr/one-pass')} | {f('pr-warm')} / {f('pr-warm/one-pass')} | {f('eagle3-long')} | "
-                             + " | ".join(pct(c.get(k)) for k in ("pr", "pr/one-pass", "pr/mechanism", "pr-warm", "pr-warm/one-pass",
-                                                                   "pr-warm/mechanism", "eagle3-2layer", "eagle3@bw9")) + " |")
-            lines.append("")
+        else:
+            d = row.get("data") or {}
+            if d:
+                lines += [f"Training data: {d.get('samples', '?')} solutions of the training split, {d.get('tokens', 0):,} tokens "
+                          f"({d.get('loss_tokens', 0):,} loss tokens).", ""]
+            for seed, summary in sorted((row.get("screening") or {}).items()):
+                lines += [f"### seed {seed}: screening split (chooses variants; not a verdict)", ""] + render_cells(summary["cells"])
+            for seed, summary in sorted((row.get("seeds") or {}).items()):
+                lines += [f"### seed {seed}: report split", ""] + render_cells(summary["cells"])
+            if not row.get("seeds"):
+                lines += ["No report-split serve has finished: no verdict for this regime yet.", ""]
         for name, v in (row.get("verdict") or {}).items():
             if v:
                 per = "; ".join(f"seed {s}: mean T0 gain {100 * x['mean_t0_gain']:+.1f}%"
                                 f"{', a T0 cell below 0' if x['cell_below_zero'] else ''}" for s, x in sorted(v["seeds"].items()))
                 lines.append(f"- **{name}**: {'WINS' if v['wins'] else 'does not win'} ({per}).")
+        if row.get("conditions"):
+            lines += ["", "### The conditions the paper's gain relies on, measured here", "",
+                      "| condition | measured | paper |", "|---|---|---|"]
+            for key, cnd in row["conditions"].items():
+                fmt = (lambda x: f"{x:.3f}") if key == "eagle3_tau" else (lambda x: f"{100 * x:+.1f}%" if "gain" in key else f"{100 * x:.2f}%")
+                meas = "; ".join(f"{sd}: {fmt(m['value'])} ({m['from']})" for sd, m in sorted(cnd["measured"].items()))
+                paper = "-" if cnd["paper"] is None else fmt(cnd["paper"])
+                lines.append(f"| {key} | {meas} | {paper} ({cnd['paper_source']}) |")
         lines.append("")
     return "\n".join(lines) + "\n"
 

@@ -60,3 +60,55 @@ def test_screening_serves_the_screen_split_and_the_report_the_report_split_with_
                                                                  drafters=["eagle3", "eagle3-long"]))
     assert _value(wide, "--bw") == "9" and _value(wide, "--prompts").endswith("splits/report.jsonl")
     assert [a.split("=")[0] for a in wide if "=" in a and not a.startswith("-")] == ["eagle3", "eagle3-long"]
+
+
+def _served(path, rows):
+    """An eval --out-dir holding results.jsonl rows: (draft, budget, temperature, prompt, accepted, rounds)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "results.jsonl").write_text("".join(json.dumps({"draft": d, "budget": b, "temperature": t, "set": "screen",
+                                                            "prompt": p, "accepted": a, "rounds": n}) + "\n"
+                                                for d, b, t, p, a, n in rows))
+
+
+def test_the_report_shows_screening_apart_from_the_report_split_and_gives_no_verdict_without_it(regimes, tmp_path):
+    sd = tmp_path / "seed0"
+    # screening: EAGLE-3 tau 3.0, the warm PR drafter 3.3 over its m = 0 tree's 3.0, eagle3-long 3.0; the
+    # two-layer control in a folder of its own (screen-b48-2layer) at 3.15
+    _served(sd / "screen-b48", [(d, 48, 0.0, f"p{i}", a, 10) for i in range(4)
+                                for d, a in (("eagle3", 30), ("eagle3-long", 30), ("pr-warm", 33), ("pr-warm/one-pass", 30))])
+    _served(sd / "screen-b48-2layer", [("eagle3-2layer", 48, 0.0, f"p{i}", 31 + i % 2, 10) for i in range(4)])
+    (sd / "headroom").mkdir()
+    (sd / "headroom" / "eagle3.json").write_text(json.dumps({"pooled": {"acceptance": 0.465, "table7": None,
+                                                                                "second_guess": {"outside_topk": 0.517}}}))
+    table7 = {"recovered": [[0.1, 0.1, 0.1, 0.074], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0.07]]}
+    (sd / "headroom" / "pr-warm.json").write_text(json.dumps({"pooled": {"acceptance": 0.457, "table7": table7,
+                                                                                 "second_guess": {"recon_only": 0.0003}}}))
+    row = regimes.gsm8k_row(tmp_path)
+    assert row["seeds"] == {} and all(v is None for v in row["verdict"].values())  # no report serve: no verdict
+    (cell,) = row["screening"][0]["cells"]
+    assert cell["tau"] == {"eagle3": 3.0, "eagle3-2layer": 3.15, "eagle3-long": 3.0, "pr-warm": 3.3, "pr-warm/one-pass": 3.0}
+    assert cell["pr-warm"]["gain_rel"] == pytest.approx(0.1) and cell["pr-warm/mechanism"]["gain_rel"] == pytest.approx(0.1)
+    assert cell["pr-warm/one-pass"]["gain_rel"] == pytest.approx(0.0) and cell["eagle3-2layer"]["gain_rel"] == pytest.approx(0.05)
+    c = row["conditions"]
+    assert c["eagle3_tau"]["measured"] == {"seed0": {"value": 3.0, "from": "screening"}}
+    assert c["two_layer_gain"]["measured"]["seed0"]["value"] == pytest.approx(0.05)
+    assert c["mechanism_gain"]["measured"]["seed0"]["value"] == pytest.approx(0.1)
+    assert c["one_pass_acceptance"]["measured"]["seed0"]["value"] == 0.465 and c["one_pass_acceptance"]["paper"] == 0.698
+    assert c["recovered_low_cd"]["measured"]["seed0"]["value"] == 0.074
+    assert c["misses_outside_top6"]["measured"]["seed0"]["value"] == 0.517 and c["recon_only"]["paper"] is None
+    assert c["recon_only"]["measured"]["seed0"]["value"] == 0.0003
+    text = regimes.render({"regimes": [row]})
+    assert "### seed 0: screening split (chooses variants; not a verdict)" in text and "no verdict for this regime yet" in text
+    assert "| pr-warm | 4 | 3.300 | eagle3-long | +10.0%" in text
+    assert "| recon_only | seed0: 0.03% (headroom of pr-warm (screen features)) | - (not reported;" in text
+
+    # a report serve (B 48 at T 0 and T 1, B 24 at T 0) makes the seed's verdict cells; conditions then come from it
+    _served(sd / "report-b48", [(d, 48, t, f"r{i}", a, 10) for i in range(3) for t in (0.0, 1.0)
+                                for d, a in (("eagle3", 30), ("eagle3-long", 30), ("pr-warm", 31), ("pr-warm/one-pass", 30))])
+    _served(sd / "report-b24", [(d, 24, 0.0, f"r{i}", a, 10) for i in range(3)
+                                for d, a in (("eagle3", 25), ("eagle3-long", 25), ("pr-warm", 26), ("pr-warm/one-pass", 25))])
+    row = regimes.gsm8k_row(tmp_path)
+    assert [(c["budget"], c["temperature"]) for c in row["seeds"][0]["cells"]] == [(48, 0.0), (24, 0.0), (48, 1.0)]
+    v = row["verdict"]["pr-warm"]
+    assert v["seeds"][0]["mean_t0_gain"] == pytest.approx((31 / 30 + 26 / 25) / 2 - 1) and not v["wins"]  # one seed only
+    assert row["conditions"]["eagle3_tau"]["measured"]["seed0"]["from"] == "report"
