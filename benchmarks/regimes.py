@@ -88,6 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="benchmarks/results/regimes.{md,json}: one verdict per regime")
     r.add_argument("--gsm8k", default=None, help="the GSM8K regime's workdir")
     r.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "regimes"))
+    r.add_argument("--provenance", default="", help="a line saying which commits ran the stages, on which machine")
     return p
 
 
@@ -326,7 +327,18 @@ def gsm8k_row(work: Path) -> dict:
            "seeds": seeds, "screening": {s: v for s, v in screening.items() if v["cells"]},
            "verdict": {d: verdict(seeds, d) for d in ("pr", "pr-warm")}, "headroom": headroom}
     row["conditions"] = conditions(row)
+    row["round_cost"] = round_cost()
     return row
+
+
+def round_cost(path: Path = REPO_ROOT / "benchmarks" / "results" / "draft_cost_controls.json") -> Optional[dict]:
+    """The controls' drafting-round cost over EAGLE's, measured side by side (`benchmarks/draft_cost.py`)."""
+    if not path.exists():
+        return None
+    d = json.loads(path.read_text())
+    return {"file": str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path),
+            "machine": d.get("machine"), "dtype": d.get("dtype"), "threads": d.get("threads"),
+            **{k: d.get(k) for k in ("two_layer_over_eagle", "bw9_over_eagle", "coforward_over_eagle")}}
 
 
 #: the paper's figures for the conditions PR relies on (Llama-3.1-8B unless said; GSM8K where the paper has it)
@@ -428,6 +440,8 @@ def render(report: dict) -> str:
     lines = ["# Regimes (issue 27): where can PR pay?", "",
              "GSM8K is the 1,319-problem test split, cut by index: training 40-1039, screening 1040-1159 "
              "(variants are chosen here only), report 1160-1318 (served for the report tables only).", ""]
+    if report.get("provenance"):
+        lines += [report["provenance"], ""]
     for row in report["regimes"]:
         lines += [f"## {row['regime']}", ""]
         if row["regime"] == "sharegpt-chat":
@@ -444,6 +458,11 @@ def render(report: dict) -> str:
                 lines += [f"### seed {seed}: report split", ""] + render_cells(summary["cells"])
             if not row.get("seeds"):
                 lines += ["No report-split serve has finished: no verdict for this regime yet.", ""]
+            rc = row.get("round_cost")
+            if rc and rc.get("two_layer_over_eagle"):
+                lines += [f"Drafting-round cost over EAGLE-3's (SmolLM2 shape, B 48, {rc['dtype']}, {rc['threads']} thread, "
+                          f"{rc['machine']}; `{rc['file']}`): two-layer {rc['two_layer_over_eagle']:.2f}x, "
+                          f"B_w 9 {rc['bw9_over_eagle']:.2f}x, PR co-forwarded {rc['coforward_over_eagle']:.2f}x.", ""]
         for name, v in (row.get("verdict") or {}).items():
             if v:
                 per = "; ".join(f"seed {s}: mean T0 gain {100 * x['mean_t0_gain']:+.1f}%"
@@ -461,10 +480,11 @@ def render(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_regimes_report(gsm8k_work: Optional[Path], prefix: Path) -> dict:
+def write_regimes_report(gsm8k_work: Optional[Path], prefix: Path, provenance: str = "") -> dict:
     from pr_specforge.data.io import atomic_write_json, atomic_write_text
 
-    report = {"regimes": [sharegpt_row()] + ([gsm8k_row(gsm8k_work)] if gsm8k_work and gsm8k_work.exists() else [])}
+    report = {"regimes": [sharegpt_row()] + ([gsm8k_row(gsm8k_work)] if gsm8k_work and gsm8k_work.exists() else []),
+              "provenance": provenance}
     atomic_write_json(prefix.with_suffix(".json"), report)
     atomic_write_text(prefix.with_suffix(".md"), render(report))
     return report
@@ -477,7 +497,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     try:
         if args.regime == "report":
-            print(render(write_regimes_report(Path(args.gsm8k) if args.gsm8k else None, Path(args.out))))
+            print(render(write_regimes_report(Path(args.gsm8k) if args.gsm8k else None, Path(args.out), args.provenance)))
             return 0
         return GSM8KRegime(args).run()
     except STAGE_ERRORS as e:
