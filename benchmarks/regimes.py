@@ -274,10 +274,10 @@ def seed_summary(sd: Path, n: int = 2000, split: str = "report") -> dict:
     else:
         rows = served_rows(sorted(d for d in sd.glob("screen-b48*") if d.is_dir()))
         cells_served = SCREEN_CELLS
-    # name -> (baseline, one-pass tree or None): split by `decompose_gain`, the experiment report's rule
-    pairs = {"pr": ("eagle3", "pr/one-pass"), "pr-warm": ("eagle3-long", "pr-warm/one-pass"),
-             "pr-warm@eagle3": ("eagle3", "pr-warm/one-pass"), "eagle3-long": ("eagle3", None),
-             "eagle3-2layer": ("eagle3", None), "eagle3@bw9": ("eagle3", None)}
+    # comparison -> (served drafter, baseline, one-pass tree or None): split by `decompose_gain`, the experiment report's rule
+    pairs = {"pr": ("pr", "eagle3", "pr/one-pass"), "pr-warm": ("pr-warm", "eagle3-long", "pr-warm/one-pass"),
+             "pr-warm@eagle3": ("pr-warm", "eagle3", "pr-warm/one-pass"), "eagle3-long": ("eagle3-long", "eagle3", None),
+             "eagle3-2layer": ("eagle3-2layer", "eagle3", None), "eagle3@bw9": ("eagle3@bw9", "eagle3", None)}
     cells = []
     for budget, temp in cells_served:
         cell: dict = {"budget": budget, "temperature": temp,
@@ -285,8 +285,7 @@ def seed_summary(sd: Path, n: int = 2000, split: str = "report") -> dict:
                       "prompts": {d: len(r) for (d, b, t), r in sorted(rows.items()) if (b, t) == (budget, temp)}}
         if not cell["tau"]:
             continue
-        for name, (base, one_pass) in pairs.items():
-            drafter = name.split("@")[0] if name.endswith("@eagle3") else name
+        for name, (drafter, base, one_pass) in pairs.items():
             parts = decompose_gain(rows.get((base, budget, temp)), rows.get((drafter, budget, temp)),
                                    rows.get((one_pass, budget, temp)) if one_pass else None, n=n, seed=0)
             for part, key in (("gain", name), ("one_pass", f"{name}/one-pass"), ("mechanism", f"{name}/mechanism")):
@@ -387,9 +386,8 @@ def conditions(row: dict) -> dict:
                 put("misses_outside_top6", sd[4:], "headroom of eagle3 (screen features)", guess.get("outside_topk"))
             if name == "pr-warm":
                 put("recon_only", sd[4:], "headroom of pr-warm (screen features)", guess.get("recon_only"))
-            table7 = pooled.get("table7")
-            if table7 and name == "pr-warm":
-                put("recovered_low_cd", sd[4:], f"headroom of {name} (screen features)", table7["recovered"][0][3])
+                if pooled.get("table7"):
+                    put("recovered_low_cd", sd[4:], "headroom of pr-warm (screen features)", pooled["table7"]["recovered"][0][3])
     return out
 
 
