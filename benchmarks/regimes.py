@@ -20,8 +20,10 @@ Stages (each skipped once its output exists; trainings resume from their newest 
   target, splits, regenerate, features, screen-regenerate, screen-features    (shared by every seed)
   per seed and drafter: train, diagnose (screen features), export (HF)
   per seed: screen-serve  (B 48, T 0 on the screen split; every drafter; PR also at m = 0)
-  per seed: report-serve  (B 24 and 48 at T 0, B 48 at T 1, on the report split: EAGLE-3 at
-            B_w 6 and 9, the two-layer EAGLE-3, every PR drafter at m = 3 and m = 0)
+  per seed: report serves (`REPORT_DIRS`, on the report split): every PR drafter at m = 3 and m = 0
+            and its matched baseline at B 48 (T 0 and 1) and B 24 (T 0); EAGLE-3 beside them at B 48;
+            the two-layer control at B 48, T 0; EAGLE-3 at B_w 9 at B 48, T 0 and 1. Each lends the
+            first serve's target decodes (`eval --baseline-from`), so none is decoded twice.
 
 Drafters (`DRAFTERS`): `eagle3` (the CPU recipe), `eagle3-2layer` (Table 3's control: a second,
 ordinary decoder layer after M; `recipes/drafters/smollm2-135m-eagle3-2layer.json`), `pr` (the
@@ -62,6 +64,9 @@ DRAFTERS: Dict[str, tuple] = {
 #: PR drafter -> its matched EAGLE-3 baseline (trained as many total steps on the same data)
 BASELINE = {"pr": "eagle3", "pr-warm": "eagle3-long"}
 STAGE_GROUPS = ("data", "train", "screen", "report")
+#: the report serves: (folder, who (`GSM8KRegime.report_drafters`), B, temperatures, B_w), in the order they run
+REPORT_DIRS = (("report-b48", "b48", 48, [0, 1], 6), ("report-b24", "verdict", 24, [0], 6),
+               ("report-b48-2layer", "two_layer", 48, [0], 6), ("report-bw9-b48", "bw9", 48, [0, 1], 9))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -186,30 +191,45 @@ class GSM8KRegime:
                                            "--seed", seed, "--no-progress"])
 
     def serve_settings(self, seed: int, split: str, limit: int, budgets, temperatures, bw: int = 6,
-                       drafters: Optional[Sequence[str]] = None) -> dict:
+                       drafters: Optional[Sequence[str]] = None, baseline_from: Sequence[Path] = ()) -> dict:
         args, sd = self.args, self.seed_dir(seed)
-        names = [n for n in (drafters or args.drafters) if n in args.drafters]
+        names = [n for n in (args.drafters if drafters is None else drafters) if n in args.drafters]
         return dict(drafts={n: sd / "export" / n for n in names}, prompts=[str(self.splits / f"{split}.jsonl")], limit=limit,
                     budgets=list(budgets), temperatures=list(temperatures), max_new_tokens=args.serve_max_new_tokens,
-                    extra=["--k", 6, "--bw", bw, "--gamma", 8, "--m", 3, "--seed", seed, "--no-progress", "--also-one-pass"])
+                    extra=["--k", 6, "--bw", bw, "--gamma", 8, "--m", 3, "--seed", seed, "--no-progress", "--also-one-pass",
+                           *[a for d in baseline_from for a in ("--baseline-from", d)]])
 
     def screen_stages(self, seed: int) -> List[Stage]:
         sd = self.seed_dir(seed)
         return [self.build.eval_stage(f"seed{seed} screen-serve", sd / "screen-b48",
                                       **self.serve_settings(seed, "screen", self.args.screen_limit, [48], [0]))]
 
+    def report_drafters(self) -> Dict[str, List[str]]:
+        """Who is served in which report cell (`REPORT_CELLS`), from `--drafters`.
+
+        `verdict`: the PR drafters and their matched baselines, in every cell (B 48 at T 0 and 1, B 24 at T 0).
+        `eagle3`: the plain EAGLE-3 drafter joins them at B 48 (the regime's EAGLE-3 tau, and both controls' base).
+        `two_layer`: Table 3's control at B 48, T 0 (the cell Table 3 reports). `bw9`: Table 4's widened
+        control, the plain EAGLE-3 drafter at B_w 9 (B 48, T 0 and T 1: Table 4 is at T 1).
+        """
+        names = self.args.drafters
+        pr = [n for n in names if n in BASELINE]
+        verdict = [n for n in names if n in pr or n in {BASELINE[p] for p in pr}]
+        return {"verdict": verdict, "b48": [n for n in names if n in verdict or n == "eagle3"],
+                "two_layer": [n for n in names if n == "eagle3-2layer"], "bw9": [n for n in names if n == "eagle3"]}
+
+    def report_serves(self, seed: int) -> List[tuple]:
+        """The report split's serves, (name, out_dir, `serve_settings`), in `REPORT_DIRS` order; every one after the
+        first lends the first one's target decodes (`eval --baseline-from`: same target, prompts and seeds)."""
+        sd, who = self.seed_dir(seed), self.report_drafters()
+        first = sd / REPORT_DIRS[0][0]
+        return [(f"seed{seed} {out}", sd / out, self.serve_settings(seed, "report", self.args.report_limit, [budget], temps,
+                                                                    bw=bw, drafters=who[group],
+                                                                    baseline_from=[] if sd / out == first else [first]))
+                for out, group, budget, temps, bw in REPORT_DIRS if who[group]]
+
     def report_stages(self, seed: int) -> List[Stage]:
-        sd, limit, build = self.seed_dir(seed), self.args.report_limit, self.build
-        eagle = [n for n in ("eagle3", "eagle3-long") if n in self.args.drafters]
-        return [
-            build.eval_stage(f"seed{seed} report-b48", sd / "report-b48", **self.serve_settings(seed, "report", limit, [48], [0, 1])),
-            build.eval_stage(f"seed{seed} report-b24", sd / "report-b24", **self.serve_settings(seed, "report", limit, [24], [0])),
-            # Table 4's widened control: the EAGLE-3 drafters at B_w = 9, the batch PR's B_w 6 + m 3 gets
-            build.eval_stage(f"seed{seed} report-bw9-b48", sd / "report-bw9-b48",
-                             **self.serve_settings(seed, "report", limit, [48], [0, 1], bw=9, drafters=eagle)),
-            build.eval_stage(f"seed{seed} report-bw9-b24", sd / "report-bw9-b24",
-                             **self.serve_settings(seed, "report", limit, [24], [0], bw=9, drafters=eagle)),
-        ]
+        return [self.build.eval_stage(name, out, **settings) for name, out, settings in self.report_serves(seed)]
 
     def run(self) -> int:
         args, work = self.args, self.work
@@ -268,8 +288,8 @@ def seed_summary(sd: Path, n: int = 2000, split: str = "report") -> dict:
     from pr_specforge.eval.statistics import decompose_gain
 
     if split == "report":
-        rows = served_rows([sd / "report-b48", sd / "report-b24"])
-        rows.update(served_rows([sd / "report-bw9-b48", sd / "report-bw9-b24"], suffix="@bw9"))
+        rows = served_rows([sd / out for out, *_, bw in REPORT_DIRS if bw == 6])
+        rows.update(served_rows([sd / out for out, *_, bw in REPORT_DIRS if bw == 9], suffix="@bw9"))
         cells_served = CELLS
     else:
         rows = served_rows(sorted(d for d in sd.glob("screen-b48*") if d.is_dir()))

@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-over", action="store_true",
                    help="discard the per-prompt rows already in --out-dir (without it they are reused, and refused "
                         "if made with other settings, drafter files or prompt text)")
+    p.add_argument("--baseline-from", action="append", default=[], metavar="DIR",
+                   help="reuse the target's own decodes of another --out-dir (repeatable) made with the same target, "
+                        "--dtype, --max-new-tokens and --turns, for the same prompt text and, at T > 0, the same seed; "
+                        "they are copied into this --out-dir (saves one target decode per prompt and temperature)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -88,6 +92,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         EvalSettings,
         Evaluator,
         LosslessnessError,
+        borrowed_baselines,
         check_out_dir,
         discard_rows,
         load_draft_entries,
@@ -124,7 +129,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         paths = dict(spec.partition("=")[::2] for spec in args.draft)
         if args.start_over:
             discard_rows(args.out_dir)
-        check_out_dir(args.out_dir, provenance(settings, args.target, paths, args.dtype))
+        current = provenance(settings, args.target, paths, args.dtype)
+        evaluator.borrowed = borrowed_baselines(args.baseline_from, current["shared"])  # refused before --out-dir is touched
+        check_out_dir(args.out_dir, current)
     except (ValueError, FileNotFoundError) as e:
         print(f"pr-specforge eval: {e}", file=sys.stderr)
         return 2

@@ -128,6 +128,8 @@ class Evaluator:
                     decompose=settings.decompose,
                 )
         self.drafters = list(drafters)
+        #: the target's own decodes lent by other out-dirs (`borrowed_baselines`), used before decoding anew
+        self.borrowed: Dict[Tuple, dict] = {}
 
     # ------------------------------------------------------------------ runs
     def _conversation(self, turns: List[str], generate: Callable[[List[int]], Tuple[List[int], object]]):
@@ -148,6 +150,12 @@ class Evaluator:
         key = (set_name, prompt.id, float(temperature))
         if key in done:
             return done[key]
+        lent = self.borrowed.get(key)
+        if lent is not None and lent.get("prompt_sha") == prompt.digest and (temperature == 0 or lent.get("seed") == seed):
+            row = dict(lent)  # copied here, so this out-dir stands on its own
+            append_jsonl(self.baseline_path, row)
+            done[key] = row
+            return row
         s = self.settings
 
         def gen(ids):
@@ -159,6 +167,7 @@ class Evaluator:
             "prompt": prompt.id,
             "prompt_sha": prompt.digest,
             "temperature": float(temperature),
+            "seed": seed,
             "outputs": [o[0] for o in outs],
             "tokens": sum(len(o[0]) for o in outs),
             "seconds": sum(o[1] for o in outs),
@@ -393,6 +402,33 @@ def check_out_dir(out_dir: str, current: dict) -> None:
         drafters[name] = fp
     if drafters != before.get("drafters"):
         atomic_write_json(path, {**before, "drafters": drafters})
+
+
+#: the provenance fields the target's own decode depends on besides its row's seed (what `--baseline-from` must share)
+BASELINE_FIELDS = ("target", "dtype", "max_new_tokens", "turns")
+
+
+def borrowed_baselines(dirs: Sequence[str], shared: dict) -> Dict[Tuple, dict]:
+    """The target's own decodes (`baseline.jsonl`) of other eval out-dirs, (set, prompt, temperature) -> row.
+
+    Refused in one line unless each dir was made with this run's target, dtype, max_new_tokens and turns.
+    A row is then used only for the same prompt text and, at T > 0, the same sampling seed (`Evaluator._baseline`).
+    """
+    import json
+
+    lent: Dict[Tuple, dict] = {}
+    for d in dirs:
+        path = os.path.join(d, PROVENANCE_FILE)
+        if not os.path.exists(path):
+            raise ValueError(f"--baseline-from {d}: no {PROVENANCE_FILE} there (not a `pr-specforge eval` --out-dir)")
+        with open(path) as f:
+            theirs = json.load(f).get("shared", {})
+        check_resume(f"--baseline-from {d}", {k: theirs[k] for k in BASELINE_FIELDS if k in theirs},
+                     {k: shared[k] for k in BASELINE_FIELDS},
+                     "its target decodes were made another way: drop that --baseline-from")
+        for r in read_jsonl_rows(os.path.join(d, "baseline.jsonl")):
+            lent.setdefault((r["set"], r["prompt"], float(r["temperature"])), r)
+    return lent
 
 
 #: what `eval` writes per prompt in its --out-dir, and the provenance of those rows (`--start-over` deletes them)

@@ -54,12 +54,35 @@ def test_screening_serves_the_screen_split_and_the_report_the_report_split_with_
     screen = r.build.eval_argv(tmp_path / "s", **r.serve_settings(0, "screen", 30, [48], [0]))
     assert _value(screen, "--prompts").endswith("splits/screen.jsonl") and _value(screen, "--limit") == "30"
     assert "--also-one-pass" in screen and "--skip" not in screen
-    names = [s.name for s in r.report_stages(0)]
-    assert names == ["seed0 report-b48", "seed0 report-b24", "seed0 report-bw9-b48", "seed0 report-bw9-b24"]
-    wide = r.build.eval_argv(tmp_path / "w", **r.serve_settings(0, "report", 120, [48], [0, 1], bw=9,
-                                                                 drafters=["eagle3", "eagle3-long"]))
-    assert _value(wide, "--bw") == "9" and _value(wide, "--prompts").endswith("splits/report.jsonl")
-    assert [a.split("=")[0] for a in wide if "=" in a and not a.startswith("-")] == ["eagle3", "eagle3-long"]
+    assert [s.name for s in r.report_stages(0)] == ["seed0 report-b48", "seed0 report-b24", "seed0 report-b48-2layer",
+                                                    "seed0 report-bw9-b48"]
+    serves = {name.split()[1]: r.build.eval_argv(out, **settings) for name, out, settings in r.report_serves(0)}
+
+    def drafters(argv):
+        return [argv[i + 1].split("=")[0] for i, a in enumerate(argv) if a == "--draft"]
+
+    def repeated(argv, flag):  # a repeatable flag's values
+        return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+
+    def values(argv, flag):  # a many-valued flag's values
+        i = argv.index(flag) + 1
+        j = next((j for j in range(i, len(argv)) if argv[j].startswith("--")), len(argv))
+        return argv[i:j]
+
+    assert drafters(serves["report-b48"]) == ["eagle3", "pr", "pr-warm", "eagle3-long"]  # PR, their baselines, EAGLE-3
+    assert drafters(serves["report-b24"]) == ["eagle3", "pr", "pr-warm", "eagle3-long"]  # eagle3: pr's baseline
+    assert drafters(serves["report-b48-2layer"]) == ["eagle3-2layer"] and drafters(serves["report-bw9-b48"]) == ["eagle3"]
+    cells = {n: (values(a, "--budget"), values(a, "--temperature"), _value(a, "--bw")) for n, a in serves.items()}
+    assert cells == {"report-b48": (["48"], ["0", "1"], "6"), "report-b24": (["24"], ["0"], "6"),
+                     "report-b48-2layer": (["48"], ["0"], "6"), "report-bw9-b48": (["48"], ["0", "1"], "9")}
+    for name, argv in serves.items():
+        assert _value(argv, "--prompts").endswith("splits/report.jsonl") and _value(argv, "--limit") == "120"
+        assert repeated(argv, "--baseline-from") == ([] if name == "report-b48" else [str(tmp_path / "seed0" / "report-b48")])
+    # pr-warm alone: its baseline eagle3-long in every cell, EAGLE-3 at B 48 only; no control that was not asked for
+    only = _regime(regimes, tmp_path, "--drafters", "eagle3", "pr-warm", "eagle3-long")
+    serves = {name.split()[1]: r.build.eval_argv(out, **settings) for name, out, settings in only.report_serves(0)}
+    assert drafters(serves["report-b48"]) == ["eagle3", "pr-warm", "eagle3-long"]
+    assert drafters(serves["report-b24"]) == ["pr-warm", "eagle3-long"] and "report-b48-2layer" not in serves
 
 
 def _served(path, rows):
