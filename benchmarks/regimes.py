@@ -261,18 +261,6 @@ CELLS = ((48, 0.0), (24, 0.0), (48, 1.0))
 SCREEN_CELLS = ((48, 0.0),)
 
 
-def served_rows(eval_dirs: Sequence[Path], suffix: str = "") -> Dict[tuple, Dict[str, dict]]:
-    """(draft + suffix, budget, temperature) -> prompt -> row, over the finished eval directories given."""
-    from pr_specforge.data.io import read_jsonl_rows
-
-    out: Dict[tuple, Dict[str, dict]] = {}
-    for d in eval_dirs:
-        if (d / "results.jsonl").exists():
-            for r in read_jsonl_rows(d / "results.jsonl"):
-                out.setdefault((r["draft"] + suffix, r["budget"], float(r["temperature"])), {})[f"{r['set']}/{r['prompt']}"] = r
-    return out
-
-
 def tau(rows: Optional[Dict[str, dict]]) -> Optional[float]:
     if not rows:
         return None
@@ -285,7 +273,7 @@ def seed_summary(sd: Path, n: int = 2000, split: str = "report") -> dict:
     `split="report"`: the report serves (`report-*`; the verdict's cells). `split="screen"`: every
     `screen-b48*` folder (B 48, T 0; what variants are chosen on). Cells nothing was served in are left out.
     """
-    from pr_specforge.eval.statistics import decompose_gain
+    from pr_specforge.eval.statistics import decompose_gain, served_rows
 
     if split == "report":
         rows = served_rows([sd / out for out, *_, bw in REPORT_DIRS if bw == 6])

@@ -134,17 +134,13 @@ def summarise(rows: List[dict]) -> dict:
 
 
 def served_cell(eval_dirs: Sequence[Path], budget: int, temperature: float) -> Dict[str, Dict[str, dict]]:
-    """draft -> prompt -> row for one cell, over the eval directories' results.jsonl."""
-    from pr_specforge.data.io import read_jsonl_rows
+    """draft -> prompt -> row for one cell, over the eval directories' results.jsonl (`eval.statistics.served_rows`)."""
+    from pr_specforge.eval.statistics import served_rows
 
-    out: Dict[str, Dict[str, dict]] = {}
     for d in eval_dirs:
         if not (d / "results.jsonl").exists():
             raise SimHonestyError(f"{d}: no results.jsonl (not a `pr-specforge eval --out-dir` folder)")
-        for r in read_jsonl_rows(d / "results.jsonl"):
-            if r["budget"] == budget and float(r["temperature"]) == temperature:
-                out.setdefault(r["draft"], {})[f"{r['set']}/{r['prompt']}"] = r
-    return out
+    return {draft: rows for (draft, b, t), rows in served_rows(eval_dirs).items() if (b, t) == (budget, float(temperature))}
 
 
 def render(report: dict) -> str:

@@ -73,6 +73,18 @@ def decompose_gain(eagle: Optional[Dict[str, dict]], pr: Optional[Dict[str, dict
     return out
 
 
+def served_rows(eval_dirs, suffix: str = "") -> Dict[tuple, Dict[str, dict]]:
+    """(draft + suffix, budget, temperature) -> "set/prompt" -> row, over the eval out-dirs given that hold
+    a `results.jsonl` (later dirs win a repeated key)."""
+    out: Dict[tuple, Dict[str, dict]] = {}
+    for d in eval_dirs:
+        path = Path(d) / "results.jsonl"
+        if path.exists():
+            for r in read_jsonl_rows(path):
+                out.setdefault((r["draft"] + suffix, r["budget"], float(r["temperature"])), {})[f"{r['set']}/{r['prompt']}"] = r
+    return out
+
+
 def comparisons(eval_dirs, n: int, seed: int) -> List[dict]:
     """PR vs EAGLE-3 per set x budget x temperature from the evaluators' per-prompt rows.
 
