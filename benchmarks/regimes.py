@@ -314,7 +314,7 @@ def verdict(seeds: Dict[int, dict], drafter: str) -> Optional[dict]:
     if not per_seed:
         return None
     wins = len(per_seed) >= 2 and all(v["mean_t0_gain"] >= WIN_GAIN and not v["cell_below_zero"] for v in per_seed.values())
-    return {"seeds": per_seed, "wins": wins}
+    return {"seeds": per_seed, "wins": wins, "decided": len(per_seed) >= 2}
 
 
 def gsm8k_row(work: Path) -> dict:
@@ -473,7 +473,8 @@ def render(report: dict) -> str:
             if v:
                 per = "; ".join(f"seed {s}: mean T0 gain {100 * x['mean_t0_gain']:+.1f}%"
                                 f"{', a T0 cell below 0' if x['cell_below_zero'] else ''}" for s, x in sorted(v["seeds"].items()))
-                lines.append(f"- **{name}**: {'WINS' if v['wins'] else 'does not win'} ({per}).")
+                said = ("WINS" if v["wins"] else "does not win") if v.get("decided", True) else "undecided (the verdict needs two seeds)"
+                lines.append(f"- **{name}**: {said} ({per}).")
         if row.get("conditions"):
             lines += ["", "### The conditions the paper's gain relies on, measured here", "",
                       "| condition | measured | paper |", "|---|---|---|"]

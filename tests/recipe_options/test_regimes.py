@@ -134,4 +134,6 @@ def test_the_report_shows_screening_apart_from_the_report_split_and_gives_no_ver
     assert [(c["budget"], c["temperature"]) for c in row["seeds"][0]["cells"]] == [(48, 0.0), (24, 0.0), (48, 1.0)]
     v = row["verdict"]["pr-warm"]
     assert v["seeds"][0]["mean_t0_gain"] == pytest.approx((31 / 30 + 26 / 25) / 2 - 1) and not v["wins"]  # one seed only
+    assert not v["decided"] and "- **pr-warm**: undecided (the verdict needs two seeds) (seed 0: mean T0 gain +3.7%)" in regimes.render(
+        {"regimes": [row]})
     assert row["conditions"]["eagle3_tau"]["measured"]["seed0"]["from"] == "report"
