@@ -205,10 +205,10 @@ class GSM8KRegime:
                                       **self.serve_settings(seed, "screen", self.args.screen_limit, [48], [0]))]
 
     def report_drafters(self) -> Dict[str, List[str]]:
-        """Who is served in which report cell (`REPORT_CELLS`), from `--drafters`.
+        """Who is served in which report folder (`REPORT_DIRS`' second field), from `--drafters`.
 
         `verdict`: the PR drafters and their matched baselines, in every cell (B 48 at T 0 and 1, B 24 at T 0).
-        `eagle3`: the plain EAGLE-3 drafter joins them at B 48 (the regime's EAGLE-3 tau, and both controls' base).
+        `b48`: they and the plain EAGLE-3 drafter at B 48 (the regime's EAGLE-3 tau, and both controls' base).
         `two_layer`: Table 3's control at B 48, T 0 (the cell Table 3 reports). `bw9`: Table 4's widened
         control, the plain EAGLE-3 drafter at B_w 9 (B 48, T 0 and T 1: Table 4 is at T 1).
         """
@@ -313,8 +313,9 @@ def verdict(seeds: Dict[int, dict], drafter: str) -> Optional[dict]:
                               "cell_below_zero": any(c["gain_rel_ci95"][1] < 0 for c in t0), "cells": len(t0)}
     if not per_seed:
         return None
-    wins = len(per_seed) >= 2 and all(v["mean_t0_gain"] >= WIN_GAIN and not v["cell_below_zero"] for v in per_seed.values())
-    return {"seeds": per_seed, "wins": wins, "decided": len(per_seed) >= 2}
+    decided = len(per_seed) >= 2
+    wins = decided and all(v["mean_t0_gain"] >= WIN_GAIN and not v["cell_below_zero"] for v in per_seed.values())
+    return {"seeds": per_seed, "wins": wins, "decided": decided}
 
 
 def gsm8k_row(work: Path) -> dict:
@@ -473,7 +474,7 @@ def render(report: dict) -> str:
             if v:
                 per = "; ".join(f"seed {s}: mean T0 gain {100 * x['mean_t0_gain']:+.1f}%"
                                 f"{', a T0 cell below 0' if x['cell_below_zero'] else ''}" for s, x in sorted(v["seeds"].items()))
-                said = ("WINS" if v["wins"] else "does not win") if v.get("decided", True) else "undecided (the verdict needs two seeds)"
+                said = ("WINS" if v["wins"] else "does not win") if v["decided"] else "undecided (the verdict needs two seeds)"
                 lines.append(f"- **{name}**: {said} ({per}).")
         if row.get("conditions"):
             lines += ["", "### The conditions the paper's gain relies on, measured here", "",

@@ -80,7 +80,7 @@ def test_screening_serves_the_screen_split_and_the_report_the_report_split_with_
         assert repeated(argv, "--baseline-from") == ([] if name == "report-b48" else [str(tmp_path / "seed0" / "report-b48")])
     # pr-warm alone: its baseline eagle3-long in every cell, EAGLE-3 at B 48 only; no control that was not asked for
     only = _regime(regimes, tmp_path, "--drafters", "eagle3", "pr-warm", "eagle3-long")
-    serves = {name.split()[1]: r.build.eval_argv(out, **settings) for name, out, settings in only.report_serves(0)}
+    serves = {name.split()[1]: only.build.eval_argv(out, **settings) for name, out, settings in only.report_serves(0)}
     assert drafters(serves["report-b48"]) == ["eagle3", "pr-warm", "eagle3-long"]
     assert drafters(serves["report-b24"]) == ["pr-warm", "eagle3-long"] and "report-b48-2layer" not in serves
 
