@@ -87,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=250, help="steps between held-out evaluations (the loss curve)")
     g.add_argument("--screen-limit", type=int, default=40, help="screening: served problems of the screen split")
     g.add_argument("--report-limit", type=int, default=100, help="report: served problems of the report split")
+    g.add_argument("--report-step", type=int, default=None,
+                   help="serve the report in rounds of this many problems: every report folder reaches N problems, "
+                        "then 2N, ... (a stopped run leaves every cell on the same problems; default: one round)")
     g.add_argument("--serve-max-new-tokens", type=int, default=128)
     g.add_argument("--until", choices=STAGE_GROUPS, default="report", help="run the stages up to this group")
     g.add_argument("--dry-run", action="store_true", help="print the stages and their outputs, run nothing")
@@ -94,6 +97,14 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--gsm8k", default=None, help="the GSM8K regime's workdir")
     r.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "regimes"))
     r.add_argument("--provenance", default="", help="a line saying which commits ran the stages, on which machine")
+    r.add_argument("--report-limit", type=int, default=100,
+                   help="report problems a seed needs served in every report folder before it counts toward the verdict")
+    k = sub.add_parser("save", help="copy a workdir's served rows and small records (no model, no feature) into DIR")
+    k.add_argument("--gsm8k", required=True, help="the GSM8K regime's workdir")
+    k.add_argument("--to", required=True)
+    k = sub.add_parser("restore", help="copy the served rows `save` kept back into a (rebuilt) workdir, to resume its serves")
+    k.add_argument("--from", dest="src", required=True)
+    k.add_argument("--gsm8k", required=True, help="the GSM8K regime's workdir")
     return p
 
 
@@ -218,18 +229,28 @@ class GSM8KRegime:
         return {"verdict": verdict, "b48": [n for n in names if n in verdict or n == "eagle3"],
                 "two_layer": [n for n in names if n == "eagle3-2layer"], "bw9": [n for n in names if n == "eagle3"]}
 
-    def report_serves(self, seed: int) -> List[tuple]:
-        """The report split's serves, (name, out_dir, `serve_settings`), in `REPORT_DIRS` order; every one after the
-        first lends the first one's target decodes (`eval --baseline-from`: same target, prompts and seeds)."""
+    def report_serves(self, seed: int, limit: Optional[int] = None) -> List[tuple]:
+        """The report split's serves, (name, out_dir, `serve_settings`), in `REPORT_DIRS` order, on its first `limit`
+        problems (default `--report-limit`); every one after the first lends the first one's target decodes
+        (`eval --baseline-from`: same target, prompts and seeds)."""
         sd, who = self.seed_dir(seed), self.report_drafters()
         first = sd / REPORT_DIRS[0][0]
-        return [(f"seed{seed} {out}", sd / out, self.serve_settings(seed, "report", self.args.report_limit, [budget], temps,
+        limit = self.args.report_limit if limit is None else limit
+        return [(f"seed{seed} {out}", sd / out, self.serve_settings(seed, "report", limit, [budget], temps,
                                                                     bw=bw, drafters=who[group],
                                                                     baseline_from=[] if sd / out == first else [first]))
                 for out, group, budget, temps, bw in REPORT_DIRS if who[group]]
 
     def report_stages(self, seed: int) -> List[Stage]:
-        return [self.build.eval_stage(name, out, **settings) for name, out, settings in self.report_serves(seed)]
+        """`report_serves` in rounds of `--report-step` problems (`report_rounds`): every folder reaches a round's
+        problems before any goes on. A round's stage is done once its folder's summary counts that many problems."""
+        stages = []
+        for limit in report_rounds(self.args.report_limit, self.args.report_step):
+            for name, out, settings in self.report_serves(seed, limit):
+                stage = self.build.eval_stage(name if limit == self.args.report_limit else f"{name} to {limit}", out, **settings)
+                stage.done = lambda out=out, limit=limit: summary_prompts(out) >= limit
+                stages.append(stage)
+        return stages
 
     def run(self) -> int:
         args, work = self.args, self.work
@@ -251,6 +272,80 @@ class GSM8KRegime:
             return 0
         run_stages(stages, work / "stage_times.json")
         return 0
+
+
+def report_rounds(limit: int, step: Optional[int]) -> List[int]:
+    """The problem counts the report serves stop at: step, 2 step, ..., limit (just `limit` without a step)."""
+    if step is not None and step < 1:
+        raise ValueError(f"--report-step must be at least 1, not {step}")
+    return list(range(step, limit, step)) + [limit] if step else [limit]
+
+
+def summary_prompts(eval_dir: Path) -> int:
+    """How many problems an eval folder's last finished run served in every one of its cells (its `summary.json`;
+    0 while none has finished)."""
+    path = eval_dir / "summary.json"
+    if not path.exists():
+        return 0
+    entries = json.loads(path.read_text()).get("results") or []
+    return min((e["prompts"] for e in entries), default=0)
+
+
+def finished_prompts(eval_dirs: Sequence[Path]) -> Optional[set]:
+    """The "set/prompt" keys every cell of every folder given had finished at its last finished run (each folder's
+    `summary.json`): rows past them belong to a round still running. None when no folder has finished one."""
+    out: Optional[set] = None
+    for d in eval_dirs:
+        path = d / "summary.json"
+        if not path.exists():
+            if (d / "results.jsonl").exists():
+                return set()  # a folder that has rows but no finished round holds the others back
+            continue
+        for e in json.loads(path.read_text()).get("results") or []:
+            keys = {f"{e['set']}/{p}" for p in e["per_prompt_tau"]}
+            out = keys if out is None else out & keys
+    return out
+
+
+# ---------------------------------------------------------------- keeping a workdir's rows across machines
+#: what `save` keeps of a workdir (relative globs): the served rows and the small records, never a model or a feature
+KEEP = ("data_settings.json", "stage_times.json", "commands.log", "splits/splits.json", "features/manifest.json",
+        "screen/features/manifest.json", "seed*/settings.json", "seed*/headroom/*.json", "seed*/diagnose/*.json",
+        "seed*/runs/*/metrics.jsonl", "seed*/screen-b48*/*.json", "seed*/screen-b48*/*.jsonl",
+        "seed*/report-*/*.json", "seed*/report-*/*.jsonl")
+#: what `restore` puts back: the eval folders only (the data, trainings, diagnose and headroom stages rerun; a serve
+#: resumed from restored rows refuses a rebuilt drafter whose weights differ, `eval`'s own drafter fingerprint)
+RESTORE = ("seed*/screen-b48*/*.json", "seed*/screen-b48*/*.jsonl", "seed*/report-*/*.json", "seed*/report-*/*.jsonl")
+
+
+def _copy_tree(src: Path, dst: Path, globs: Sequence[str], overwrite: bool) -> List[Path]:
+    """Copy the files of `src` matching `globs` to the same relative paths under `dst` (atomically); returns them."""
+    from pr_specforge.data.io import atomic_write_bytes
+
+    copied = []
+    for pattern in globs:
+        for f in sorted(src.glob(pattern)):
+            rel = f.relative_to(src)
+            if f.is_file() and (overwrite or not (dst / rel).exists()):
+                (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(dst / rel, f.read_bytes())
+                copied.append(rel)
+    return copied
+
+
+def save_rows(work: Path, to: Path) -> List[Path]:
+    """Keep `work`'s served rows and small records (`KEEP`) in `to`, replacing what an earlier save kept there."""
+    if not (work / "data_settings.json").exists():
+        raise FileNotFoundError(f"{work}: not a regime workdir (no data_settings.json)")
+    return _copy_tree(work, to, KEEP, overwrite=True)
+
+
+def restore_rows(src: Path, work: Path) -> List[Path]:
+    """Put `save`'s eval folders back into `work` (files already there are left alone)."""
+    if not (src / "data_settings.json").exists():
+        raise FileNotFoundError(f"{src}: not a saved regime folder (no data_settings.json)")
+    work.mkdir(parents=True, exist_ok=True)
+    return _copy_tree(src, work, RESTORE, overwrite=False)
 
 
 # ---------------------------------------------------------------- the report
@@ -278,6 +373,9 @@ def seed_summary(sd: Path, n: int = 2000, split: str = "report") -> dict:
     if split == "report":
         rows = served_rows([sd / out for out, *_, bw in REPORT_DIRS if bw == 6])
         rows.update(served_rows([sd / out for out, *_, bw in REPORT_DIRS if bw == 9], suffix="@bw9"))
+        finished = finished_prompts([sd / out for out, *_ in REPORT_DIRS])
+        rows = {k: {p: r for p, r in v.items() if finished is None or p in finished} for k, v in rows.items()}
+        rows = {k: v for k, v in rows.items() if v}
         cells_served = CELLS
     else:
         rows = served_rows(sorted(d for d in sd.glob("screen-b48*") if d.is_dir()))
@@ -300,25 +398,35 @@ def seed_summary(sd: Path, n: int = 2000, split: str = "report") -> dict:
                 if part in parts:
                     cell[key] = parts[part]
         cells.append(cell)
-    return {"cells": cells}
+    out: dict = {"cells": cells}
+    if split == "report" and finished is not None:
+        out["problems"] = len(finished)  # served in every report cell (finished rounds only)
+    return out
 
 
-def verdict(seeds: Dict[int, dict], drafter: str) -> Optional[dict]:
-    """`drafter`'s regime verdict: per seed the mean T = 0 gain and whether a T = 0 cell's CI is entirely below 0."""
+def verdict(seeds: Dict[int, dict], drafter: str, need: Optional[int] = None) -> Optional[dict]:
+    """`drafter`'s regime verdict: per seed the mean T = 0 gain and whether a T = 0 cell's CI is entirely below 0.
+
+    A seed counts once its report holds `need` problems in every cell (its summary's `problems`; without `need`, or
+    a summary without `problems`, every seed counts); the verdict is decided by two or more counting seeds.
+    """
     per_seed = {}
     for seed, summary in seeds.items():
         t0 = [c[drafter] for c in summary["cells"] if c["temperature"] == 0.0 and drafter in c]
         if t0:
+            problems = summary.get("problems")
             per_seed[seed] = {"mean_t0_gain": sum(c["gain_rel"] for c in t0) / len(t0),
-                              "cell_below_zero": any(c["gain_rel_ci95"][1] < 0 for c in t0), "cells": len(t0)}
+                              "cell_below_zero": any(c["gain_rel_ci95"][1] < 0 for c in t0), "cells": len(t0),
+                              "problems": problems, "counts": need is None or problems is None or problems >= need}
     if not per_seed:
         return None
-    decided = len(per_seed) >= 2
-    wins = decided and all(v["mean_t0_gain"] >= WIN_GAIN and not v["cell_below_zero"] for v in per_seed.values())
-    return {"seeds": per_seed, "wins": wins, "decided": decided}
+    counting = [v for v in per_seed.values() if v["counts"]]
+    decided = len(counting) >= 2
+    wins = decided and all(v["mean_t0_gain"] >= WIN_GAIN and not v["cell_below_zero"] for v in counting)
+    return {"seeds": per_seed, "wins": wins, "decided": decided, "need": need}
 
 
-def gsm8k_row(work: Path) -> dict:
+def gsm8k_row(work: Path, report_limit: Optional[int] = None) -> dict:
     """The GSM8K domain regime's row from its workdir (whatever stages have finished)."""
     manifest = work / "features" / "manifest.json"
     feats = json.loads(manifest.read_text()) if manifest.exists() else {}
@@ -333,7 +441,7 @@ def gsm8k_row(work: Path) -> dict:
     row = {"regime": "gsm8k-domain", "workdir": str(work), "splits": {k: [v.start, v.stop - 1] for k, v in SPLITS.items()},
            "data": {k: v for k, v in (feats.get("counts") or feats).items() if k in ("samples", "tokens", "loss_tokens")},
            "seeds": seeds, "screening": {s: v for s, v in screening.items() if v["cells"]},
-           "verdict": {d: verdict(seeds, d) for d in ("pr", "pr-warm")}, "headroom": headroom}
+           "verdict": {d: verdict(seeds, d, report_limit) for d in ("pr", "pr-warm")}, "headroom": headroom}
     row["conditions"] = conditions(row)
     row["round_cost"] = round_cost()
     return row
@@ -443,6 +551,12 @@ def render_cells(cells: List[dict]) -> List[str]:
     return lines
 
 
+def _seed_verdict(seed: int, x: dict, need: Optional[int]) -> str:
+    """One seed's part of a verdict line."""
+    text = f"seed {seed}: mean T0 gain {100 * x['mean_t0_gain']:+.1f}%{', a T0 cell below 0' if x['cell_below_zero'] else ''}"
+    return text if x.get("counts", True) else f"{text} on {x['problems']} of {need} problems, not counted yet"
+
+
 def render(report: dict) -> str:
     lines = ["# Regimes (issue 27): where can PR pay?", "",
              "GSM8K is the 1,319-problem test split, cut by index: training 40-1039, screening 1040-1159 "
@@ -462,7 +576,8 @@ def render(report: dict) -> str:
             for seed, summary in sorted((row.get("screening") or {}).items()):
                 lines += [f"### seed {seed}: screening split (chooses variants; not a verdict)", ""] + render_cells(summary["cells"])
             for seed, summary in sorted((row.get("seeds") or {}).items()):
-                lines += [f"### seed {seed}: report split", ""] + render_cells(summary["cells"])
+                served = f" ({summary['problems']} problems in every cell)" if summary.get("problems") is not None else ""
+                lines += [f"### seed {seed}: report split{served}", ""] + render_cells(summary["cells"])
             if not row.get("seeds"):
                 lines += ["No report-split serve has finished: no verdict for this regime yet.", ""]
             rc = row.get("round_cost")
@@ -472,9 +587,9 @@ def render(report: dict) -> str:
                           f"B_w 9 {rc['bw9_over_eagle']:.2f}x, PR co-forwarded {rc['coforward_over_eagle']:.2f}x.", ""]
         for name, v in (row.get("verdict") or {}).items():
             if v:
-                per = "; ".join(f"seed {s}: mean T0 gain {100 * x['mean_t0_gain']:+.1f}%"
-                                f"{', a T0 cell below 0' if x['cell_below_zero'] else ''}" for s, x in sorted(v["seeds"].items()))
-                said = ("WINS" if v["wins"] else "does not win") if v["decided"] else "undecided (the verdict needs two seeds)"
+                per = "; ".join(_seed_verdict(s, x, v.get("need")) for s, x in sorted(v["seeds"].items()))
+                need = f" with {v['need']} report problems each" if v.get("need") else ""
+                said = ("WINS" if v["wins"] else "does not win") if v["decided"] else f"undecided (the verdict needs two seeds{need})"
                 lines.append(f"- **{name}**: {said} ({per}).")
         if row.get("conditions"):
             lines += ["", "### The conditions the paper's gain relies on, measured here", "",
@@ -488,10 +603,11 @@ def render(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_regimes_report(gsm8k_work: Optional[Path], prefix: Path, provenance: str = "") -> dict:
+def write_regimes_report(gsm8k_work: Optional[Path], prefix: Path, provenance: str = "",
+                         report_limit: Optional[int] = None) -> dict:
     from pr_specforge.data.io import atomic_write_json, atomic_write_text
 
-    report = {"regimes": [sharegpt_row()] + ([gsm8k_row(gsm8k_work)] if gsm8k_work and gsm8k_work.exists() else []),
+    report = {"regimes": [sharegpt_row()] + ([gsm8k_row(gsm8k_work, report_limit)] if gsm8k_work and gsm8k_work.exists() else []),
               "provenance": provenance}
     atomic_write_json(prefix.with_suffix(".json"), report)
     atomic_write_text(prefix.with_suffix(".md"), render(report))
@@ -505,7 +621,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     try:
         if args.regime == "report":
-            print(render(write_regimes_report(Path(args.gsm8k) if args.gsm8k else None, Path(args.out), args.provenance)))
+            print(render(write_regimes_report(Path(args.gsm8k) if args.gsm8k else None, Path(args.out), args.provenance,
+                                              args.report_limit)))
+            return 0
+        if args.regime in ("save", "restore"):
+            copied = save_rows(Path(args.gsm8k), Path(args.to)) if args.regime == "save" else restore_rows(Path(args.src), Path(args.gsm8k))
+            print(f"regimes {args.regime}: {len(copied)} files copied")
             return 0
         return GSM8KRegime(args).run()
     except STAGE_ERRORS as e:

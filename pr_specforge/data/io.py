@@ -162,6 +162,10 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     _atomic_write(path, lambda f: f.write(text), "w")
 
 
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    _atomic_write(path, lambda f: f.write(data), "wb")
+
+
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 

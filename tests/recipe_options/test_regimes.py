@@ -85,12 +85,21 @@ def test_screening_serves_the_screen_split_and_the_report_the_report_split_with_
     assert drafters(serves["report-b24"]) == ["pr-warm", "eagle3-long"] and "report-b48-2layer" not in serves
 
 
-def _served(path, rows):
-    """An eval --out-dir holding results.jsonl rows: (draft, budget, temperature, prompt, accepted, rounds)."""
+def _served(path, rows, finished=None):
+    """An eval --out-dir holding results.jsonl rows: (draft, budget, temperature, prompt, accepted, rounds), and the
+    `summary.json` of a finished run over the prompts `finished` (default: every row's; [] writes none)."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "results.jsonl").write_text("".join(json.dumps({"draft": d, "budget": b, "temperature": t, "set": "screen",
                                                             "prompt": p, "accepted": a, "rounds": n}) + "\n"
                                                 for d, b, t, p, a, n in rows))
+    cells = {}
+    for d, b, t, p, a, n in rows:
+        if finished is None or p in finished:
+            cells.setdefault((d, b, t), {})[p] = a / n
+    if cells:  # what `eval --json` writes: one entry per cell, the prompts it served and each one's tau
+        (path / "summary.json").write_text(json.dumps({"results": [
+            {"draft": d, "budget": b, "temperature": t, "set": "screen", "prompts": len(taus), "per_prompt_tau": taus}
+            for (d, b, t), taus in cells.items()]}))
 
 
 def test_the_report_shows_screening_apart_from_the_report_split_and_gives_no_verdict_without_it(regimes, tmp_path):
@@ -137,3 +146,79 @@ def test_the_report_shows_screening_apart_from_the_report_split_and_gives_no_ver
     assert not v["decided"] and "- **pr-warm**: undecided (the verdict needs two seeds) (seed 0: mean T0 gain +3.7%)" in regimes.render(
         {"regimes": [row]})
     assert row["conditions"]["eagle3_tau"]["measured"]["seed0"]["from"] == "report"
+
+
+def test_report_rounds_bring_every_folder_to_the_same_problems_before_any_goes_on(regimes, tmp_path):
+    assert regimes.report_rounds(100, None) == [100] and regimes.report_rounds(100, 40) == [40, 80, 100]
+    assert regimes.report_rounds(100, 50) == [50, 100] and regimes.report_rounds(30, 40) == [30]
+    with pytest.raises(ValueError, match="--report-step must be at least 1"):
+        regimes.report_rounds(100, 0)
+    r = _regime(regimes, tmp_path, "--report-limit", "100", "--report-step", "40",
+                "--drafters", "eagle3", "pr-warm", "eagle3-long", "eagle3-2layer")
+    stages = r.report_stages(0)
+    folders = ["report-b48", "report-b24", "report-b48-2layer", "report-bw9-b48"]
+    assert [s.name for s in stages] == ([f"seed0 {f} to 40" for f in folders] + [f"seed0 {f} to 80" for f in folders]
+                                        + [f"seed0 {f}" for f in folders])
+    limits = [_value(r.build.eval_argv(out, **settings), "--limit") for lim in (40, 80) for _, out, settings in r.report_serves(0, lim)]
+    assert limits == ["40"] * 4 + ["80"] * 4
+    # a round is done once its folder's last finished run served that many problems in every cell
+    b48 = tmp_path / "seed0" / "report-b48"
+    assert not any(s.done() for s in stages)
+    _served(b48, [(d, 48, t, f"r{i}", 30, 10) for i in range(45) for t in (0.0, 1.0) for d in ("eagle3", "pr-warm")],
+            finished={f"r{i}" for i in range(40)})
+    assert regimes.summary_prompts(b48) == 40
+    assert [s.done() for s in stages if "report-b48 " in s.name + " "] == [True, False, False]
+
+
+def test_the_report_reads_finished_rounds_only_and_counts_a_seed_once_it_has_the_report_limit(regimes, tmp_path):
+    def serve(seed, n, finished, gain):
+        sd = tmp_path / f"seed{seed}"
+        _served(sd / "report-b48", [(d, 48, t, f"r{i}", a, 10) for i in range(n) for t in (0.0, 1.0)
+                                    for d, a in (("eagle3-long", 30), ("pr-warm", 30 + gain), ("pr-warm/one-pass", 30))],
+                finished={f"r{i}" for i in range(finished)})
+        _served(sd / "report-b24", [(d, 24, 0.0, f"r{i}", a, 10) for i in range(finished)
+                                    for d, a in (("eagle3-long", 25), ("pr-warm", 25 + gain), ("pr-warm/one-pass", 25))])
+
+    serve(0, 5, 4, 1)  # the fifth problem's rows belong to a round still running
+    serve(1, 4, 4, 1)
+    row = regimes.gsm8k_row(tmp_path, report_limit=4)
+    assert {s: v["problems"] for s, v in row["seeds"].items()} == {0: 4, 1: 4}
+    assert all(p == 4 for c in row["seeds"][0]["cells"] for p in c["prompts"].values())
+    v = row["verdict"]["pr-warm"]
+    assert v["decided"] and v["wins"]  # +3.3% and +4% at T 0 in both seeds
+    # a seed short of the report limit is shown, not counted
+    row = regimes.gsm8k_row(tmp_path, report_limit=10)
+    v = row["verdict"]["pr-warm"]
+    assert not v["decided"] and not v["wins"] and not v["seeds"][0]["counts"]
+    text = regimes.render({"regimes": [row]})
+    assert "undecided (the verdict needs two seeds with 10 report problems each)" in text
+    assert "on 4 of 10 problems, not counted yet" in text and "### seed 0: report split (4 problems in every cell)" in text
+    # a folder with rows and no finished round holds the seed's report back
+    _served(tmp_path / "seed1" / "report-b48-2layer", [("eagle3-2layer", 48, 0.0, "r0", 31, 10)], finished=[])
+    assert 1 not in regimes.gsm8k_row(tmp_path, report_limit=4)["seeds"]
+
+
+def test_save_keeps_rows_and_records_only_and_restore_puts_back_the_eval_folders(regimes, tmp_path):
+    work, kept, fresh = tmp_path / "work", tmp_path / "kept", tmp_path / "fresh"
+    files = {"data_settings.json": "{}", "features/manifest.json": "{}", "features/hidden_0.pt": "x",
+             "target/model.safetensors": "x", "seed0/settings.json": "{}", "seed0/headroom/eagle3.json": "{}",
+             "seed0/runs/eagle3/metrics.jsonl": "{}", "seed0/runs/eagle3/eagle3-step500/model.safetensors": "x",
+             "seed0/export/eagle3/model.safetensors": "x", "seed0/export/eagle3/config.json": "{}",
+             "seed0/report-b48/results.jsonl": "row", "seed0/report-b48/eval_config.json": "{}",
+             "seed0/screen-b48/summary.json": "{}"}
+    for rel, text in files.items():
+        (work / rel).parent.mkdir(parents=True, exist_ok=True)
+        (work / rel).write_text(text)
+    saved = {str(p) for p in regimes.save_rows(work, kept)}
+    assert saved == {"data_settings.json", "features/manifest.json", "seed0/settings.json", "seed0/headroom/eagle3.json",
+                     "seed0/runs/eagle3/metrics.jsonl", "seed0/report-b48/results.jsonl",
+                     "seed0/report-b48/eval_config.json", "seed0/screen-b48/summary.json"}
+    assert not list(kept.rglob("*.safetensors")) and not list(kept.rglob("*.pt"))
+    (fresh / "seed0" / "report-b48").mkdir(parents=True)
+    (fresh / "seed0" / "report-b48" / "results.jsonl").write_text("newer")
+    restored = {str(p) for p in regimes.restore_rows(kept, fresh)}
+    assert restored == {"seed0/report-b48/eval_config.json", "seed0/screen-b48/summary.json"}  # the data and drafters rerun
+    assert (fresh / "seed0" / "report-b48" / "results.jsonl").read_text() == "newer"  # never overwritten
+    with pytest.raises(FileNotFoundError, match="not a saved regime folder"):
+        regimes.restore_rows(tmp_path / "nothing", fresh)
+    assert regimes.main(["save", "--gsm8k", str(tmp_path / "nothing"), "--to", str(kept)]) == 1
