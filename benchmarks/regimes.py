@@ -311,7 +311,7 @@ def finished_prompts(eval_dirs: Sequence[Path]) -> Optional[set]:
 #: what `save` keeps of a workdir (relative globs): the served rows and the small records, never a model or a feature
 KEEP = ("data_settings.json", "stage_times.json", "commands.log", "splits/splits.json", "features/manifest.json",
         "screen/features/manifest.json", "seed*/settings.json", "seed*/headroom/*.json", "seed*/diagnose/*.json",
-        "seed*/runs/*/metrics.jsonl", "seed*/screen-b48*/*.json", "seed*/screen-b48*/*.jsonl",
+        "seed*/screen-b48*/*.json", "seed*/screen-b48*/*.jsonl",
         "seed*/report-*/*.json", "seed*/report-*/*.jsonl")
 #: what `restore` puts back: the eval folders only (the data, trainings, diagnose and headroom stages rerun; a serve
 #: resumed from restored rows refuses a rebuilt drafter whose weights differ, `eval`'s own drafter fingerprint)
@@ -334,10 +334,20 @@ def _copy_tree(src: Path, dst: Path, globs: Sequence[str], overwrite: bool) -> L
 
 
 def save_rows(work: Path, to: Path) -> List[Path]:
-    """Keep `work`'s served rows and small records (`KEEP`) in `to`, replacing what an earlier save kept there."""
+    """Keep `work`'s served rows and small records (`KEEP`) in `to`, replacing what an earlier save kept there, and
+    each training's held-out loss curve (`runs/NAME/heldout.jsonl`: its `metrics.jsonl` rows of SpecForge's eval loop)."""
+    from pr_specforge.data.io import atomic_write_text
+
     if not (work / "data_settings.json").exists():
         raise FileNotFoundError(f"{work}: not a regime workdir (no data_settings.json)")
-    return _copy_tree(work, to, KEEP, overwrite=True)
+    copied = _copy_tree(work, to, KEEP, overwrite=True)
+    for metrics in sorted(work.glob("seed*/runs/*/metrics.jsonl")):
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        curve = [{k: v for k, v in r.items() if k == "step" or k.startswith("eval/")} for r in rows if any(k.startswith("eval/") for k in r)]
+        rel = metrics.parent.relative_to(work) / "heldout.jsonl"
+        atomic_write_text(to / rel, "".join(json.dumps(r) + "\n" for r in curve))
+        copied.append(rel)
+    return copied
 
 
 def restore_rows(src: Path, work: Path) -> List[Path]:
@@ -444,7 +454,23 @@ def gsm8k_row(work: Path, report_limit: Optional[int] = None) -> dict:
            "verdict": {d: verdict(seeds, d, report_limit) for d in ("pr", "pr-warm")}, "headroom": headroom}
     row["conditions"] = conditions(row)
     row["round_cost"] = round_cost()
+    row["heldout"] = heldout_curves(work)
     return row
+
+
+def heldout_curves(work: Path) -> Dict[str, Dict[str, List[list]]]:
+    """seedN -> drafter -> [[step, held-out loss, simulated acceptance length]] of SpecForge's eval loop on the
+    screening features: a workdir's `runs/NAME/metrics.jsonl` or a saved folder's `runs/NAME/heldout.jsonl`."""
+    from pr_specforge.data.io import read_jsonl_rows
+
+    out: Dict[str, Dict[str, List[list]]] = {}
+    for run in sorted(p for p in work.glob("seed*/runs/*") if p.is_dir()):
+        path = next((run / f for f in ("heldout.jsonl", "metrics.jsonl") if (run / f).exists()), None)
+        curve = [[r["step"], r["eval/avg_loss"], r.get("eval/simulated_acc_len")]
+                 for r in (read_jsonl_rows(path) if path else []) if "eval/avg_loss" in r]
+        if curve:
+            out.setdefault(run.parent.parent.name, {})[run.name] = curve
+    return out
 
 
 def round_cost(path: Path = REPO_ROOT / "benchmarks" / "results" / "draft_cost_controls.json") -> Optional[dict]:
@@ -580,6 +606,12 @@ def render(report: dict) -> str:
                 lines += [f"### seed {seed}: report split{served}", ""] + render_cells(summary["cells"])
             if not row.get("seeds"):
                 lines += ["No report-split serve has finished: no verdict for this regime yet.", ""]
+            for sd, curves in sorted((row.get("heldout") or {}).items()):
+                lines += [f"Held-out curves, {sd} (SpecForge's eval loop on the screening features; step: loss / "
+                          "simulated acceptance length; a warm start's steps count from its start):", ""]
+                lines += [f"- {name}: " + ", ".join(f"{st}: {loss:.2f} / {acc:.3f}" if acc is not None else f"{st}: {loss:.2f}"
+                                                     for st, loss, acc in curve) for name, curve in sorted(curves.items())]
+                lines.append("")
             rc = row.get("round_cost")
             if rc and rc.get("two_layer_over_eagle"):
                 lines += [f"Drafting-round cost over EAGLE-3's (SmolLM2 shape, B 48, {rc['dtype']}, {rc['threads']} thread, "
