@@ -383,9 +383,8 @@ def seed_summary(sd: Path, n: int = 2000, split: str = "report") -> dict:
     if split == "report":
         rows = served_rows([sd / out for out, *_, bw in REPORT_DIRS if bw == 6])
         rows.update(served_rows([sd / out for out, *_, bw in REPORT_DIRS if bw == 9], suffix="@bw9"))
-        finished = finished_prompts([sd / out for out, *_ in REPORT_DIRS])
-        rows = {k: {p: r for p, r in v.items() if finished is None or p in finished} for k, v in rows.items()}
-        rows = {k: v for k, v in rows.items() if v}
+        finished = finished_prompts([sd / out for out, *_ in REPORT_DIRS]) or set()
+        rows = {k: kept for k, v in rows.items() if (kept := {p: r for p, r in v.items() if p in finished})}
         cells_served = CELLS
     else:
         rows = served_rows(sorted(d for d in sd.glob("screen-b48*") if d.is_dir()))
@@ -409,7 +408,7 @@ def seed_summary(sd: Path, n: int = 2000, split: str = "report") -> dict:
                     cell[key] = parts[part]
         cells.append(cell)
     out: dict = {"cells": cells}
-    if split == "report" and finished is not None:
+    if split == "report":
         out["problems"] = len(finished)  # served in every report cell (finished rounds only)
     return out
 
