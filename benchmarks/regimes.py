@@ -309,13 +309,11 @@ def finished_prompts(eval_dirs: Sequence[Path]) -> Optional[set]:
 
 # ---------------------------------------------------------------- keeping a workdir's rows across machines
 #: what `save` keeps of a workdir (relative globs): the served rows and the small records, never a model or a feature
-KEEP = ("data_settings.json", "stage_times.json", "commands.log", "splits/splits.json", "features/manifest.json",
-        "screen/features/manifest.json", "seed*/settings.json", "seed*/headroom/*.json", "seed*/diagnose/*.json",
-        "seed*/screen-b48*/*.json", "seed*/screen-b48*/*.jsonl",
-        "seed*/report-*/*.json", "seed*/report-*/*.jsonl")
 #: what `restore` puts back: the eval folders only (the data, trainings, diagnose and headroom stages rerun; a serve
 #: resumed from restored rows refuses a rebuilt drafter whose weights differ, `eval`'s own drafter fingerprint)
 RESTORE = ("seed*/screen-b48*/*.json", "seed*/screen-b48*/*.jsonl", "seed*/report-*/*.json", "seed*/report-*/*.jsonl")
+KEEP = ("data_settings.json", "stage_times.json", "commands.log", "splits/splits.json", "features/manifest.json",
+        "screen/features/manifest.json", "seed*/settings.json", "seed*/headroom/*.json", "seed*/diagnose/*.json", *RESTORE)
 
 
 def _copy_tree(src: Path, dst: Path, globs: Sequence[str], overwrite: bool) -> List[Path]:
@@ -327,7 +325,6 @@ def _copy_tree(src: Path, dst: Path, globs: Sequence[str], overwrite: bool) -> L
         for f in sorted(src.glob(pattern)):
             rel = f.relative_to(src)
             if f.is_file() and (overwrite or not (dst / rel).exists()):
-                (dst / rel).parent.mkdir(parents=True, exist_ok=True)
                 atomic_write_bytes(dst / rel, f.read_bytes())
                 copied.append(rel)
     return copied
@@ -336,13 +333,13 @@ def _copy_tree(src: Path, dst: Path, globs: Sequence[str], overwrite: bool) -> L
 def save_rows(work: Path, to: Path) -> List[Path]:
     """Keep `work`'s served rows and small records (`KEEP`) in `to`, replacing what an earlier save kept there, and
     each training's held-out loss curve (`runs/NAME/heldout.jsonl`: its `metrics.jsonl` rows of SpecForge's eval loop)."""
-    from pr_specforge.data.io import atomic_write_text
+    from pr_specforge.data.io import atomic_write_text, read_jsonl_rows
 
     if not (work / "data_settings.json").exists():
         raise FileNotFoundError(f"{work}: not a regime workdir (no data_settings.json)")
     copied = _copy_tree(work, to, KEEP, overwrite=True)
     for metrics in sorted(work.glob("seed*/runs/*/metrics.jsonl")):
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        rows = read_jsonl_rows(metrics)
         curve = [{k: v for k, v in r.items() if k == "step" or k.startswith("eval/")} for r in rows if any(k.startswith("eval/") for k in r)]
         rel = metrics.parent.relative_to(work) / "heldout.jsonl"
         atomic_write_text(to / rel, "".join(json.dumps(r) + "\n" for r in curve))
