@@ -103,11 +103,11 @@ def run_stages(stages: List[Stage], times_path: Optional[Path] = None, heartbeat
 
     Wall time accumulates across interrupted runs: while a stage runs, its running total is
     saved every `heartbeat_s` seconds (so a kill loses at most that much of the account), and
-    once more when the stage ends, whether it finished or failed.
+    once more when the stage ends, whether it finished or failed. A save changes only its own
+    stage's entry in the file (read, set, written under a lock on `times_path`.lock), so two
+    runners over one work directory (e.g. two seeds side by side) keep each other's times.
     """
     import threading
-
-    from pr_specforge.data.io import atomic_write_json
 
     timings: Dict[str, float] = {}
     if times_path is not None and times_path.exists():
@@ -118,7 +118,7 @@ def run_stages(stages: List[Stage], times_path: Optional[Path] = None, heartbeat
         with lock:
             timings[name] = total
             if times_path is not None:
-                atomic_write_json(times_path, timings)
+                _set_stage_time(times_path, name, total)
 
     for stage in stages:
         if stage.done():
@@ -143,6 +143,22 @@ def run_stages(stages: List[Stage], times_path: Optional[Path] = None, heartbeat
             save(stage.name, base + time.perf_counter() - t0)
         log.info("stage %-13s done in %.1f s", stage.name, time.perf_counter() - t0)
     return {stage.name: timings[stage.name] for stage in stages}
+
+
+def _set_stage_time(times_path: Path, name: str, total: float) -> None:
+    """Set one stage's wall time in `times_path`, keeping what other processes wrote there."""
+    import fcntl
+
+    from pr_specforge.data.io import atomic_write_json
+
+    with open(times_path.with_name(times_path.name + ".lock"), "a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            on_disk = json.loads(times_path.read_text()) if times_path.exists() else {}
+            on_disk[name] = total
+            atomic_write_json(times_path, on_disk)
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
 class StageBuilder:

@@ -50,6 +50,38 @@ def test_a_running_stage_saves_its_time_on_a_heartbeat(tmp_path):
     assert seen[0] >= 0.3
 
 
+def test_two_runners_over_one_workdir_keep_each_others_stage_times(tmp_path):
+    """Two seeds' stage runners side by side write one stage_times.json; neither erases the other."""
+    import threading
+
+    times = tmp_path / "stage_times.json"
+    times.write_text(json.dumps({"features": 87.0}))
+    b_started, got = threading.Event(), {}
+
+    def long_a():
+        b_started.wait(5)
+        time.sleep(0.3)  # a's last save comes after b has finished
+        (tmp_path / "a.done").write_text("ok")
+
+    def short_b():
+        b_started.set()
+        time.sleep(0.1)
+        (tmp_path / "b.done").write_text("ok")
+
+    def runner(name, fn):
+        got.update(run_stages([Stage(name, tmp_path / f"{name}.done", fn)], times, heartbeat_s=0.05))
+
+    threads = [threading.Thread(target=runner, args=("a", long_a))]
+    threads[0].start()
+    time.sleep(0.1)  # a has loaded the file and saved a heartbeat before b starts
+    threads.append(threading.Thread(target=runner, args=("b", short_b)))
+    threads[1].start()
+    for t in threads:
+        t.join()
+    assert json.loads(times.read_text()) == {"features": 87.0, "a": got["a"], "b": got["b"]}
+    assert got["a"] >= 0.3 and got["b"] >= 0.1
+
+
 def test_old_workdirs_move_seeded_stage_times_to_seed0_once(tmp_path):
     """Before per-seed timing, a second seed's training time was added onto the first's."""
     from pr_specforge.experiment import migrate_stage_times
