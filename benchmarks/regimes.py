@@ -3,6 +3,8 @@
     python benchmarks/regimes.py gsm8k --workdir work/regime-gsm8k                    # data, trainings, screening, report
     python benchmarks/regimes.py gsm8k --workdir work/regime-gsm8k --seeds 0 1 --until train
     python benchmarks/regimes.py gsm8k --workdir work/regime-gsm8k --dry-run          # print the stage commands
+    python benchmarks/regimes.py sharegpt --workdir work/regime-sharegpt --seeds 0 1  # the chat regime's controls
+    python benchmarks/regimes.py report --gsm8k W --sharegpt W2                       # benchmarks/results/regimes.{md,json}
 
 The GSM8K domain regime: a SmolLM2-135M drafter specialised on one narrow prompt source, the
 way many users train drafters (on their own traffic), to reach long accepted paths on a 135M
@@ -18,7 +20,7 @@ Problems 0..39 are what `--prompts gsm8k` serves elsewhere in the project; they 
 
 Stages (each skipped once its output exists; trainings resume from their newest checkpoint):
   target, splits, regenerate, features, screen-regenerate, screen-features    (shared by every seed)
-  per seed and drafter: train, diagnose (screen features), export (HF)
+  per seed and drafter: train, diagnose (screen features), export (HF), headroom (screen features)
   per seed: screen-serve  (B 48, T 0 on the screen split; every drafter; PR also at m = 0)
   per seed: report serves (`REPORT_DIRS`, on the report split): every PR drafter at m = 3 and m = 0
             and its matched baseline at B 48 (T 0 and 1) and B 24 (T 0); EAGLE-3 beside them at B 48;
@@ -31,7 +33,14 @@ default PR recipe, from scratch) and `pr-warm` (the pilots' best variant: the EA
 weights, `pr.recon_grad=isolated`, the second head and a rank-16 adapter, trained `--warm-steps`
 more; its matched baseline is `eagle3-long`, the same EAGLE-3 checkpoint trained as many steps more).
 
-Owns: the regime's splits, stages and settings. Does not own any stage's work (the `data`,
+The ShareGPT chat regime (`sharegpt`) is the pilots' scale rebuilt (docs/experiment.md, "Pilots at reduced
+scale"): the 672 shortest usable prompts of 1,000 ShareGPT first turns (the conversations a regeneration stopped
+at 672 had done), 128-token greedy replies, 60 more first turns held out; drafters trained by steps (1,000; warm
+starts 500 more); the report serves the first 10 prompts of MT-Bench, GSM8K and HumanEval at 64 new tokens (part
+D's cells). The same drafters, report folders and controls as GSM8K's; no screening serve (the pilots chose the
+variant on prompts 40-49). Its row shows part D's earlier two-seed verdict beside the rebuilt seeds.
+
+Owns: the regimes' splits, stages and settings. Does not own any stage's work (the `data`,
 `train`, `diagnose`, `export` and `eval` entry points) or the statistics (`eval.statistics`).
 """
 
@@ -93,18 +102,41 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--serve-max-new-tokens", type=int, default=128)
     g.add_argument("--until", choices=STAGE_GROUPS, default="report", help="run the stages up to this group")
     g.add_argument("--dry-run", action="store_true", help="print the stages and their outputs, run nothing")
+    c = sub.add_parser("sharegpt", help="the ShareGPT chat regime at the pilots' scale (the paper's controls beside PR)")
+    c.add_argument("--workdir", default="work/regime-sharegpt")
+    c.add_argument("--conversations", type=int, default=1000, help="ShareGPT first turns read (evaluation prompts held out)")
+    c.add_argument("--keep", type=int, default=672,
+                   help="train on the replies to the N shortest usable prompts among them (the pilots' 672)")
+    c.add_argument("--max-new-tokens", type=int, default=128, help="regeneration: new tokens per reply")
+    c.add_argument("--max-prompt-chars", type=int, default=2000, help="regeneration: longer prompts are not usable")
+    c.add_argument("--heldout-conversations", type=int, default=60,
+                   help="further ShareGPT first turns (disjoint from the --conversations read) for the held-out features")
+    c.add_argument("--max-length", type=int, default=2048)
+    c.add_argument("--draft-vocab-size", type=int, default=8192)
+    c.add_argument("--seeds", nargs="+", type=int, default=[0])
+    c.add_argument("--drafters", nargs="+", default=["eagle3", "eagle3-2layer", "pr-warm", "eagle3-long"], choices=list(DRAFTERS))
+    c.add_argument("--steps", type=int, default=1000, help="training steps of the from-scratch drafters")
+    c.add_argument("--warm-steps", type=int, default=500, help="pr-warm and eagle3-long: steps on top of the eagle3 drafter")
+    c.add_argument("--lr", type=float, default=3e-4)
+    c.add_argument("--eval-interval", type=int, default=250, help="steps between held-out evaluations (the loss curve)")
+    c.add_argument("--report-limit", type=int, default=10, help="report: served prompts of each set (MT-Bench, GSM8K, HumanEval)")
+    c.add_argument("--serve-max-new-tokens", type=int, default=64)
+    c.add_argument("--until", choices=STAGE_GROUPS, default="report", help="run the stages up to this group")
+    c.add_argument("--dry-run", action="store_true", help="print the stages and their outputs, run nothing")
     r = sub.add_parser("report", help="benchmarks/results/regimes.{md,json}: one verdict per regime")
-    r.add_argument("--gsm8k", default=None, help="the GSM8K regime's workdir")
+    r.add_argument("--gsm8k", default=None, help="the GSM8K regime's workdir (or a folder `save` kept)")
+    r.add_argument("--sharegpt", default=None,
+                   help="the ShareGPT regime's workdir (or a folder `save` kept); without it, that row is part D's report")
     r.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "regimes"))
     r.add_argument("--provenance", default="", help="a line saying which commits ran the stages, on which machine")
     r.add_argument("--report-limit", type=int, default=100,
                    help="report problems a seed needs served in every report folder before it counts toward the verdict")
     k = sub.add_parser("save", help="copy a workdir's served rows and small records (no model, no feature) into DIR")
-    k.add_argument("--gsm8k", required=True, help="the GSM8K regime's workdir")
+    k.add_argument("--workdir", "--gsm8k", dest="workdir", required=True, help="a regime's workdir")
     k.add_argument("--to", required=True)
     k = sub.add_parser("restore", help="copy the served rows `save` kept back into a (rebuilt) workdir, to resume its serves")
     k.add_argument("--from", dest="src", required=True)
-    k.add_argument("--gsm8k", required=True, help="the GSM8K regime's workdir")
+    k.add_argument("--workdir", "--gsm8k", dest="workdir", required=True, help="a regime's workdir")
     return p
 
 
@@ -133,29 +165,45 @@ def write_splits(out_dir: Path) -> None:
         {name: [idx.start, idx.stop - 1] for name, idx in SPLITS.items()}, indent=1) + "\n")
 
 
-class GSM8KRegime:
-    """The GSM8K regime's stages over one workdir (see the module docstring)."""
+class Regime:
+    """The stages every regime shares over one workdir (see the module docstring): per seed and drafter, train,
+    diagnose and headroom on the regime's held-out features, export; the report serves in rounds.
+
+    A regime (subclass) owns its data stages (`data_stages`), where its held-out features are (`heldout`), how long
+    each drafter trains (`length_overrides`), what the report serves (`report_prompts`), any screening serve
+    (`screen_stages`), and the settings a workdir must keep (`DATA_KEYS`, `SEED_KEYS`).
+    """
+
+    DATA_KEYS: tuple = ()
+    SEED_KEYS: tuple = ()
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.work = work = Path(args.workdir).resolve()
         self.build = StageBuilder(work, log_file=work / "commands.log")
-        self.splits = work / "splits"
-        self.screen = work / "screen"
+
+    # ------------------------------------------------------------ what a regime says
+    @property
+    def heldout(self) -> Path:
+        """The held-out features: SpecForge's eval loop (the loss curve), diagnose and headroom read them."""
+        raise NotImplementedError
 
     def data_stages(self) -> List[Stage]:
-        args, build = self.args, self.build
-        regenerate = dict(max_new_tokens=args.max_new_tokens, max_prompt_chars=4000, batch_size=32)
-        return [
-            build.target_stage(),
-            Stage("splits", self.splits / "splits.json", lambda: write_splits(self.splits)),
-            build.regenerate_stage(**regenerate, conversations=self.splits / "train.jsonl", limit=args.train_limit),
-            build.features_stage(args.max_length, args.draft_vocab_size),
-            build.regenerate_stage(**regenerate, conversations=self.splits / "screen.jsonl",
-                                   out=self.screen / "regenerated.jsonl", name="screen-regenerate"),
-            build.features_stage(args.max_length, args.draft_vocab_size, self.screen / "regenerated.jsonl",
-                                 self.screen / "features", "screen-features", validate=False),
-        ]
+        raise NotImplementedError
+
+    def data_settings(self) -> dict:
+        return {k: getattr(self.args, k) for k in self.DATA_KEYS}
+
+    def length_overrides(self, warm: bool) -> List[str]:
+        """How long a from-scratch (`warm` False) or warm-started drafter trains."""
+        raise NotImplementedError
+
+    def report_prompts(self) -> List[str]:
+        """`eval --prompts` of the report serves (`--report-limit` problems of each)."""
+        raise NotImplementedError
+
+    def screen_stages(self, seed: int) -> List[Stage]:
+        return []
 
     # ------------------------------------------------------------ per seed
     def seed_dir(self, seed: int) -> Path:
@@ -165,10 +213,9 @@ class GSM8KRegime:
         args = self.args
         run = self.seed_dir(seed) / "runs" / name
         warm = DRAFTERS[name][2]
-        epochs = args.warm_epochs if warm else args.epochs
-        out = [*self.build.feature_overrides(run, args.max_length), f"training.num_epochs={epochs}",
+        out = [*self.build.feature_overrides(run, args.max_length), *self.length_overrides(bool(warm)),
                f"training.learning_rate={args.lr}", f"training.seed={seed}", "training.save_interval=500",
-               f"data.eval_hidden_states_path={self.screen / 'features'}", f"training.eval_interval={args.eval_interval}",
+               f"data.eval_hidden_states_path={self.heldout}", f"training.eval_interval={args.eval_interval}",
                *DRAFTERS[name][1]]
         if warm:  # on top of this seed's EAGLE-3 drafter (fresh optimiser, both the PR drafter and its baseline)
             ckpt = latest_checkpoint(self.seed_dir(seed) / "runs" / "eagle3", required=not args.dry_run) or "<eagle3 checkpoint>"
@@ -186,7 +233,7 @@ class GSM8KRegime:
                                   lambda name=name: self.train_overrides(seed, name)),
                 Stage(f"seed{seed} {name}: diagnose", diag,
                       lambda run=run, diag=diag: (diag.parent.mkdir(parents=True, exist_ok=True),
-                                                  build.diagnose(run, self.screen / "features", diag, seed))),
+                                                  build.diagnose(run, self.heldout, diag, seed))),
                 Stage(f"seed{seed} {name}: export", export / "config.json", lambda run=run, export=export: build.export(run, export, "hf")),
                 Stage(f"seed{seed} {name}: headroom", sd / "headroom" / f"{name}.json",
                       lambda run=run, name=name: self.headroom(run, sd / "headroom" / name, seed)),
@@ -194,26 +241,20 @@ class GSM8KRegime:
         return stages
 
     def headroom(self, run: Path, prefix: Path, seed: int) -> None:
-        """`pr-specforge headroom` of the run's newest checkpoint on the screen split's features."""
+        """`pr-specforge headroom` of the run's newest checkpoint on the held-out features."""
         from pr_specforge.eval.headroom import main
 
         prefix.parent.mkdir(parents=True, exist_ok=True)
-        self.build.call("headroom", main, [run, "--features", self.screen / "features", "--out", prefix,
-                                           "--seed", seed, "--no-progress"])
+        self.build.call("headroom", main, [run, "--features", self.heldout, "--out", prefix, "--seed", seed, "--no-progress"])
 
-    def serve_settings(self, seed: int, split: str, limit: int, budgets, temperatures, bw: int = 6,
+    def serve_settings(self, seed: int, prompts: Sequence[str], limit: int, budgets, temperatures, bw: int = 6,
                        drafters: Optional[Sequence[str]] = None, baseline_from: Sequence[Path] = ()) -> dict:
         args, sd = self.args, self.seed_dir(seed)
         names = [n for n in (args.drafters if drafters is None else drafters) if n in args.drafters]
-        return dict(drafts={n: sd / "export" / n for n in names}, prompts=[str(self.splits / f"{split}.jsonl")], limit=limit,
+        return dict(drafts={n: sd / "export" / n for n in names}, prompts=[str(p) for p in prompts], limit=limit,
                     budgets=list(budgets), temperatures=list(temperatures), max_new_tokens=args.serve_max_new_tokens,
                     extra=["--k", 6, "--bw", bw, "--gamma", 8, "--m", 3, "--seed", seed, "--no-progress", "--also-one-pass",
                            *[a for d in baseline_from for a in ("--baseline-from", d)]])
-
-    def screen_stages(self, seed: int) -> List[Stage]:
-        sd = self.seed_dir(seed)
-        return [self.build.eval_stage(f"seed{seed} screen-serve", sd / "screen-b48",
-                                      **self.serve_settings(seed, "screen", self.args.screen_limit, [48], [0]))]
 
     def report_drafters(self) -> Dict[str, List[str]]:
         """Who is served in which report folder (`REPORT_DIRS`' second field), from `--drafters`.
@@ -230,13 +271,13 @@ class GSM8KRegime:
                 "two_layer": [n for n in names if n == "eagle3-2layer"], "bw9": [n for n in names if n == "eagle3"]}
 
     def report_serves(self, seed: int, limit: Optional[int] = None) -> List[tuple]:
-        """The report split's serves, (name, out_dir, `serve_settings`), in `REPORT_DIRS` order, on its first `limit`
-        problems (default `--report-limit`); every one after the first lends the first one's target decodes
+        """The report serves, (name, out_dir, `serve_settings`), in `REPORT_DIRS` order, on the first `limit` problems
+        (default `--report-limit`); every one after the first lends the first one's target decodes
         (`eval --baseline-from`: same target, prompts and seeds)."""
         sd, who = self.seed_dir(seed), self.report_drafters()
         first = sd / REPORT_DIRS[0][0]
         limit = self.args.report_limit if limit is None else limit
-        return [(f"seed{seed} {out}", sd / out, self.serve_settings(seed, "report", limit, [budget], temps,
+        return [(f"seed{seed} {out}", sd / out, self.serve_settings(seed, self.report_prompts(), limit, [budget], temps,
                                                                     bw=bw, drafters=who[group],
                                                                     baseline_from=[] if sd / out == first else [first]))
                 for out, group, budget, temps, bw in REPORT_DIRS if who[group]]
@@ -245,7 +286,7 @@ class GSM8KRegime:
         """`report_serves` in rounds of `--report-step` problems (`report_rounds`): every folder reaches a round's
         problems before any goes on. A round's stage is done once its folder's summary counts that many problems."""
         stages = []
-        for limit in report_rounds(self.args.report_limit, self.args.report_step):
+        for limit in report_rounds(self.args.report_limit, getattr(self.args, "report_step", None)):
             for name, out, settings in self.report_serves(seed, limit):
                 stage = self.build.eval_stage(name if limit == self.args.report_limit else f"{name} to {limit}", out, **settings)
                 stage.done = lambda out=out, limit=limit: summary_prompts(out) >= limit
@@ -255,14 +296,12 @@ class GSM8KRegime:
     def run(self) -> int:
         args, work = self.args, self.work
         work.mkdir(parents=True, exist_ok=True)
-        check_settings(work / "data_settings.json", {k: getattr(args, k) for k in (
-            "max_new_tokens", "max_length", "draft_vocab_size", "train_limit")} | {"splits": {k: [v.start, v.stop] for k, v in SPLITS.items()}})
+        check_settings(work / "data_settings.json", self.data_settings())
         upto = STAGE_GROUPS.index(args.until)
         stages = self.data_stages()
         for seed in args.seeds:
             self.seed_dir(seed).mkdir(exist_ok=True)
-            check_settings(self.seed_dir(seed) / "settings.json", {k: getattr(args, k) for k in (
-                "epochs", "warm_epochs", "lr", "eval_interval", "serve_max_new_tokens")})
+            check_settings(self.seed_dir(seed) / "settings.json", {k: getattr(args, k) for k in self.SEED_KEYS})
             stages += self.drafter_stages(seed) if upto >= 1 else []
             stages += self.screen_stages(seed) if upto >= 2 else []
             stages += self.report_stages(seed) if upto >= 3 else []
@@ -272,6 +311,107 @@ class GSM8KRegime:
             return 0
         run_stages(stages, work / "stage_times.json")
         return 0
+
+
+class GSM8KRegime(Regime):
+    """The GSM8K domain regime: the training split's greedy solutions, trained `--epochs`; held-out features and the
+    screening serve on the screen split; the report on the report split."""
+
+    DATA_KEYS = ("max_new_tokens", "max_length", "draft_vocab_size", "train_limit")
+    SEED_KEYS = ("epochs", "warm_epochs", "lr", "eval_interval", "serve_max_new_tokens")
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        self.splits = self.work / "splits"
+        self.screen = self.work / "screen"
+
+    @property
+    def heldout(self) -> Path:
+        return self.screen / "features"
+
+    def data_settings(self) -> dict:
+        return super().data_settings() | {"splits": {k: [v.start, v.stop] for k, v in SPLITS.items()}}
+
+    def data_stages(self) -> List[Stage]:
+        args, build = self.args, self.build
+        regenerate = dict(max_new_tokens=args.max_new_tokens, max_prompt_chars=4000, batch_size=32)
+        return [
+            build.target_stage(),
+            Stage("splits", self.splits / "splits.json", lambda: write_splits(self.splits)),
+            build.regenerate_stage(**regenerate, conversations=self.splits / "train.jsonl", limit=args.train_limit),
+            build.features_stage(args.max_length, args.draft_vocab_size),
+            build.regenerate_stage(**regenerate, conversations=self.splits / "screen.jsonl",
+                                   out=self.screen / "regenerated.jsonl", name="screen-regenerate"),
+            build.features_stage(args.max_length, args.draft_vocab_size, self.screen / "regenerated.jsonl",
+                                 self.screen / "features", "screen-features", validate=False),
+        ]
+
+    def length_overrides(self, warm: bool) -> List[str]:
+        return [f"training.num_epochs={self.args.warm_epochs if warm else self.args.epochs}"]
+
+    def report_prompts(self) -> List[str]:
+        return [str(self.splits / "report.jsonl")]
+
+    def screen_stages(self, seed: int) -> List[Stage]:
+        sd = self.seed_dir(seed)
+        return [self.build.eval_stage(f"seed{seed} screen-serve", sd / "screen-b48", **self.serve_settings(
+            seed, [self.splits / "screen.jsonl"], self.args.screen_limit, [48], [0]))]
+
+
+class ShareGPTRegime(Regime):
+    """The ShareGPT chat regime at the pilots' scale (docs/experiment.md, "Pilots at reduced scale"): the `--keep`
+    shortest of `--conversations` ShareGPT first turns (prompts of at most `--max-prompt-chars` characters), their
+    greedy replies (`--max-new-tokens`); `--heldout` more first turns for the held-out features; from-scratch drafters
+    train `--steps`, warm starts `--warm-steps` more; the report serves the first `--report-limit` prompts of MT-Bench,
+    GSM8K and HumanEval (the final evaluation's; the pilots chose the variant on prompts 40-49). No screening serve."""
+
+    DATA_KEYS = ("conversations", "keep", "max_new_tokens", "max_prompt_chars", "heldout_conversations", "max_length",
+                 "draft_vocab_size")
+    SEED_KEYS = ("steps", "warm_steps", "lr", "eval_interval", "serve_max_new_tokens")
+    SETS = ("mtbench", "gsm8k", "humaneval")
+
+    @property
+    def heldout(self) -> Path:
+        return self.work / "heldout" / "features"
+
+    def data_stages(self) -> List[Stage]:
+        args, build = self.args, self.build
+        held, pool = self.work / "heldout", self.work / "pool.jsonl"
+        regenerate = dict(max_new_tokens=args.max_new_tokens, max_prompt_chars=args.max_prompt_chars, batch_size=32)
+        return [
+            build.target_stage(),
+            build.conversations_stage(args.conversations, pool, "conversations"),
+            Stage("shortest", build.convs, lambda: keep_shortest(pool, build.convs, args.keep, args.max_prompt_chars)),
+            build.regenerate_stage(**regenerate),
+            build.features_stage(args.max_length, args.draft_vocab_size),
+            build.conversations_stage(args.heldout_conversations, held / "conversations.jsonl", "heldout-conversations",
+                                      extra=["--exclude-ids", str(pool)]),
+            build.regenerate_stage(**regenerate, conversations=held / "conversations.jsonl", out=held / "regenerated.jsonl",
+                                   name="heldout-regenerate"),
+            build.features_stage(args.max_length, args.draft_vocab_size, held / "regenerated.jsonl", self.heldout,
+                                 "heldout-features", validate=False),
+        ]
+
+    def length_overrides(self, warm: bool) -> List[str]:
+        return [f"training.max_steps={self.args.warm_steps if warm else self.args.steps}"]
+
+    def report_prompts(self) -> List[str]:
+        return list(self.SETS)
+
+
+def keep_shortest(src: Path, dst: Path, keep: int, max_prompt_chars: int) -> None:
+    """Write the `keep` conversations of `src` that `data regenerate` would take first (the usable ones, shortest
+    prompt first, as its batches run) to `dst`, in `src`'s order: so regenerating `dst` forms the same batches a
+    regeneration of `src` stopped after `keep` conversations did (the pilots' data)."""
+    from pr_specforge.data.io import atomic_write_text
+    from pr_specforge.data.regenerate import prompt_chars, usable_rows
+
+    rows = usable_rows(src, max_prompt_chars)
+    if len(rows) < keep:
+        raise ValueError(f"{src}: {len(rows)} usable conversations (prompts of at most {max_prompt_chars} characters), "
+                         f"fewer than --keep {keep}")
+    kept = {r["id"] for r in sorted(rows, key=lambda r: prompt_chars(r["conversations"]))[:keep]}
+    atomic_write_text(dst, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows if r["id"] in kept))
 
 
 def report_rounds(limit: int, step: Optional[int]) -> List[int]:
@@ -313,7 +453,7 @@ def finished_prompts(eval_dirs: Sequence[Path]) -> Optional[set]:
 #: resumed from restored rows refuses a rebuilt drafter whose weights differ, `eval`'s own drafter fingerprint)
 RESTORE = ("seed*/screen-b48*/*.json", "seed*/screen-b48*/*.jsonl", "seed*/report-*/*.json", "seed*/report-*/*.jsonl")
 KEEP = ("data_settings.json", "stage_times.json", "commands.log", "splits/splits.json", "features/manifest.json",
-        "screen/features/manifest.json", "seed*/settings.json", "seed*/headroom/*.json", "seed*/diagnose/*.json", *RESTORE)
+        "screen/features/manifest.json", "heldout/features/manifest.json", "seed*/settings.json", "seed*/headroom/*.json", "seed*/diagnose/*.json", *RESTORE)
 
 
 def _copy_tree(src: Path, dst: Path, globs: Sequence[str], overwrite: bool) -> List[Path]:
@@ -432,8 +572,9 @@ def verdict(seeds: Dict[int, dict], drafter: str, need: Optional[int] = None) ->
     return {"seeds": per_seed, "wins": wins, "decided": decided, "need": need}
 
 
-def gsm8k_row(work: Path, report_limit: Optional[int] = None) -> dict:
-    """The GSM8K domain regime's row from its workdir (whatever stages have finished)."""
+def regime_row(work: Path, regime: str, report_limit: Optional[int] = None) -> dict:
+    """A regime's row from its workdir or a folder `save` kept (whatever stages have finished): the data, each seed's
+    screening and report cells, the verdicts, the headroom and the conditions the paper's gain relies on."""
     manifest = work / "features" / "manifest.json"
     feats = json.loads(manifest.read_text()) if manifest.exists() else {}
     seed_dirs = [sd for sd in sorted(work.glob("seed*")) if sd.name[4:].isdigit()]
@@ -444,13 +585,21 @@ def gsm8k_row(work: Path, report_limit: Optional[int] = None) -> dict:
     for sd in seed_dirs:
         for f in sorted((sd / "headroom").glob("*.json")):
             headroom.setdefault(f.stem, {})[sd.name] = json.loads(f.read_text()).get("pooled")
-    row = {"regime": "gsm8k-domain", "workdir": str(work), "splits": {k: [v.start, v.stop - 1] for k, v in SPLITS.items()},
+    row = {"regime": regime, "workdir": str(work),
            "data": {k: v for k, v in (feats.get("counts") or feats).items() if k in ("samples", "tokens", "loss_tokens")},
            "seeds": seeds, "screening": {s: v for s, v in screening.items() if v["cells"]},
            "verdict": {d: verdict(seeds, d, report_limit) for d in ("pr", "pr-warm")}, "headroom": headroom}
     row["conditions"] = conditions(row)
     row["round_cost"] = round_cost()
     row["heldout"] = heldout_curves(work)
+    return row
+
+
+def gsm8k_row(work: Path, report_limit: Optional[int] = None) -> dict:
+    """The GSM8K domain regime's row (`regime_row`), with its splits."""
+    row = regime_row(work, "gsm8k-domain", report_limit)
+    row["splits"] = {k: [v.start, v.stop - 1] for k, v in SPLITS.items()}
+    row["data_what"] = "solutions of the training split"
     return row
 
 
@@ -521,25 +670,36 @@ def conditions(row: dict) -> dict:
                 continue
             guess = pooled.get("second_guess") or {}
             if name == "eagle3":
-                put("one_pass_acceptance", sd[4:], "headroom (screen features)", pooled.get("acceptance"))
-                put("misses_outside_top6", sd[4:], "headroom of eagle3 (screen features)", guess.get("outside_topk"))
+                put("one_pass_acceptance", sd[4:], "headroom (held-out features)", pooled.get("acceptance"))
+                put("misses_outside_top6", sd[4:], "headroom of eagle3 (held-out features)", guess.get("outside_topk"))
             if name == "pr-warm":
-                put("recon_only", sd[4:], "headroom of pr-warm (screen features)", guess.get("recon_only"))
+                put("recon_only", sd[4:], "headroom of pr-warm (held-out features)", guess.get("recon_only"))
                 if pooled.get("table7"):
-                    put("recovered_low_cd", sd[4:], "headroom of pr-warm (screen features)", pooled["table7"]["recovered"][0][3])
+                    put("recovered_low_cd", sd[4:], "headroom of pr-warm (held-out features)", pooled["table7"]["recovered"][0][3])
     return out
 
 
-def sharegpt_row() -> dict:
-    """The ShareGPT chat regime's row from the committed part D report (`smollm2-cpu-best.json`)."""
+def part_d() -> dict:
+    """The ShareGPT chat regime's earlier verdict: the committed part D report (`smollm2-cpu-best.json`; its drafters
+    are gone), per-set cells averaged."""
     best = json.loads((REPO_ROOT / "benchmarks" / "results" / "smollm2-cpu-best.json").read_text())
     seeds = {int(k): {"cells": v} for k, v in (best.get("seeds") or {}).items()}
     t0 = [c for c in best.get("comparisons", []) if c["temperature"] == 0.0 and c["budget"] == 48]
-    return {"regime": "sharegpt-chat", "source": "benchmarks/results/smollm2-cpu-best.json (warm-isolated-separate-adapter16)",
+    return {"source": "benchmarks/results/smollm2-cpu-best.json (warm-isolated-separate-adapter16)",
             "eagle3_tau_b48_t0": sum(c["tau_eagle3"] for c in t0) / len(t0) if t0 else None,
             "verdict": {"pr-warm": verdict({s: {"cells": [dict(c, **{"pr-warm": c}) for c in v["cells"]]} for s, v in seeds.items()},
-                                           "pr-warm")},
-            "controls": "two-layer and B_w 9 not yet run at this scale"}
+                                           "pr-warm")}}
+
+
+def sharegpt_row(work: Optional[Path] = None) -> dict:
+    """The ShareGPT chat regime's row: its rebuilt workdir's (`regime_row`; the controls beside PR, every seed that has
+    finished its report serves counts) when given, and part D's earlier verdict beside it."""
+    if work is None:
+        return {"regime": "sharegpt-chat", "part_d": part_d(), "controls": "two-layer and B_w 9 not yet run at this scale"}
+    row = regime_row(work, "sharegpt-chat")
+    row["part_d"] = part_d()
+    row["data_what"] = "regenerated ShareGPT conversations"
+    return row
 
 
 #: rows of a served cell's table: drafter -> the comparison key whose gain it shows (None: tau only)
@@ -579,6 +739,18 @@ def _seed_verdict(seed: int, x: dict, need: Optional[int]) -> str:
     return text if x.get("counts", True) else f"{text} on {x['problems']} of {need} problems, not counted yet"
 
 
+def _verdict_lines(verdicts: dict, whose: str = "") -> List[str]:
+    """One line per drafter's verdict (`verdict`)."""
+    lines = []
+    for name, v in verdicts.items():
+        if v:
+            per = "; ".join(_seed_verdict(s, x, v.get("need")) for s, x in sorted(v["seeds"].items()))
+            need = f" with {v['need']} report problems each" if v.get("need") else ""
+            said = ("WINS" if v["wins"] else "does not win") if v["decided"] else f"undecided (the verdict needs two seeds{need})"
+            lines.append(f"- {whose}**{name}**: {said} ({per}).")
+    return lines
+
+
 def render(report: dict) -> str:
     lines = ["# Regimes (issue 27): where can PR pay?", "",
              "GSM8K is the 1,319-problem test split, cut by index: training 40-1039, screening 1040-1159 "
@@ -587,13 +759,15 @@ def render(report: dict) -> str:
         lines += [report["provenance"], ""]
     for row in report["regimes"]:
         lines += [f"## {row['regime']}", ""]
-        if row["regime"] == "sharegpt-chat":
-            lines += [f"EAGLE-3 tau (B 48, T 0, mean over sets): {row['eagle3_tau_b48_t0']:.3f}; source {row['source']}; "
-                      f"{row['controls']}.", ""]
-        else:
+        if row.get("part_d"):
+            pd = row["part_d"]
+            lines += [f"Part D (issue 16; drafters gone): EAGLE-3 tau (B 48, T 0, mean over sets) {pd['eagle3_tau_b48_t0']:.3f}; "
+                      f"source {pd['source']}" + (f"; {row['controls']}." if row.get("controls") else "."), ""]
+            lines += _verdict_lines(pd["verdict"], "part D's ") + [""]
+        if "seeds" in row:
             d = row.get("data") or {}
             if d:
-                lines += [f"Training data: {d.get('samples', '?')} solutions of the training split, {d.get('tokens', 0):,} tokens "
+                lines += [f"Training data: {d.get('samples', '?')} {row.get('data_what', 'samples')}, {d.get('tokens', 0):,} tokens "
                           f"({d.get('loss_tokens', 0):,} loss tokens).", ""]
             for seed, summary in sorted((row.get("screening") or {}).items()):
                 lines += [f"### seed {seed}: screening split (chooses variants; not a verdict)", ""] + render_cells(summary["cells"])
@@ -613,12 +787,7 @@ def render(report: dict) -> str:
                 lines += [f"Drafting-round cost over EAGLE-3's (SmolLM2 shape, B 48, {rc['dtype']}, {rc['threads']} thread, "
                           f"{rc['machine']}; `{rc['file']}`): two-layer {rc['two_layer_over_eagle']:.2f}x, "
                           f"B_w 9 {rc['bw9_over_eagle']:.2f}x, PR co-forwarded {rc['coforward_over_eagle']:.2f}x.", ""]
-        for name, v in (row.get("verdict") or {}).items():
-            if v:
-                per = "; ".join(_seed_verdict(s, x, v.get("need")) for s, x in sorted(v["seeds"].items()))
-                need = f" with {v['need']} report problems each" if v.get("need") else ""
-                said = ("WINS" if v["wins"] else "does not win") if v["decided"] else f"undecided (the verdict needs two seeds{need})"
-                lines.append(f"- **{name}**: {said} ({per}).")
+        lines += _verdict_lines(row.get("verdict") or {}) if "seeds" in row else []
         if row.get("conditions"):
             lines += ["", "### The conditions the paper's gain relies on, measured here", "",
                       "| condition | measured | paper |", "|---|---|---|"]
@@ -632,10 +801,13 @@ def render(report: dict) -> str:
 
 
 def write_regimes_report(gsm8k_work: Optional[Path], prefix: Path, provenance: str = "",
-                         report_limit: Optional[int] = None) -> dict:
+                         report_limit: Optional[int] = None, sharegpt_work: Optional[Path] = None) -> dict:
     from pr_specforge.data.io import atomic_write_json, atomic_write_text
 
-    report = {"regimes": [sharegpt_row()] + ([gsm8k_row(gsm8k_work, report_limit)] if gsm8k_work and gsm8k_work.exists() else []),
+    for work in (gsm8k_work, sharegpt_work):
+        if work is not None and not work.exists():
+            raise FileNotFoundError(f"{work}: no such regime workdir or saved folder")
+    report = {"regimes": [sharegpt_row(sharegpt_work)] + ([gsm8k_row(gsm8k_work, report_limit)] if gsm8k_work else []),
               "provenance": provenance}
     atomic_write_json(prefix.with_suffix(".json"), report)
     atomic_write_text(prefix.with_suffix(".md"), render(report))
@@ -650,13 +822,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.regime == "report":
             print(render(write_regimes_report(Path(args.gsm8k) if args.gsm8k else None, Path(args.out), args.provenance,
-                                              args.report_limit)))
+                                              args.report_limit, Path(args.sharegpt) if args.sharegpt else None)))
             return 0
         if args.regime in ("save", "restore"):
-            copied = save_rows(Path(args.gsm8k), Path(args.to)) if args.regime == "save" else restore_rows(Path(args.src), Path(args.gsm8k))
+            copied = save_rows(Path(args.workdir), Path(args.to)) if args.regime == "save" else restore_rows(Path(args.src), Path(args.workdir))
             print(f"regimes {args.regime}: {len(copied)} files copied")
             return 0
-        return GSM8KRegime(args).run()
+        return (GSM8KRegime if args.regime == "gsm8k" else ShareGPTRegime)(args).run()
     except STAGE_ERRORS as e:
         print(f"regimes: {e}", file=sys.stderr)
         return 1

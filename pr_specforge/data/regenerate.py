@@ -200,7 +200,9 @@ def regenerate_batch(backend, rows: list[dict], turns: str, sampling: SamplingCo
 RegenerateStats = StageStats
 
 
-def _prompt_chars(conversation: list) -> int:
+def prompt_chars(conversation: list) -> int:
+    """A conversation's prompt length in characters (its user and system turns): what `max_prompt_chars` bounds and
+    the in-process batches are sorted by."""
     return sum(len(str(m.get("content", ""))) for m in conversation if isinstance(m, dict) and m.get("role") in ("user", "system"))
 
 
@@ -320,6 +322,13 @@ def _unfinished(units: list, shard, done: set, stats: RegenerateStats) -> list:
     return todo
 
 
+def usable_rows(input_path, max_prompt_chars: int | None = None) -> list:
+    """The rows a one-process `regenerate_conversations` would regenerate (`{"id", "conversations"}`, input order)."""
+    from pr_specforge.data.sharding import Shard
+
+    return list(_usable_rows(input_path, Shard(), RegenerateStats(), None, max_prompt_chars))
+
+
 def _usable_rows(input_path, shard, stats: RegenerateStats, limit: int | None, max_prompt_chars: int | None):
     """Every usable input row as `{"id", "conversations"}`, in input order (every rank reads them all);
     rank 0 counts the rows it skips, by reason, and they count as read there."""
@@ -334,7 +343,7 @@ def _usable_rows(input_path, shard, stats: RegenerateStats, limit: int | None, m
             reason = "no_user_turn"
         elif rid in seen:
             reason = "duplicate_id"
-        elif max_prompt_chars is not None and _prompt_chars(conv) > max_prompt_chars:
+        elif max_prompt_chars is not None and prompt_chars(conv) > max_prompt_chars:
             reason = "prompt_too_long"
         if reason is not None:
             if shard.is_main:
@@ -347,7 +356,7 @@ def _usable_rows(input_path, shard, stats: RegenerateStats, limit: int | None, m
 
 def _batches(rows: list, batch_size: int) -> list:
     """In-process batches: `batch_size` rows at a time, sorted by prompt length (stable)."""
-    ordered = sorted(rows, key=lambda r: _prompt_chars(r["conversations"]))
+    ordered = sorted(rows, key=lambda r: prompt_chars(r["conversations"]))
     return [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
 
 

@@ -51,7 +51,7 @@ def test_warm_drafters_continue_this_seeds_eagle3_and_controls_train_like_it(reg
 
 def test_screening_serves_the_screen_split_and_the_report_the_report_split_with_the_bw9_control(regimes, tmp_path):
     r = _regime(regimes, tmp_path, "--screen-limit", "30", "--report-limit", "120")
-    screen = r.build.eval_argv(tmp_path / "s", **r.serve_settings(0, "screen", 30, [48], [0]))
+    screen = r.build.eval_argv(tmp_path / "s", **r.serve_settings(0, [r.splits / "screen.jsonl"], 30, [48], [0]))
     assert _value(screen, "--prompts").endswith("splits/screen.jsonl") and _value(screen, "--limit") == "30"
     assert "--also-one-pass" in screen and "--skip" not in screen
     assert [s.name for s in r.report_stages(0)] == ["seed0 report-b48", "seed0 report-b24", "seed0 report-b48-2layer",
@@ -132,7 +132,7 @@ def test_the_report_shows_screening_apart_from_the_report_split_and_gives_no_ver
     text = regimes.render({"regimes": [row]})
     assert "### seed 0: screening split (chooses variants; not a verdict)" in text and "no verdict for this regime yet" in text
     assert "| pr-warm | 4 | 3.300 | eagle3-long | +10.0%" in text
-    assert "| recon_only | seed0: 0.03% (headroom of pr-warm (screen features)) | - (not reported;" in text
+    assert "| recon_only | seed0: 0.03% (headroom of pr-warm (held-out features)) | - (not reported;" in text
 
     # a report serve (B 48 at T 0 and T 1, B 24 at T 0) makes the seed's verdict cells; conditions then come from it
     _served(sd / "report-b48", [(d, 48, t, f"r{i}", a, 10) for i in range(3) for t in (0.0, 1.0)
@@ -226,3 +226,59 @@ def test_save_keeps_rows_and_records_only_and_restore_puts_back_the_eval_folders
     with pytest.raises(FileNotFoundError, match="not a saved regime folder"):
         regimes.restore_rows(tmp_path / "nothing", fresh)
     assert regimes.main(["save", "--gsm8k", str(tmp_path / "nothing"), "--to", str(kept)]) == 1
+
+
+def _sharegpt(regimes, tmp_path, *extra):
+    args = regimes._parser().parse_args(["sharegpt", "--workdir", str(tmp_path), "--dry-run", *extra])
+    return regimes.ShareGPTRegime(args)
+
+
+def test_the_sharegpt_regime_keeps_the_prompts_a_stopped_regeneration_had_done(regimes, tmp_path):
+    """The pilots' data: a regeneration (shortest prompt first, batches of 32) stopped after 672 conversations."""
+    from pr_specforge.data.regenerate import _batches, usable_rows
+
+    lengths = [50, 7, 3000, 20, 7, 90, 1, 40]  # 3000: over --max-prompt-chars; two prompts of 7 (ties keep input order)
+    rows = [{"id": f"c{i}", "conversations": [{"role": "user", "content": "x" * n}]} for i, n in enumerate(lengths)]
+    rows.append({"id": "c1", "conversations": [{"role": "user", "content": "dup"}]})  # a duplicate id is not usable
+    pool, kept = tmp_path / "pool.jsonl", tmp_path / "conversations.jsonl"
+    pool.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    regimes.keep_shortest(pool, kept, 4, 2000)
+    assert [json.loads(line)["id"] for line in kept.read_text().splitlines()] == ["c1", "c3", "c4", "c6"]  # input order
+    # the kept file's batches are the first batches the whole pool's regeneration runs
+    full = [[r["id"] for r in b] for b in _batches(usable_rows(pool, 2000), 2)]
+    assert [[r["id"] for r in b] for b in _batches(usable_rows(kept, 2000), 2)] == full[:2]
+    with pytest.raises(ValueError, match=r"pool.jsonl: 7 usable conversations .* fewer than --keep 8"):
+        regimes.keep_shortest(pool, kept, 8, 2000)
+
+
+def test_the_sharegpt_regime_trains_by_steps_on_its_heldout_features_and_reports_the_final_prompts(regimes, tmp_path):
+    r = _sharegpt(regimes, tmp_path, "--steps", "1000", "--warm-steps", "500")
+    assert [s.name for s in r.data_stages()] == ["target", "conversations", "shortest", "regenerate", "features",
+                                                 "heldout-conversations", "heldout-regenerate", "heldout-features"]
+    recipes = {n: load_recipe(str(regimes.RECIPES / regimes.DRAFTERS[n][0]), r.train_overrides(0, n)) for n in r.args.drafters}
+    assert {n: x.config.training.max_steps for n, x in recipes.items()} == {
+        "eagle3": 1000, "eagle3-2layer": 1000, "pr-warm": 500, "eagle3-long": 500}
+    assert {x.config.data.eval_hidden_states_path for x in recipes.values()} == {str(tmp_path / "heldout" / "features")}
+    assert r.screen_stages(0) == []  # the variant was chosen on the pilots' prompts (40-49 of each set)
+    serves = {name.split()[1]: r.build.eval_argv(out, **settings) for name, out, settings in r.report_serves(0)}
+    assert set(serves) == {"report-b48", "report-b24", "report-b48-2layer", "report-bw9-b48"}
+    for argv in serves.values():
+        i = argv.index("--prompts")
+        assert argv[i + 1:i + 4] == ["mtbench", "gsm8k", "humaneval"] and argv[i + 4] == "--limit"
+        assert _value(argv, "--limit") == "10" and _value(argv, "--max-new-tokens") == "64"
+
+
+def test_the_sharegpt_row_reads_its_workdir_and_keeps_part_ds_verdict_beside_it(regimes, tmp_path):
+    sd = tmp_path / "seed0"
+    _served(sd / "report-b48", [(d, 48, t, f"r{i}", a, 10) for i in range(3) for t in (0.0, 1.0)
+                                for d, a in (("eagle3", 16), ("eagle3-long", 17), ("pr-warm", 17), ("pr-warm/one-pass", 17))])
+    _served(sd / "report-b48-2layer", [("eagle3-2layer", 48, 0.0, f"r{i}", 17, 10) for i in range(3)])
+    row = regimes.sharegpt_row(tmp_path)
+    (cell,) = [c for c in row["seeds"][0]["cells"] if (c["budget"], c["temperature"]) == (48, 0.0)]
+    assert cell["eagle3-2layer"]["gain_rel"] == pytest.approx(1 / 16) and cell["pr-warm"]["gain_rel"] == pytest.approx(0.0)
+    assert row["conditions"]["two_layer_gain"]["measured"]["seed0"]["value"] == pytest.approx(1 / 16)
+    assert row["part_d"]["verdict"]["pr-warm"]["decided"] and row["verdict"]["pr-warm"]["seeds"][0]["counts"]
+    text = regimes.render({"regimes": [row]})
+    assert "- part D's **pr-warm**: does not win" in text and "| eagle3-2layer | 3 | 1.700 | eagle3 | +6.2%" in text
+    assert "- **pr-warm**: undecided (the verdict needs two seeds)" in text
+    assert "not yet run" in regimes.render({"regimes": [regimes.sharegpt_row()]})
