@@ -550,11 +550,12 @@ def seed_summary(sd: Path, n: int = 2000, split: str = "report") -> dict:
     return out
 
 
-def verdict(seeds: Dict[int, dict], drafter: str, need: Optional[int] = None) -> Optional[dict]:
+def verdict(seeds: Dict[int, dict], drafter: str, need: Optional[int] = None, t0_cells: Optional[int] = None) -> Optional[dict]:
     """`drafter`'s regime verdict: per seed the mean T = 0 gain and whether a T = 0 cell's CI is entirely below 0.
 
     A seed counts once its report holds `need` problems in every cell (its summary's `problems`; without `need`, or
-    a summary without `problems`, every seed counts); the verdict is decided by two or more counting seeds.
+    a summary without `problems`, every seed counts) and, when `t0_cells` is given, that many T = 0 cells (a report
+    folder not served yet leaves its cell out); the verdict is decided by two or more counting seeds.
     """
     per_seed = {}
     for seed, summary in seeds.items():
@@ -563,7 +564,8 @@ def verdict(seeds: Dict[int, dict], drafter: str, need: Optional[int] = None) ->
             problems = summary.get("problems")
             per_seed[seed] = {"mean_t0_gain": sum(c["gain_rel"] for c in t0) / len(t0),
                               "cell_below_zero": any(c["gain_rel_ci95"][1] < 0 for c in t0), "cells": len(t0),
-                              "problems": problems, "counts": need is None or problems is None or problems >= need}
+                              "problems": problems, "counts": (need is None or problems is None or problems >= need)
+                              and (t0_cells is None or len(t0) >= t0_cells)}
     if not per_seed:
         return None
     counting = [v for v in per_seed.values() if v["counts"]]
@@ -588,7 +590,8 @@ def regime_row(work: Path, regime: str, report_limit: Optional[int] = None) -> d
     row = {"regime": regime, "workdir": str(work),
            "data": {k: v for k, v in (feats.get("counts") or feats).items() if k in ("samples", "tokens", "loss_tokens")},
            "seeds": seeds, "screening": {s: v for s, v in screening.items() if v["cells"]},
-           "verdict": {d: verdict(seeds, d, report_limit) for d in ("pr", "pr-warm")}, "headroom": headroom}
+           "verdict": {d: verdict(seeds, d, report_limit, t0_cells=sum(t == 0.0 for _, t in CELLS)) for d in ("pr", "pr-warm")},
+           "headroom": headroom}
     row["conditions"] = conditions(row)
     row["round_cost"] = round_cost()
     row["heldout"] = heldout_curves(work)
@@ -736,7 +739,11 @@ def render_cells(cells: List[dict]) -> List[str]:
 def _seed_verdict(seed: int, x: dict, need: Optional[int]) -> str:
     """One seed's part of a verdict line."""
     text = f"seed {seed}: mean T0 gain {100 * x['mean_t0_gain']:+.1f}%{', a T0 cell below 0' if x['cell_below_zero'] else ''}"
-    return text if x.get("counts", True) else f"{text} on {x['problems']} of {need} problems, not counted yet"
+    if x.get("counts", True):
+        return text
+    if need and (x.get("problems") or 0) < need:
+        return f"{text} on {x['problems']} of {need} problems, not counted yet"
+    return f"{text} in {x['cells']} T0 cell{'s' * (x['cells'] != 1)}, not counted until every T0 cell is served"
 
 
 def _verdict_lines(verdicts: dict, whose: str = "") -> List[str]:

@@ -277,8 +277,13 @@ def test_the_sharegpt_row_reads_its_workdir_and_keeps_part_ds_verdict_beside_it(
     (cell,) = [c for c in row["seeds"][0]["cells"] if (c["budget"], c["temperature"]) == (48, 0.0)]
     assert cell["eagle3-2layer"]["gain_rel"] == pytest.approx(1 / 16) and cell["pr-warm"]["gain_rel"] == pytest.approx(0.0)
     assert row["conditions"]["two_layer_gain"]["measured"]["seed0"]["value"] == pytest.approx(1 / 16)
-    assert row["part_d"]["verdict"]["pr-warm"]["decided"] and row["verdict"]["pr-warm"]["seeds"][0]["counts"]
+    assert row["part_d"]["verdict"]["pr-warm"]["decided"]
     text = regimes.render({"regimes": [row]})
     assert "- part D's **pr-warm**: does not win" in text and "| eagle3-2layer | 3 | 1.700 | eagle3 | +6.2%" in text
     assert "- **pr-warm**: undecided (the verdict needs two seeds)" in text
+    # B 24 not served yet: the seed is shown, not counted
+    assert not row["verdict"]["pr-warm"]["seeds"][0]["counts"]
+    assert "(seed 0: mean T0 gain +0.0% in 1 T0 cell, not counted until every T0 cell is served)" in text
+    _served(sd / "report-b24", [(d, 24, 0.0, f"r{i}", 15, 10) for i in range(3) for d in ("eagle3-long", "pr-warm", "pr-warm/one-pass")])
+    assert regimes.sharegpt_row(tmp_path)["verdict"]["pr-warm"]["seeds"][0]["counts"]
     assert "not yet run" in regimes.render({"regimes": [regimes.sharegpt_row()]})
