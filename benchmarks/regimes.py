@@ -481,6 +481,8 @@ def save_rows(work: Path, to: Path) -> List[Path]:
     for metrics in sorted(work.glob("seed*/runs/*/metrics.jsonl")):
         rows = read_jsonl_rows(metrics)
         curve = [{k: v for k, v in r.items() if k == "step" or k.startswith("eval/")} for r in rows if any(k.startswith("eval/") for k in r)]
+        if rows and (not curve or curve[-1]["step"] != rows[-1]["step"]):
+            curve.append({"step": rows[-1]["step"]})  # the run's last step (where a warm start on it begins)
         rel = metrics.parent.relative_to(work) / "heldout.jsonl"
         atomic_write_text(to / rel, "".join(json.dumps(r) + "\n" for r in curve))
         copied.append(rel)
@@ -595,6 +597,7 @@ def regime_row(work: Path, regime: str, report_limit: Optional[int] = None) -> d
     row["conditions"] = conditions(row)
     row["round_cost"] = round_cost()
     row["heldout"] = heldout_curves(work)
+    row["last_step"] = last_steps(work)
     return row
 
 
@@ -618,6 +621,19 @@ def heldout_curves(work: Path) -> Dict[str, Dict[str, List[list]]]:
                  for r in (read_jsonl_rows(path) if path else []) if "eval/avg_loss" in r]
         if curve:
             out.setdefault(run.parent.parent.name, {})[run.name] = curve
+    return out
+
+
+def last_steps(work: Path) -> Dict[str, Dict[str, int]]:
+    """seedN -> drafter -> the last step its run logged (a workdir's `metrics.jsonl` or a saved `heldout.jsonl`)."""
+    from pr_specforge.data.io import read_jsonl_rows
+
+    out: Dict[str, Dict[str, int]] = {}
+    for run in sorted(p for p in work.glob("seed*/runs/*") if p.is_dir()):
+        path = next((run / f for f in ("heldout.jsonl", "metrics.jsonl") if (run / f).exists()), None)
+        rows = read_jsonl_rows(path) if path else []
+        if rows:
+            out.setdefault(run.parent.parent.name, {})[run.name] = rows[-1]["step"]
     return out
 
 
@@ -817,8 +833,45 @@ def write_regimes_report(gsm8k_work: Optional[Path], prefix: Path, provenance: s
     report = {"regimes": [sharegpt_row(sharegpt_work)] + ([gsm8k_row(gsm8k_work, report_limit)] if gsm8k_work else []),
               "provenance": provenance}
     atomic_write_json(prefix.with_suffix(".json"), report)
-    atomic_write_text(prefix.with_suffix(".md"), render(report))
+    plot = plot_heldout(report, prefix.with_name(prefix.name + "-heldout.png"))
+    atomic_write_text(prefix.with_suffix(".md"), render(report) + (f"\n![held-out curves]({plot.name})\n" if plot else ""))
     return report
+
+
+def plot_heldout(report: dict, path: Path) -> Optional[Path]:
+    """One panel per regime: each seed's and drafter's held-out simulated acceptance length against its steps (a
+    warm start's from its own start). None (and no file) when no regime has a curve."""
+    rows = [r for r in report["regimes"] if any(acc is not None for curves in (r.get("heldout") or {}).values()
+                                                for curve in curves.values() for _, _, acc in curve)]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(rows), figsize=(5.5 * len(rows), 3.8), squeeze=False)
+    for ax, row in zip(axes[0], rows):
+        for sd, curves in sorted(row["heldout"].items()):
+            for name, curve in sorted(curves.items()):
+                # a warm start goes on from its base's last step (shown from 0 where that is not known)
+                base = DRAFTERS.get(name, (None, None, None))[2]
+                start = (row.get("last_step") or {}).get(sd, {}).get("eagle3", 0) if base else 0
+                pts = [(start + st, acc) for st, _, acc in curve if acc is not None]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", markersize=3, linestyle="--" if base else "-",
+                            label=f"{sd} {name}" + (" (on eagle3)" if base else ""))
+        ax.set_title(f"{row['regime']}: held-out simulated acceptance length", fontsize=9)
+        ax.set_xlabel("training step (a warm start's counted on from eagle3's last)", fontsize=8)
+        ax.set_ylabel("simulated acceptance length", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=6, loc="best")
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -203,6 +203,7 @@ def test_save_keeps_rows_and_records_only_and_restore_puts_back_the_eval_folders
     files = {"data_settings.json": "{}", "features/manifest.json": "{}", "features/hidden_0.pt": "x",
              "target/model.safetensors": "x", "seed0/settings.json": "{}", "seed0/headroom/eagle3.json": "{}",
              "seed0/runs/eagle3/metrics.jsonl": '{"step": 1, "loss": 9.0}\n{"step": 250, "loss": 8.0, "eval/avg_loss": 7.5}\n',
+             "seed0/runs/eagle3-long/metrics.jsonl": '{"step": 249, "eval/avg_loss": 7.0}\n{"step": 250, "loss": 7.1}\n',
              "seed0/runs/eagle3/eagle3-step500/model.safetensors": "x",
              "seed0/export/eagle3/model.safetensors": "x", "seed0/export/eagle3/config.json": "{}",
              "seed0/report-b48/results.jsonl": "row", "seed0/report-b48/eval_config.json": "{}",
@@ -212,12 +213,25 @@ def test_save_keeps_rows_and_records_only_and_restore_puts_back_the_eval_folders
         (work / rel).write_text(text)
     saved = {str(p) for p in regimes.save_rows(work, kept)}
     assert saved == {"data_settings.json", "features/manifest.json", "seed0/settings.json", "seed0/headroom/eagle3.json",
-                     "seed0/runs/eagle3/heldout.jsonl", "seed0/report-b48/results.jsonl",
+                     "seed0/runs/eagle3/heldout.jsonl", "seed0/runs/eagle3-long/heldout.jsonl", "seed0/report-b48/results.jsonl",
                      "seed0/report-b48/eval_config.json", "seed0/screen-b48/summary.json"}
     assert not list(kept.rglob("*.safetensors")) and not list(kept.rglob("*.pt"))
     # the loss curve of SpecForge's eval loop, not every step's row
-    assert json.loads((kept / "seed0/runs/eagle3/heldout.jsonl").read_text()) == {"step": 250, "eval/avg_loss": 7.5}
-    assert regimes.heldout_curves(kept) == regimes.heldout_curves(work) == {"seed0": {"eagle3": [[250, 7.5, None]]}}
+    assert [json.loads(line) for line in (kept / "seed0/runs/eagle3/heldout.jsonl").read_text().splitlines()] == [
+        {"step": 250, "eval/avg_loss": 7.5}]
+    assert regimes.last_steps(kept) == regimes.last_steps(work) == {"seed0": {"eagle3": 250, "eagle3-long": 250}}
+    assert json.loads((kept / "seed0/runs/eagle3-long/heldout.jsonl").read_text().splitlines()[-1]) == {"step": 250}
+    assert regimes.heldout_curves(kept) == regimes.heldout_curves(work) == {
+        "seed0": {"eagle3": [[250, 7.5, None]], "eagle3-long": [[249, 7.0, None]]}}
+    # the report plots the curves that have an acceptance length, and links the plot only when it drew one
+    out = tmp_path / "report" / "regimes"
+    out.parent.mkdir()
+    regimes.write_regimes_report(kept, out)
+    assert not (tmp_path / "report" / "regimes-heldout.png").exists() and "held-out curves]" not in out.with_suffix(".md").read_text()
+    (kept / "seed0/runs/eagle3/heldout.jsonl").write_text('{"step": 250, "eval/avg_loss": 7.5, "eval/simulated_acc_len": 0.6}\n')
+    regimes.write_regimes_report(kept, out)
+    assert (tmp_path / "report" / "regimes-heldout.png").read_bytes()[:4] == b"\x89PNG"
+    assert "![held-out curves](regimes-heldout.png)" in out.with_suffix(".md").read_text()
     (fresh / "seed0" / "report-b48").mkdir(parents=True)
     (fresh / "seed0" / "report-b48" / "results.jsonl").write_text("newer")
     restored = {str(p) for p in regimes.restore_rows(kept, fresh)}
