@@ -434,7 +434,7 @@ def summary_prompts(eval_dir: Path) -> int:
 def finished_prompts(eval_dirs: Sequence[Path]) -> Optional[set]:
     """The "set/prompt" keys every cell of every folder given had finished at its last finished run (each folder's
     `summary.json`): rows past them belong to a round still running. None when no folder has finished one."""
-    out: Optional[set] = None
+    per_set: Dict[str, set] = {}  # a cell covers its own prompt set's prompts: intersect within a set, join the sets
     for d in eval_dirs:
         path = d / "summary.json"
         if not path.exists():
@@ -443,8 +443,8 @@ def finished_prompts(eval_dirs: Sequence[Path]) -> Optional[set]:
             continue
         for e in json.loads(path.read_text()).get("results") or []:
             keys = {f"{e['set']}/{p}" for p in e["per_prompt_tau"]}
-            out = keys if out is None else out & keys
-    return out
+            per_set[e["set"]] = keys if e["set"] not in per_set else per_set[e["set"]] & keys
+    return set().union(*per_set.values()) if per_set else None
 
 
 # ---------------------------------------------------------------- keeping a workdir's rows across machines
@@ -800,7 +800,7 @@ def render(report: dict) -> str:
             if not row.get("seeds"):
                 lines += ["No report-split serve has finished: no verdict for this regime yet.", ""]
             for sd, curves in sorted((row.get("heldout") or {}).items()):
-                lines += [f"Held-out curves, {sd} (SpecForge's eval loop on the screening features; step: loss / "
+                lines += [f"Held-out curves, {sd} (SpecForge's eval loop on the held-out features; step: loss / "
                           "simulated acceptance length; a warm start's steps count from its start):", ""]
                 lines += [f"- {name}: " + ", ".join(f"{st}: {loss:.2f} / {acc:.3f}" if acc is not None else f"{st}: {loss:.2f}"
                                                      for st, loss, acc in curve) for name, curve in sorted(curves.items())]

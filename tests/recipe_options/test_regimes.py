@@ -282,6 +282,18 @@ def test_the_sharegpt_regime_trains_by_steps_on_its_heldout_features_and_reports
         assert _value(argv, "--limit") == "10" and _value(argv, "--max-new-tokens") == "64"
 
 
+def test_finished_prompts_of_a_serve_over_several_prompt_sets_are_each_sets_own(regimes, tmp_path):
+    d = tmp_path / "report-b48"
+    d.mkdir()
+    cell = lambda draft, s, prompts: {"draft": draft, "budget": 48, "temperature": 0.0, "set": s, "prompts": len(prompts),
+                                      "per_prompt_tau": {p: 2.0 for p in prompts}}
+    (d / "summary.json").write_text(json.dumps({"results": [
+        cell("eagle3", "mtbench", ["81", "82"]), cell("eagle3", "gsm8k", ["gsm8k-0", "gsm8k-1"]),
+        cell("pr-warm", "mtbench", ["81"]), cell("pr-warm", "gsm8k", ["gsm8k-0", "gsm8k-1"])]}))
+    assert regimes.finished_prompts([d]) == {"mtbench/81", "gsm8k/gsm8k-0", "gsm8k/gsm8k-1"}
+    assert regimes.finished_prompts([tmp_path / "none"]) is None
+
+
 def test_the_sharegpt_row_reads_its_workdir_and_keeps_part_ds_verdict_beside_it(regimes, tmp_path):
     sd = tmp_path / "seed0"
     _served(sd / "report-b48", [(d, 48, t, f"r{i}", a, 10) for i in range(3) for t in (0.0, 1.0)
