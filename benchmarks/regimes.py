@@ -50,7 +50,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -120,6 +120,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--lr", type=float, default=3e-4)
     c.add_argument("--eval-interval", type=int, default=250, help="steps between held-out evaluations (the loss curve)")
     c.add_argument("--report-limit", type=int, default=10, help="report: served prompts of each set (MT-Bench, GSM8K, HumanEval)")
+    c.add_argument("--report-step", type=int, default=None,
+                   help="serve the report in rounds of this many prompts of each set (default: one round)")
     c.add_argument("--serve-max-new-tokens", type=int, default=64)
     c.add_argument("--until", choices=STAGE_GROUPS, default="report", help="run the stages up to this group")
     c.add_argument("--dry-run", action="store_true", help="print the stages and their outputs, run nothing")
@@ -131,10 +133,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--provenance", default="", help="a line saying which commits ran the stages, on which machine")
     r.add_argument("--report-limit", type=int, default=100,
                    help="report problems a seed needs served in every report folder before it counts toward the verdict")
-    k = sub.add_parser("save", help="copy a workdir's served rows and small records (no model, no feature) into DIR")
+    k = sub.add_parser("save", help="copy a workdir's served rows, regenerated text and small records (no model, no feature) into DIR")
     k.add_argument("--workdir", "--gsm8k", dest="workdir", required=True, help="a regime's workdir")
     k.add_argument("--to", required=True)
-    k = sub.add_parser("restore", help="copy the served rows `save` kept back into a (rebuilt) workdir, to resume its serves")
+    k = sub.add_parser("restore", help="copy the regenerated text and served rows `save` kept back into a (rebuilt) workdir, to resume its serves")
     k.add_argument("--from", dest="src", required=True)
     k.add_argument("--workdir", "--gsm8k", dest="workdir", required=True, help="a regime's workdir")
     return p
@@ -286,7 +288,7 @@ class Regime:
         """`report_serves` in rounds of `--report-step` problems (`report_rounds`): every folder reaches a round's
         problems before any goes on. A round's stage is done once its folder's summary counts that many problems."""
         stages = []
-        for limit in report_rounds(self.args.report_limit, getattr(self.args, "report_step", None)):
+        for limit in report_rounds(self.args.report_limit, self.args.report_step):
             for name, out, settings in self.report_serves(seed, limit):
                 stage = self.build.eval_stage(name if limit == self.args.report_limit else f"{name} to {limit}", out, **settings)
                 stage.done = lambda out=out, limit=limit: summary_prompts(out) >= limit
@@ -448,10 +450,16 @@ def finished_prompts(eval_dirs: Sequence[Path]) -> Optional[set]:
 
 
 # ---------------------------------------------------------------- keeping a workdir's rows across machines
-#: what `save` keeps of a workdir (relative globs): the served rows and the small records, never a model or a feature
-#: what `restore` puts back: the eval folders only (the data, trainings, diagnose and headroom stages rerun; a serve
-#: resumed from restored rows refuses a rebuilt drafter whose weights differ, `eval`'s own drafter fingerprint)
-RESTORE = ("seed*/screen-b48*/*.json", "seed*/screen-b48*/*.jsonl", "seed*/report-*/*.json", "seed*/report-*/*.jsonl")
+#: what `save` keeps of a workdir (relative globs): the served rows, the regenerated training text and the small
+#: records, never a model or a feature
+#: the target's regenerated replies (text, well under 2 MB a regime) and their `.done` markers: restored, the 12-16 min
+#: regenerate stages are skipped on a new machine (the features manifest's `input` fingerprint names the file it read)
+DATA = ("regenerated.jsonl", "regenerated.done", "screen/regenerated.jsonl", "screen/regenerated.done",
+        "heldout/regenerated.jsonl", "heldout/regenerated.done")
+#: what `restore` puts back: the regenerated text and the eval folders (the features, trainings, diagnose and headroom
+#: stages rerun; a serve resumed from restored rows refuses a rebuilt drafter whose weights differ, `eval`'s own
+#: drafter fingerprint)
+RESTORE = (*DATA, "seed*/screen-b48*/*.json", "seed*/screen-b48*/*.jsonl", "seed*/report-*/*.json", "seed*/report-*/*.jsonl")
 KEEP = ("data_settings.json", "stage_times.json", "commands.log", "splits/splits.json", "features/manifest.json",
         "screen/features/manifest.json", "heldout/features/manifest.json", "seed*/settings.json", "seed*/headroom/*.json", "seed*/diagnose/*.json", *RESTORE)
 
@@ -490,7 +498,7 @@ def save_rows(work: Path, to: Path) -> List[Path]:
 
 
 def restore_rows(src: Path, work: Path) -> List[Path]:
-    """Put `save`'s eval folders back into `work` (files already there are left alone)."""
+    """Put `save`'s regenerated text and eval folders back into `work` (files already there are left alone)."""
     if not (src / "data_settings.json").exists():
         raise FileNotFoundError(f"{src}: not a saved regime folder (no data_settings.json)")
     work.mkdir(parents=True, exist_ok=True)
@@ -596,8 +604,7 @@ def regime_row(work: Path, regime: str, report_limit: Optional[int] = None) -> d
            "headroom": headroom}
     row["conditions"] = conditions(row)
     row["round_cost"] = round_cost()
-    row["heldout"] = heldout_curves(work)
-    row["last_step"] = last_steps(work)
+    row["heldout"], row["last_step"] = training_logs(work)
     return row
 
 
@@ -609,32 +616,25 @@ def gsm8k_row(work: Path, report_limit: Optional[int] = None) -> dict:
     return row
 
 
-def heldout_curves(work: Path) -> Dict[str, Dict[str, List[list]]]:
-    """seedN -> drafter -> [[step, held-out loss, simulated acceptance length]] of SpecForge's eval loop on the
-    screening features: a workdir's `runs/NAME/metrics.jsonl` or a saved folder's `runs/NAME/heldout.jsonl`."""
+def training_logs(work: Path) -> Tuple[Dict[str, Dict[str, List[list]]], Dict[str, Dict[str, int]]]:
+    """Each training's log, read once: its held-out curve, seedN -> drafter -> [[step, held-out loss, simulated
+    acceptance length]] of SpecForge's eval loop on the held-out features, and its last logged step, seedN -> drafter ->
+    step (where a warm start on it begins). Read from a workdir's `runs/NAME/metrics.jsonl` or a saved folder's
+    `runs/NAME/heldout.jsonl` (whose last row is the run's last step)."""
     from pr_specforge.data.io import read_jsonl_rows
 
-    out: Dict[str, Dict[str, List[list]]] = {}
-    for run in sorted(p for p in work.glob("seed*/runs/*") if p.is_dir()):
-        path = next((run / f for f in ("heldout.jsonl", "metrics.jsonl") if (run / f).exists()), None)
-        curve = [[r["step"], r["eval/avg_loss"], r.get("eval/simulated_acc_len")]
-                 for r in (read_jsonl_rows(path) if path else []) if "eval/avg_loss" in r]
-        if curve:
-            out.setdefault(run.parent.parent.name, {})[run.name] = curve
-    return out
-
-
-def last_steps(work: Path) -> Dict[str, Dict[str, int]]:
-    """seedN -> drafter -> the last step its run logged (a workdir's `metrics.jsonl` or a saved `heldout.jsonl`)."""
-    from pr_specforge.data.io import read_jsonl_rows
-
-    out: Dict[str, Dict[str, int]] = {}
+    curves: Dict[str, Dict[str, List[list]]] = {}
+    last: Dict[str, Dict[str, int]] = {}
     for run in sorted(p for p in work.glob("seed*/runs/*") if p.is_dir()):
         path = next((run / f for f in ("heldout.jsonl", "metrics.jsonl") if (run / f).exists()), None)
         rows = read_jsonl_rows(path) if path else []
+        seed = run.parent.parent.name
         if rows:
-            out.setdefault(run.parent.parent.name, {})[run.name] = rows[-1]["step"]
-    return out
+            last.setdefault(seed, {})[run.name] = rows[-1]["step"]
+        curve = [[r["step"], r["eval/avg_loss"], r.get("eval/simulated_acc_len")] for r in rows if "eval/avg_loss" in r]
+        if curve:
+            curves.setdefault(seed, {})[run.name] = curve
+    return curves, last
 
 
 def round_cost(path: Path = REPO_ROOT / "benchmarks" / "results" / "draft_cost_controls.json") -> Optional[dict]:

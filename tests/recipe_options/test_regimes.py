@@ -207,21 +207,23 @@ def test_save_keeps_rows_and_records_only_and_restore_puts_back_the_eval_folders
              "seed0/runs/eagle3/eagle3-step500/model.safetensors": "x",
              "seed0/export/eagle3/model.safetensors": "x", "seed0/export/eagle3/config.json": "{}",
              "seed0/report-b48/results.jsonl": "row", "seed0/report-b48/eval_config.json": "{}",
-             "seed0/screen-b48/summary.json": "{}"}
+             "seed0/screen-b48/summary.json": "{}", "regenerated.jsonl": "{}\n", "regenerated.done": "ok\n",
+             "screen/regenerated.jsonl": "{}\n"}
     for rel, text in files.items():
         (work / rel).parent.mkdir(parents=True, exist_ok=True)
         (work / rel).write_text(text)
     saved = {str(p) for p in regimes.save_rows(work, kept)}
     assert saved == {"data_settings.json", "features/manifest.json", "seed0/settings.json", "seed0/headroom/eagle3.json",
                      "seed0/runs/eagle3/heldout.jsonl", "seed0/runs/eagle3-long/heldout.jsonl", "seed0/report-b48/results.jsonl",
-                     "seed0/report-b48/eval_config.json", "seed0/screen-b48/summary.json"}
+                     "seed0/report-b48/eval_config.json", "seed0/screen-b48/summary.json", "regenerated.jsonl",
+                     "regenerated.done", "screen/regenerated.jsonl"}
     assert not list(kept.rglob("*.safetensors")) and not list(kept.rglob("*.pt"))
     # the loss curve of SpecForge's eval loop, not every step's row
     assert [json.loads(line) for line in (kept / "seed0/runs/eagle3/heldout.jsonl").read_text().splitlines()] == [
         {"step": 250, "eval/avg_loss": 7.5}]
-    assert regimes.last_steps(kept) == regimes.last_steps(work) == {"seed0": {"eagle3": 250, "eagle3-long": 250}}
+    assert regimes.training_logs(kept)[1] == regimes.training_logs(work)[1] == {"seed0": {"eagle3": 250, "eagle3-long": 250}}
     assert json.loads((kept / "seed0/runs/eagle3-long/heldout.jsonl").read_text().splitlines()[-1]) == {"step": 250}
-    assert regimes.heldout_curves(kept) == regimes.heldout_curves(work) == {
+    assert regimes.training_logs(kept)[0] == regimes.training_logs(work)[0] == {
         "seed0": {"eagle3": [[250, 7.5, None]], "eagle3-long": [[249, 7.0, None]]}}
     # the report plots the curves that have an acceptance length, and links the plot only when it drew one
     out = tmp_path / "report" / "regimes"
@@ -235,7 +237,10 @@ def test_save_keeps_rows_and_records_only_and_restore_puts_back_the_eval_folders
     (fresh / "seed0" / "report-b48").mkdir(parents=True)
     (fresh / "seed0" / "report-b48" / "results.jsonl").write_text("newer")
     restored = {str(p) for p in regimes.restore_rows(kept, fresh)}
-    assert restored == {"seed0/report-b48/eval_config.json", "seed0/screen-b48/summary.json"}  # the data and drafters rerun
+    # the regenerated text (a rerun skips regenerating what has its `.done`, resumes the rest) and the eval folders;
+    # the features and drafters rerun
+    assert restored == {"seed0/report-b48/eval_config.json", "seed0/screen-b48/summary.json", "regenerated.jsonl",
+                        "regenerated.done", "screen/regenerated.jsonl"}
     assert (fresh / "seed0" / "report-b48" / "results.jsonl").read_text() == "newer"  # never overwritten
     with pytest.raises(FileNotFoundError, match="not a saved regime folder"):
         regimes.restore_rows(tmp_path / "nothing", fresh)
@@ -280,6 +285,9 @@ def test_the_sharegpt_regime_trains_by_steps_on_its_heldout_features_and_reports
         i = argv.index("--prompts")
         assert argv[i + 1:i + 4] == ["mtbench", "gsm8k", "humaneval"] and argv[i + 4] == "--limit"
         assert _value(argv, "--limit") == "10" and _value(argv, "--max-new-tokens") == "64"
+    # --report-step: rounds of N prompts of each set, every folder through a round before the next
+    stepped = [s.name for s in _sharegpt(regimes, tmp_path, "--report-step", "5").report_stages(0)]
+    assert stepped == [f"seed0 {d} to 5" for d in serves] + [f"seed0 {d}" for d in serves]
 
 
 def test_finished_prompts_of_a_serve_over_several_prompt_sets_are_each_sets_own(regimes, tmp_path):
