@@ -76,6 +76,9 @@ STAGE_GROUPS = ("data", "train", "screen", "report")
 #: the report serves: (folder, who (`GSM8KRegime.report_drafters`), B, temperatures, B_w), in the order they run
 REPORT_DIRS = (("report-b48", "b48", 48, [0, 1], 6), ("report-b24", "verdict", 24, [0], 6),
                ("report-b48-2layer", "two_layer", 48, [0], 6), ("report-bw9-b48", "bw9", 48, [0, 1], 9))
+REPORT_FOLDERS = tuple(d[0] for d in REPORT_DIRS)
+REPORT_DIRS_HELP = (f"serve only these report folders (default: all; one of {', '.join(REPORT_FOLDERS)}): a second runner "
+                    "on the same seed serves the others side by side, once the drafters it serves are trained")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -99,6 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--report-step", type=int, default=None,
                    help="serve the report in rounds of this many problems: every report folder reaches N problems, "
                         "then 2N, ... (a stopped run leaves every cell on the same problems; default: one round)")
+    g.add_argument("--report-dirs", nargs="+", default=list(REPORT_FOLDERS), choices=REPORT_FOLDERS, metavar="FOLDER",
+                   help=REPORT_DIRS_HELP)
     g.add_argument("--serve-max-new-tokens", type=int, default=128)
     g.add_argument("--until", choices=STAGE_GROUPS, default="report", help="run the stages up to this group")
     g.add_argument("--dry-run", action="store_true", help="print the stages and their outputs, run nothing")
@@ -122,6 +127,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--report-limit", type=int, default=10, help="report: served prompts of each set (MT-Bench, GSM8K, HumanEval)")
     c.add_argument("--report-step", type=int, default=None,
                    help="serve the report in rounds of this many prompts of each set (default: one round)")
+    c.add_argument("--report-dirs", nargs="+", default=list(REPORT_FOLDERS), choices=REPORT_FOLDERS, metavar="FOLDER",
+                   help=REPORT_DIRS_HELP)
     c.add_argument("--serve-max-new-tokens", type=int, default=64)
     c.add_argument("--until", choices=STAGE_GROUPS, default="report", help="run the stages up to this group")
     c.add_argument("--dry-run", action="store_true", help="print the stages and their outputs, run nothing")
@@ -273,16 +280,19 @@ class Regime:
                 "two_layer": [n for n in names if n == "eagle3-2layer"], "bw9": [n for n in names if n == "eagle3"]}
 
     def report_serves(self, seed: int, limit: Optional[int] = None) -> List[tuple]:
-        """The report serves, (name, out_dir, `serve_settings`), in `REPORT_DIRS` order, on the first `limit` problems
-        (default `--report-limit`); every one after the first lends the first one's target decodes
-        (`eval --baseline-from`: same target, prompts and seeds)."""
+        """The report serves of `--report-dirs`, (name, out_dir, `serve_settings`), in `REPORT_DIRS` order, on the
+        first `limit` problems (default `--report-limit`); every folder after the first lends the first one's target
+        decodes (`eval --baseline-from`: same target, prompts and seeds; a problem it has not decoded yet is decoded
+        anew), also when a second runner serves that first folder."""
         sd, who = self.seed_dir(seed), self.report_drafters()
         first = sd / REPORT_DIRS[0][0]
+        # served here first, or by another runner: lent only once it has served something
+        lends = REPORT_DIRS[0][0] in self.args.report_dirs or (first / "eval_config.json").exists()
         limit = self.args.report_limit if limit is None else limit
         return [(f"seed{seed} {out}", sd / out, self.serve_settings(seed, self.report_prompts(), limit, [budget], temps,
                                                                     bw=bw, drafters=who[group],
-                                                                    baseline_from=[] if sd / out == first else [first]))
-                for out, group, budget, temps, bw in REPORT_DIRS if who[group]]
+                                                                    baseline_from=[] if sd / out == first or not lends else [first]))
+                for out, group, budget, temps, bw in REPORT_DIRS if who[group] and out in self.args.report_dirs]
 
     def report_stages(self, seed: int) -> List[Stage]:
         """`report_serves` in rounds of `--report-step` problems (`report_rounds`): every folder reaches a round's
@@ -487,7 +497,7 @@ def save_rows(work: Path, to: Path) -> List[Path]:
         raise FileNotFoundError(f"{work}: not a regime workdir (no data_settings.json)")
     copied = _copy_tree(work, to, KEEP, overwrite=True)
     for metrics in sorted(work.glob("seed*/runs/*/metrics.jsonl")):
-        rows = read_jsonl_rows(metrics)
+        rows = read_jsonl_rows(metrics, repair=False)
         curve = [{k: v for k, v in r.items() if k == "step" or k.startswith("eval/")} for r in rows if any(k.startswith("eval/") for k in r)]
         if rows and (not curve or curve[-1]["step"] != rows[-1]["step"]):
             curve.append({"step": rows[-1]["step"]})  # the run's last step (where a warm start on it begins)
@@ -627,7 +637,7 @@ def training_logs(work: Path) -> Tuple[Dict[str, Dict[str, List[list]]], Dict[st
     last: Dict[str, Dict[str, int]] = {}
     for run in sorted(p for p in work.glob("seed*/runs/*") if p.is_dir()):
         path = next((run / f for f in ("heldout.jsonl", "metrics.jsonl") if (run / f).exists()), None)
-        rows = read_jsonl_rows(path) if path else []
+        rows = read_jsonl_rows(path, repair=False) if path else []
         seed = run.parent.parent.name
         if rows:
             last.setdefault(seed, {})[run.name] = rows[-1]["step"]

@@ -239,12 +239,30 @@ def repair_jsonl_tail(path: str | os.PathLike) -> int:
     return removed
 
 
-def read_jsonl_rows(path: str | os.PathLike) -> list[dict]:
-    """Every row of an append-mode JSONL file (after cutting a torn last line); [] if it is absent."""
+def read_jsonl_rows(path: str | os.PathLike, repair: bool = True) -> list[dict]:
+    """Every row of an append-mode JSONL file (after cutting a torn last line); [] if it is absent.
+
+    `repair=False` reads another process's live file: the file is left as it is, and a last line without its
+    newline (a row being appended right now, or torn) is not read. Only the file's own writer should repair it.
+    """
     if not os.path.exists(path):
         return []
-    repair_jsonl_tail(path)
-    return [row for _, row in iter_jsonl(path)]
+    if repair:
+        repair_jsonl_tail(path)
+        return [row for _, row in iter_jsonl(path)]
+    with open(path, "rb") as f:
+        data = f.read()
+    rows = []
+    for lineno, line in enumerate(data[:data.rfind(b"\n") + 1].decode("utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataFormatError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise DataFormatError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows
 
 
 def append_jsonl(path: str | os.PathLike, row: dict) -> None:

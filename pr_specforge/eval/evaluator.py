@@ -426,7 +426,7 @@ def borrowed_baselines(dirs: Sequence[str], shared: dict) -> Dict[Tuple, dict]:
         check_resume(f"--baseline-from {d}", {k: theirs[k] for k in BASELINE_FIELDS if k in theirs},
                      {k: shared[k] for k in BASELINE_FIELDS},
                      "its target decodes were made another way: drop that --baseline-from")
-        for r in read_jsonl_rows(os.path.join(d, "baseline.jsonl")):
+        for r in read_jsonl_rows(os.path.join(d, "baseline.jsonl"), repair=False):
             lent.setdefault((r["set"], r["prompt"], float(r["temperature"])), r)
     return lent
 

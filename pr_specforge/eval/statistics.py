@@ -80,7 +80,7 @@ def served_rows(eval_dirs, suffix: str = "") -> Dict[tuple, Dict[str, dict]]:
     for d in eval_dirs:
         path = Path(d) / "results.jsonl"
         if path.exists():
-            for r in read_jsonl_rows(path):
+            for r in read_jsonl_rows(path, repair=False):
                 out.setdefault((r["draft"] + suffix, r["budget"], float(r["temperature"])), {})[f"{r['set']}/{r['prompt']}"] = r
     return out
 
@@ -96,7 +96,7 @@ def comparisons(eval_dirs, n: int, seed: int) -> List[dict]:
     cells = []
     for eval_dir in eval_dirs:
         per_prompt: Dict[tuple, Dict[str, dict]] = {}
-        for row in read_jsonl_rows(Path(eval_dir) / "results.jsonl"):
+        for row in read_jsonl_rows(Path(eval_dir) / "results.jsonl", repair=False):
             per_prompt.setdefault((row["draft"], row["set"], row["budget"], row["temperature"]), {})[row["prompt"]] = row
         for (draft, set_name, budget, temp), rows in per_prompt.items():
             eagle = per_prompt.get(("eagle3", set_name, budget, temp))

@@ -124,6 +124,22 @@ def test_rerun_after_interruption_matches_an_uninterrupted_run(tmp_path):
     assert (tmp_path / "part.jsonl").read_text() == (tmp_path / "full.jsonl").read_text()
 
 
+def test_a_live_jsonl_file_is_read_without_touching_its_writers_row(tmp_path):
+    from pr_specforge.data.io import read_jsonl_rows
+
+    path = tmp_path / "rows.jsonl"
+    live = '{"id": "0"}\n{"id": "1"}\n{"id": "2", "conv'  # another process is appending row 2
+    path.write_text(live)
+    assert [r["id"] for r in read_jsonl_rows(path, repair=False)] == ["0", "1"]
+    assert path.read_text() == live  # its writer's half-written row is left alone
+    path.write_text('{"id": "0"}\n[1]\n')
+    with pytest.raises(DataFormatError, match=r"rows.jsonl:2: expected a JSON object"):
+        read_jsonl_rows(path, repair=False)
+    path.write_text(live)
+    assert [r["id"] for r in read_jsonl_rows(path)] == ["0", "1"]  # the owner (resuming) cuts the torn row
+    assert path.read_text() == '{"id": "0"}\n{"id": "1"}\n'
+
+
 def test_truncated_json_array_yields_every_complete_record(tmp_path):
     recs = [dict(SHAREGPT_ROW, id=f"r{i}") for i in range(3)]
     text = json.dumps(recs, indent=2)

@@ -83,6 +83,16 @@ def test_screening_serves_the_screen_split_and_the_report_the_report_split_with_
     serves = {name.split()[1]: only.build.eval_argv(out, **settings) for name, out, settings in only.report_serves(0)}
     assert drafters(serves["report-b48"]) == ["eagle3", "pr-warm", "eagle3-long"]
     assert drafters(serves["report-b24"]) == ["pr-warm", "eagle3-long"] and "report-b48-2layer" not in serves
+    # a second runner on the same seed, the other folders: it lends report-b48's target decodes once that has served
+    side = _regime(regimes, tmp_path, "--report-dirs", "report-bw9-b48", "report-b48-2layer")
+    assert [name for name, *_ in side.report_serves(0)] == ["seed0 report-b48-2layer", "seed0 report-bw9-b48"]
+    assert all(repeated(side.build.eval_argv(out, **st), "--baseline-from") == [] for _, out, st in side.report_serves(0))
+    (tmp_path / "seed0" / "report-b48").mkdir(parents=True)
+    (tmp_path / "seed0" / "report-b48" / "eval_config.json").write_text("{}")
+    assert all(repeated(side.build.eval_argv(out, **st), "--baseline-from") == [str(tmp_path / "seed0" / "report-b48")]
+               for _, out, st in side.report_serves(0))
+    with pytest.raises(SystemExit):
+        _regime(regimes, tmp_path, "--report-dirs", "report-b96")
 
 
 def _served(path, rows, finished=None):
