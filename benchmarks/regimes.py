@@ -728,7 +728,21 @@ def sharegpt_row(work: Optional[Path] = None) -> dict:
     row = regime_row(work, "sharegpt-chat")
     row["part_d"] = part_d()
     row["data_what"] = "regenerated ShareGPT conversations"
+    row["regime_verdict"] = {"pr-warm": combined_verdict(row["part_d"]["verdict"].get("pr-warm"), row["verdict"].get("pr-warm"))}
     return row
+
+
+def combined_verdict(earlier: Optional[dict], rebuilt: Optional[dict]) -> Optional[dict]:
+    """The chat regime's one verdict: part D's seeds (the same recipe at the same data scale, drafters gone) and the
+    rebuilt workdir's counting seeds together, under `verdict`'s rule (two or more counting seeds, each at least
+    `WIN_GAIN` with no T = 0 cell's CI below 0). Seeds are keyed "part D seed N" and "rebuilt seed N"."""
+    seeds = {f"part D seed {s}": x for s, x in ((earlier or {}).get("seeds") or {}).items() if x.get("counts", True)}
+    seeds.update({f"rebuilt seed {s}": x for s, x in ((rebuilt or {}).get("seeds") or {}).items() if x.get("counts")})
+    if not seeds:
+        return None
+    decided = len(seeds) >= 2
+    wins = decided and all(x["mean_t0_gain"] >= WIN_GAIN and not x["cell_below_zero"] for x in seeds.values())
+    return {"seeds": seeds, "wins": wins, "decided": decided, "need": None}
 
 
 #: rows of a served cell's table: drafter -> the comparison key whose gain it shows (None: tau only)
@@ -762,9 +776,9 @@ def render_cells(cells: List[dict]) -> List[str]:
     return lines
 
 
-def _seed_verdict(seed: int, x: dict, need: Optional[int]) -> str:
-    """One seed's part of a verdict line."""
-    text = f"seed {seed}: mean T0 gain {100 * x['mean_t0_gain']:+.1f}%{', a T0 cell below 0' if x['cell_below_zero'] else ''}"
+def _seed_verdict(seed, x: dict, need: Optional[int]) -> str:
+    """One seed's part of a verdict line (`seed`: its number, or a label such as "part D seed 0")."""
+    text = f"{seed if isinstance(seed, str) else f'seed {seed}'}: mean T0 gain {100 * x['mean_t0_gain']:+.1f}%{', a T0 cell below 0' if x['cell_below_zero'] else ''}"
     if x.get("counts", True):
         return text
     if need and (x.get("problems") or 0) < need:
@@ -821,6 +835,9 @@ def render(report: dict) -> str:
                           f"{rc['machine']}; `{rc['file']}`): two-layer {rc['two_layer_over_eagle']:.2f}x, "
                           f"B_w 9 {rc['bw9_over_eagle']:.2f}x, PR co-forwarded {rc['coforward_over_eagle']:.2f}x.", ""]
         lines += _verdict_lines(row.get("verdict") or {}) if "seeds" in row else []
+        if any((row.get("regime_verdict") or {}).values()):
+            lines += ["", "The regime's verdict (part D's seeds and every rebuilt seed that has served each cell):", ""]
+            lines += _verdict_lines(row["regime_verdict"])
         if row.get("conditions"):
             lines += ["", "### The conditions the paper's gain relies on, measured here", "",
                       "| condition | measured | paper |", "|---|---|---|"]

@@ -329,5 +329,14 @@ def test_the_sharegpt_row_reads_its_workdir_and_keeps_part_ds_verdict_beside_it(
     assert not row["verdict"]["pr-warm"]["seeds"][0]["counts"]
     assert "(seed 0: mean T0 gain +0.0% in 1 T0 cell, not counted until every T0 cell is served)" in text
     _served(sd / "report-b24", [(d, 24, 0.0, f"r{i}", 15, 10) for i in range(3) for d in ("eagle3-long", "pr-warm", "pr-warm/one-pass")])
-    assert regimes.sharegpt_row(tmp_path)["verdict"]["pr-warm"]["seeds"][0]["counts"]
+    row = regimes.sharegpt_row(tmp_path)
+    assert row["verdict"]["pr-warm"]["seeds"][0]["counts"] and not row["verdict"]["pr-warm"]["decided"]
+    # the regime's one verdict: part D's two seeds and the rebuilt seed
+    rv = row["regime_verdict"]["pr-warm"]
+    assert set(rv["seeds"]) == {"part D seed 0", "part D seed 1", "rebuilt seed 0"} and rv["decided"] and not rv["wins"]
+    assert "- **pr-warm**: does not win (part D seed 0: mean T0 gain -0.4%" in regimes.render({"regimes": [row]})
+    assert regimes.combined_verdict(None, {"seeds": {0: {"counts": False}}}) is None
+    win = {"mean_t0_gain": 0.03, "cell_below_zero": False, "counts": True}
+    assert regimes.combined_verdict({"seeds": {0: win}}, {"seeds": {0: win}})["wins"]
+    assert not regimes.combined_verdict({"seeds": {0: win}}, {"seeds": {0: dict(win, cell_below_zero=True)}})["wins"]
     assert "not yet run" in regimes.render({"regimes": [regimes.sharegpt_row()]})
