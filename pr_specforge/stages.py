@@ -228,7 +228,8 @@ class StageBuilder:
 
     def train_stage(self, name: str, recipe: str, run_dir: Path, overrides: Callable[[], List[str]]) -> Stage:
         """`pr-specforge train -c RECIPE OVERRIDES` (made when the stage runs), resumed from the run's
-        newest checkpoint; done once `RUN_DIR/train.done` exists."""
+        newest checkpoint; done once `RUN_DIR/train.done` exists. The logged command names torch's thread count:
+        training is bitwise reproducible at the same count only."""
         def run() -> None:
             from pr_specforge.training.preflight import latest_checkpoint
             from pr_specforge.training.train import run_train
@@ -238,7 +239,10 @@ class StageBuilder:
             if ckpt:
                 log.info("resuming %s from %s", name, ckpt)
                 argv.append(f"training.resume_from={ckpt}")
-            log_command(train_command(recipe, argv), self.log_file)
+            # the thread count is part of the command: a rerun at another count trains other weights (float sums)
+            import torch
+
+            log_command(f"OMP_NUM_THREADS={torch.get_num_threads()} " + train_command(recipe, argv), self.log_file)
             rc = run_train(str(recipe), argv)
             if rc:
                 raise StageFailed(f"{name}: training failed with exit {rc}")
