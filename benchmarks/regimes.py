@@ -462,10 +462,10 @@ def finished_prompts(eval_dirs: Sequence[Path]) -> Optional[set]:
 # ---------------------------------------------------------------- keeping a workdir's rows across machines
 #: what `save` keeps of a workdir (relative globs): the served rows, the regenerated training text and the small
 #: records, never a model or a feature
-#: the target's regenerated replies (text, well under 2 MB a regime) and their `.done` markers: restored, the 12-16 min
-#: regenerate stages are skipped on a new machine (the features manifest's `input` fingerprint names the file it read)
-DATA = ("regenerated.jsonl", "regenerated.done", "screen/regenerated.jsonl", "screen/regenerated.done",
-        "heldout/regenerated.jsonl", "heldout/regenerated.done")
+#: the target's regenerated replies (text, under 1 MB a regime), their resume records and `.done` markers: restored,
+#: the 12-16 min regenerate stages are skipped on a new machine (the features manifest's `input` fingerprint names the
+#: file it read)
+DATA = ("regenerated.*", "screen/regenerated.*", "heldout/regenerated.*")
 #: what `restore` puts back: the regenerated text and the eval folders (the features, trainings, diagnose and headroom
 #: stages rerun; a serve resumed from restored rows refuses a rebuilt drafter whose weights differ, `eval`'s own
 #: drafter fingerprint)
