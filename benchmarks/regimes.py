@@ -466,11 +466,12 @@ def finished_prompts(eval_dirs: Sequence[Path]) -> Optional[set]:
 #: the 12-16 min regenerate stages are skipped on a new machine (the features manifest's `input` fingerprint names the
 #: file it read)
 DATA = ("regenerated.*", "screen/regenerated.*", "heldout/regenerated.*")
-#: what `restore` puts back: the regenerated text and the eval folders (the features, trainings, diagnose and headroom
-#: stages rerun; a serve resumed from restored rows refuses a rebuilt drafter whose weights differ, `eval`'s own
-#: drafter fingerprint)
-RESTORE = (*DATA, "seed*/screen-b48*/*.json", "seed*/screen-b48*/*.jsonl", "seed*/report-*/*.json", "seed*/report-*/*.jsonl")
-KEEP = ("data_settings.json", "stage_times.json", "commands.log", "splits/splits.json", "features/manifest.json",
+#: what `restore` puts back: the regenerated text, the eval folders, and the stage times and command log (a rebuilt
+#: workdir goes on adding to them, so the next `save` keeps the earlier sessions' entries); the features, trainings,
+#: diagnose and headroom stages rerun. A serve resumed from restored rows refuses a rebuilt drafter whose weights
+#: differ (`eval`'s own drafter fingerprint)
+RESTORE = (*DATA, "stage_times.json", "commands.log", "seed*/screen-b48*/*.json", "seed*/screen-b48*/*.jsonl", "seed*/report-*/*.json", "seed*/report-*/*.jsonl")
+KEEP = ("data_settings.json", "splits/splits.json", "features/manifest.json",
         "screen/features/manifest.json", "heldout/features/manifest.json", "seed*/settings.json", "seed*/headroom/*.json", "seed*/diagnose/*.json", *RESTORE)
 
 
@@ -508,7 +509,8 @@ def save_rows(work: Path, to: Path) -> List[Path]:
 
 
 def restore_rows(src: Path, work: Path) -> List[Path]:
-    """Put `save`'s regenerated text and eval folders back into `work` (files already there are left alone)."""
+    """Put `save`'s regenerated text, eval folders, stage times and command log back into `work` (files already there
+    are left alone)."""
     if not (src / "data_settings.json").exists():
         raise FileNotFoundError(f"{src}: not a saved regime folder (no data_settings.json)")
     work.mkdir(parents=True, exist_ok=True)
