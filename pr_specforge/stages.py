@@ -75,8 +75,12 @@ def command_line(subcommand: str, argv: Sequence[str]) -> str:
 
 
 def train_command(recipe: str, overrides: Sequence[str]) -> str:
-    """The command line equivalent to `run_train(recipe, overrides)`."""
-    return command_line("train", ["-c", str(recipe), *overrides])
+    """The command line equivalent to `run_train(recipe, overrides)` in this process, torch's thread count included
+    (`OMP_NUM_THREADS=N pr-specforge train ...`): training is bitwise reproducible at the same count only (float sums
+    split over threads round differently)."""
+    import torch
+
+    return f"OMP_NUM_THREADS={torch.get_num_threads()} " + command_line("train", ["-c", str(recipe), *overrides])
 
 
 def check_settings(path: Path, settings: Dict) -> None:
@@ -239,10 +243,7 @@ class StageBuilder:
             if ckpt:
                 log.info("resuming %s from %s", name, ckpt)
                 argv.append(f"training.resume_from={ckpt}")
-            # the thread count is part of the command: a rerun at another count trains other weights (float sums)
-            import torch
-
-            log_command(f"OMP_NUM_THREADS={torch.get_num_threads()} " + train_command(recipe, argv), self.log_file)
+            log_command(train_command(recipe, argv), self.log_file)
             rc = run_train(str(recipe), argv)
             if rc:
                 raise StageFailed(f"{name}: training failed with exit {rc}")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -56,7 +57,9 @@ def test_experiment_runs_every_stage_reports_both_drafters_and_resumes(tmp_path)
     assert any(c.startswith("pr-specforge diagnose") for c in data["stage_commands"]) and "pr-specforge eval" in md
     # the trainings are recorded too: logged as run, and restated in the report for this seed
     for name, recipe in (("eagle3", "smollm2-135m-cpu-eagle3.yaml"), ("pr", "smollm2-135m-cpu.yaml")):
-        logged = [c for c in data["stage_commands"] if c.startswith("pr-specforge train -c") and c.split()[3].endswith(recipe)]
+        # logged with the thread count it trained with (the experiment's process's own)
+        logged = [c for c in data["stage_commands"] if re.match(r"OMP_NUM_THREADS=[1-9][0-9]* pr-specforge train -c ", c)
+                  and c.split()[4].endswith(recipe)]
         assert len(logged) == 1 and f"output_dir={work / 'runs' / (name + '-seed0')}" in logged[0]
         assert data["train_commands"][name] == logged[0] and logged[0] in md
     assert len(set(data["stage_commands"])) == len(data["stage_commands"])
