@@ -590,10 +590,15 @@ def verdict(seeds: Dict[int, dict], drafter: str, need: Optional[int] = None, t0
                               and (t0_cells is None or len(t0) >= t0_cells)}
     if not per_seed:
         return None
-    counting = [v for v in per_seed.values() if v["counts"]]
+    return {"seeds": per_seed, **decide([v for v in per_seed.values() if v["counts"]]), "need": need}
+
+
+def decide(counting: Sequence[dict]) -> dict:
+    """The rule every verdict applies to its counting seeds: decided by two or more; a win needs each at least
+    `WIN_GAIN` in mean T = 0 gain with no T = 0 cell's CI entirely below 0."""
     decided = len(counting) >= 2
-    wins = decided and all(v["mean_t0_gain"] >= WIN_GAIN and not v["cell_below_zero"] for v in counting)
-    return {"seeds": per_seed, "wins": wins, "decided": decided, "need": need}
+    return {"wins": decided and all(v["mean_t0_gain"] >= WIN_GAIN and not v["cell_below_zero"] for v in counting),
+            "decided": decided}
 
 
 def regime_row(work: Path, regime: str, report_limit: Optional[int] = None) -> dict:
@@ -740,11 +745,7 @@ def combined_verdict(earlier: Optional[dict], rebuilt: Optional[dict]) -> Option
     `WIN_GAIN` with no T = 0 cell's CI below 0). Seeds are keyed "part D seed N" and "rebuilt seed N"."""
     seeds = {f"part D seed {s}": x for s, x in ((earlier or {}).get("seeds") or {}).items() if x.get("counts", True)}
     seeds.update({f"rebuilt seed {s}": x for s, x in ((rebuilt or {}).get("seeds") or {}).items() if x.get("counts")})
-    if not seeds:
-        return None
-    decided = len(seeds) >= 2
-    wins = decided and all(x["mean_t0_gain"] >= WIN_GAIN and not x["cell_below_zero"] for x in seeds.values())
-    return {"seeds": seeds, "wins": wins, "decided": decided, "need": None}
+    return {"seeds": seeds, **decide(list(seeds.values())), "need": None} if seeds else None
 
 
 #: rows of a served cell's table: drafter -> the comparison key whose gain it shows (None: tau only)

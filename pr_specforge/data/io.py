@@ -185,17 +185,19 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataFormatError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise DataFormatError(
-                    f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}"
-                )
-            yield lineno, row
+            if line.strip():
+                yield lineno, _jsonl_row(path, lineno, line)
+
+
+def _jsonl_row(path, lineno: int, line: str) -> dict:
+    """One JSONL line as a dict; bad JSON or a non-object raises `DataFormatError` naming the file and line."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataFormatError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
+    if not isinstance(row, dict):
+        raise DataFormatError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+    return row
 
 
 @dataclass
@@ -252,17 +254,8 @@ def read_jsonl_rows(path: str | os.PathLike, repair: bool = True) -> list[dict]:
         return [row for _, row in iter_jsonl(path)]
     with open(path, "rb") as f:
         data = f.read()
-    rows = []
-    for lineno, line in enumerate(data[:data.rfind(b"\n") + 1].decode("utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataFormatError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise DataFormatError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
-    return rows
+    lines = data[:data.rfind(b"\n") + 1].decode("utf-8").splitlines()
+    return [_jsonl_row(path, lineno, line) for lineno, line in enumerate(lines, 1) if line.strip()]
 
 
 def append_jsonl(path: str | os.PathLike, row: dict) -> None:
