@@ -81,34 +81,42 @@ REPORT_DIRS_HELP = (f"serve only these report folders (default: all; one of {', 
                     "on the same seed serves the others side by side, once the drafters it serves are trained")
 
 
+def _regime_arguments(sp: argparse.ArgumentParser, *, workdir: str, drafters: List[str], report_limit: int,
+                      report_limit_help: str, report_step_help: str, serve_max_new_tokens: int) -> None:
+    """The options `gsm8k` and `sharegpt` share: workdir, features, seeds and drafters, training, the report serves."""
+    sp.add_argument("--workdir", default=workdir)
+    sp.add_argument("--max-length", type=int, default=2048)
+    sp.add_argument("--draft-vocab-size", type=int, default=8192)
+    sp.add_argument("--seeds", nargs="+", type=int, default=[0])
+    sp.add_argument("--drafters", nargs="+", default=drafters, choices=list(DRAFTERS))
+    sp.add_argument("--lr", type=float, default=3e-4)
+    sp.add_argument("--eval-interval", type=int, default=250, help="steps between held-out evaluations (the loss curve)")
+    sp.add_argument("--report-limit", type=int, default=report_limit, help=report_limit_help)
+    sp.add_argument("--report-step", type=int, default=None, help=report_step_help)
+    sp.add_argument("--report-dirs", nargs="+", default=list(REPORT_FOLDERS), choices=REPORT_FOLDERS, metavar="FOLDER",
+                    help=REPORT_DIRS_HELP)
+    sp.add_argument("--serve-max-new-tokens", type=int, default=serve_max_new_tokens)
+    sp.add_argument("--until", choices=STAGE_GROUPS, default="report", help="run the stages up to this group")
+    sp.add_argument("--dry-run", action="store_true", help="print the stages and their outputs, run nothing")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="regime", required=True)
     g = sub.add_parser("gsm8k", help="the GSM8K domain regime")
-    g.add_argument("--workdir", default="work/regime-gsm8k")
     g.add_argument("--max-new-tokens", type=int, default=256, help="regeneration: new tokens per solution")
     g.add_argument("--train-limit", type=int, default=None,
                    help="regenerate and train on the first N problems of the training split only (default: all 1,000)")
-    g.add_argument("--max-length", type=int, default=2048)
-    g.add_argument("--draft-vocab-size", type=int, default=8192)
-    g.add_argument("--seeds", nargs="+", type=int, default=[0])
-    g.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS))
     g.add_argument("--epochs", type=int, default=3, help="epochs over the training split (from-scratch drafters)")
     g.add_argument("--warm-epochs", type=int, default=1, help="pr-warm and eagle3-long: epochs on top of the eagle3 drafter")
-    g.add_argument("--lr", type=float, default=3e-4)
-    g.add_argument("--eval-interval", type=int, default=250, help="steps between held-out evaluations (the loss curve)")
     g.add_argument("--screen-limit", type=int, default=40, help="screening: served problems of the screen split")
-    g.add_argument("--report-limit", type=int, default=100, help="report: served problems of the report split")
-    g.add_argument("--report-step", type=int, default=None,
-                   help="serve the report in rounds of this many problems: every report folder reaches N problems, "
-                        "then 2N, ... (a stopped run leaves every cell on the same problems; default: one round)")
-    g.add_argument("--report-dirs", nargs="+", default=list(REPORT_FOLDERS), choices=REPORT_FOLDERS, metavar="FOLDER",
-                   help=REPORT_DIRS_HELP)
-    g.add_argument("--serve-max-new-tokens", type=int, default=128)
-    g.add_argument("--until", choices=STAGE_GROUPS, default="report", help="run the stages up to this group")
-    g.add_argument("--dry-run", action="store_true", help="print the stages and their outputs, run nothing")
+    _regime_arguments(g, workdir="work/regime-gsm8k", drafters=list(DRAFTERS), report_limit=100,
+                      report_limit_help="report: served problems of the report split",
+                      report_step_help="serve the report in rounds of this many problems: every report folder reaches N "
+                                       "problems, then 2N, ... (a stopped run leaves every cell on the same problems; "
+                                       "default: one round)",
+                      serve_max_new_tokens=128)
     c = sub.add_parser("sharegpt", help="the ShareGPT chat regime at the pilots' scale (the paper's controls beside PR)")
-    c.add_argument("--workdir", default="work/regime-sharegpt")
     c.add_argument("--conversations", type=int, default=1000, help="ShareGPT first turns read (evaluation prompts held out)")
     c.add_argument("--keep", type=int, default=672,
                    help="train on the replies to the N shortest usable prompts among them (the pilots' 672)")
@@ -116,22 +124,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--max-prompt-chars", type=int, default=2000, help="regeneration: longer prompts are not usable")
     c.add_argument("--heldout-conversations", type=int, default=60,
                    help="further ShareGPT first turns (disjoint from the --conversations read) for the held-out features")
-    c.add_argument("--max-length", type=int, default=2048)
-    c.add_argument("--draft-vocab-size", type=int, default=8192)
-    c.add_argument("--seeds", nargs="+", type=int, default=[0])
-    c.add_argument("--drafters", nargs="+", default=["eagle3", "eagle3-2layer", "pr-warm", "eagle3-long"], choices=list(DRAFTERS))
     c.add_argument("--steps", type=int, default=1000, help="training steps of the from-scratch drafters")
     c.add_argument("--warm-steps", type=int, default=500, help="pr-warm and eagle3-long: steps on top of the eagle3 drafter")
-    c.add_argument("--lr", type=float, default=3e-4)
-    c.add_argument("--eval-interval", type=int, default=250, help="steps between held-out evaluations (the loss curve)")
-    c.add_argument("--report-limit", type=int, default=10, help="report: served prompts of each set (MT-Bench, GSM8K, HumanEval)")
-    c.add_argument("--report-step", type=int, default=None,
-                   help="serve the report in rounds of this many prompts of each set (default: one round)")
-    c.add_argument("--report-dirs", nargs="+", default=list(REPORT_FOLDERS), choices=REPORT_FOLDERS, metavar="FOLDER",
-                   help=REPORT_DIRS_HELP)
-    c.add_argument("--serve-max-new-tokens", type=int, default=64)
-    c.add_argument("--until", choices=STAGE_GROUPS, default="report", help="run the stages up to this group")
-    c.add_argument("--dry-run", action="store_true", help="print the stages and their outputs, run nothing")
+    _regime_arguments(c, workdir="work/regime-sharegpt", drafters=["eagle3", "eagle3-2layer", "pr-warm", "eagle3-long"],
+                      report_limit=10, report_limit_help="report: served prompts of each set (MT-Bench, GSM8K, HumanEval)",
+                      report_step_help="serve the report in rounds of this many prompts of each set (default: one round)",
+                      serve_max_new_tokens=64)
     r = sub.add_parser("report", help="benchmarks/results/regimes.{md,json}: one verdict per regime")
     r.add_argument("--gsm8k", default=None, help="the GSM8K regime's workdir (or a folder `save` kept)")
     r.add_argument("--sharegpt", default=None,
