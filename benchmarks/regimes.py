@@ -538,10 +538,17 @@ def seed_summary(sd: Path, n: int = 2000, split: str = "report") -> dict:
     from pr_specforge.eval.statistics import decompose_gain, served_rows
 
     if split == "report":
-        rows = served_rows([sd / out for out, *_, bw in REPORT_DIRS if bw == 6])
-        rows.update(served_rows([sd / out for out, *_, bw in REPORT_DIRS if bw == 9], suffix="@bw9"))
-        finished = finished_prompts([sd / out for out, *_ in REPORT_DIRS]) or set()
-        rows = {k: kept for k, v in rows.items() if (kept := {p: r for p, r in v.items() if p in finished})}
+        # each folder is read up to its own last finished round: a folder still behind (a control served later)
+        # shows fewer problems in its own cells without holding the others back; comparisons pair by shared prompts
+        rows, by_folder = {}, {}
+        for out, *_, bw in REPORT_DIRS:
+            finished = finished_prompts([sd / out])
+            if not finished:
+                continue  # nothing served, or no round finished yet: its rows belong to a round still running
+            by_folder[out] = len(finished)
+            for k, v in served_rows([sd / out], suffix="@bw9" if bw == 9 else "").items():
+                if kept := {p: r for p, r in v.items() if p in finished}:
+                    rows[k] = kept
         cells_served = CELLS
     else:
         rows = served_rows(sorted(d for d in sd.glob("screen-b48*") if d.is_dir()))
@@ -566,22 +573,27 @@ def seed_summary(sd: Path, n: int = 2000, split: str = "report") -> dict:
         cells.append(cell)
     out: dict = {"cells": cells}
     if split == "report":
-        out["problems"] = len(finished)  # served in every report cell (finished rounds only)
+        out["problems_by_folder"] = by_folder  # each folder's finished problems (in every one of its cells)
+        out["problems"] = min(by_folder.values(), default=0)  # the fewest: what every report cell holds at least
     return out
 
 
 def verdict(seeds: Dict[int, dict], drafter: str, need: Optional[int] = None, t0_cells: Optional[int] = None) -> Optional[dict]:
     """`drafter`'s regime verdict: per seed the mean T = 0 gain and whether a T = 0 cell's CI is entirely below 0.
 
-    A seed counts once its report holds `need` problems in every cell (its summary's `problems`; without `need`, or
-    a summary without `problems`, every seed counts) and, when `t0_cells` is given, that many T = 0 cells (a report
-    folder not served yet leaves its cell out); the verdict is decided by two or more counting seeds.
+    A seed counts once each of `drafter`'s T = 0 comparisons pairs `need` problems (a control folder still behind
+    does not hold it back; without `need`, or without a count, every seed counts) and, when `t0_cells` is given,
+    it has that many T = 0 cells (a report folder not served yet leaves its cell out); the verdict is decided by two
+    or more counting seeds.
     """
     per_seed = {}
     for seed, summary in seeds.items():
         t0 = [c[drafter] for c in summary["cells"] if c["temperature"] == 0.0 and drafter in c]
         if t0:
-            problems = summary.get("problems")
+            # the problems its own T = 0 comparisons pair (each over the prompts both sides served); the seed's
+            # `problems` where a summary's gains carry no count
+            paired = [c["prompts"] for c in t0 if "prompts" in c]
+            problems = min(paired) if paired else summary.get("problems")
             per_seed[seed] = {"mean_t0_gain": sum(c["gain_rel"] for c in t0) / len(t0),
                               "cell_below_zero": any(c["gain_rel_ci95"][1] < 0 for c in t0), "cells": len(t0),
                               "problems": problems, "counts": (need is None or problems is None or problems >= need)
@@ -799,6 +811,18 @@ def _verdict_lines(verdicts: dict, whose: str = "") -> List[str]:
     return lines
 
 
+def _served_line(summary: dict) -> str:
+    """A seed's report heading's count: one number when every folder has served the same problems, else each
+    folder's (a folder still behind shows fewer problems in its own cells)."""
+    if summary.get("problems") is None:
+        return ""
+    folders = summary.get("problems_by_folder") or {}
+    if len(set(folders.values())) <= 1:
+        return f" ({summary['problems']} problems in every cell)"
+    each = ", ".join(f"{name} {n}" for name, n in folders.items())
+    return f" (problems per folder: {each}; at least {summary['problems']} in every cell)"
+
+
 def render(report: dict) -> str:
     lines = ["# Regimes (issue 27): where can PR pay?", "",
              "GSM8K is the 1,319-problem test split, cut by index: training 40-1039, screening 1040-1159 "
@@ -820,7 +844,7 @@ def render(report: dict) -> str:
             for seed, summary in sorted((row.get("screening") or {}).items()):
                 lines += [f"### seed {seed}: screening split (chooses variants; not a verdict)", ""] + render_cells(summary["cells"])
             for seed, summary in sorted((row.get("seeds") or {}).items()):
-                served = f" ({summary['problems']} problems in every cell)" if summary.get("problems") is not None else ""
+                served = _served_line(summary)
                 lines += [f"### seed {seed}: report split{served}", ""] + render_cells(summary["cells"])
             if not row.get("seeds"):
                 lines += ["No report-split serve has finished: no verdict for this regime yet.", ""]

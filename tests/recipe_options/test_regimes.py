@@ -203,9 +203,23 @@ def test_the_report_reads_finished_rounds_only_and_counts_a_seed_once_it_has_the
     text = regimes.render({"regimes": [row]})
     assert "undecided (the verdict needs two seeds with 10 report problems each)" in text
     assert "on 4 of 10 problems, not counted yet" in text and "### seed 0: report split (4 problems in every cell)" in text
-    # a folder with rows and no finished round holds the seed's report back
+    # a folder with rows and no finished round is not read: its rows belong to a round still running
     _served(tmp_path / "seed1" / "report-b48-2layer", [("eagle3-2layer", 48, 0.0, "r0", 31, 10)], finished=[])
-    assert 1 not in regimes.gsm8k_row(tmp_path, report_limit=4)["seeds"]
+    row = regimes.gsm8k_row(tmp_path, report_limit=4)
+    assert row["seeds"][1]["problems_by_folder"] == {"report-b48": 4, "report-b24": 4}
+    assert "eagle3-2layer" not in row["seeds"][1]["cells"][0]["tau"] and row["verdict"]["pr-warm"]["wins"]
+    # a folder behind the others shows its own problems and holds back neither the others' cells nor the verdict
+    _served(tmp_path / "seed1" / "report-b48-2layer", [("eagle3-2layer", 48, 0.0, f"r{i}", 31, 10) for i in range(3)],
+            finished={"r0", "r1"})
+    row = regimes.gsm8k_row(tmp_path, report_limit=4)
+    s1 = row["seeds"][1]
+    assert s1["problems_by_folder"] == {"report-b48": 4, "report-b24": 4, "report-b48-2layer": 2} and s1["problems"] == 2
+    b48 = s1["cells"][0]
+    assert b48["prompts"] == {"eagle3-2layer": 2, "eagle3-long": 4, "pr-warm": 4, "pr-warm/one-pass": 4}
+    assert row["verdict"]["pr-warm"]["seeds"][1] == {**row["verdict"]["pr-warm"]["seeds"][1], "problems": 4, "counts": True}
+    assert row["verdict"]["pr-warm"]["decided"] and row["verdict"]["pr-warm"]["wins"]
+    assert ("### seed 1: report split (problems per folder: report-b48 4, report-b24 4, report-b48-2layer 2; "
+            "at least 2 in every cell)") in regimes.render({"regimes": [row]})
 
 
 def test_save_keeps_rows_and_records_only_and_restore_puts_back_the_eval_folders(regimes, tmp_path):
