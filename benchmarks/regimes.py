@@ -640,7 +640,7 @@ def gsm8k_row(work: Path, report_limit: Optional[int] = None) -> dict:
     row = regime_row(work, "gsm8k-domain", report_limit)
     row["splits"] = {k: [v.start, v.stop - 1] for k, v in SPLITS.items()}
     row["data_what"] = "solutions of the training split"
-    return row
+    return with_reason(row)
 
 
 def training_logs(work: Path) -> Tuple[Dict[str, Dict[str, List[list]]], Dict[str, Dict[str, int]]]:
@@ -725,6 +725,67 @@ def conditions(row: dict) -> dict:
     return out
 
 
+#: a condition the paper relies on counts as missing when every seed measures under this share of the paper's figure
+MISSING_SHARE = 0.5
+#: the conditions the issue names, in the order the reason gives them: (key, what it is, measured value -> compared value)
+REASON_CONDITIONS = (
+    ("recovered_low_cd", "the recoverable share (c_d < 0.5 rejects a reconsidered depth gets right)", lambda v: v),
+    ("eagle3_tau", "the accepted path (EAGLE-3's accepted draft tokens per round, tau - 1, B 48, T 0)", lambda v: v - 1.0),
+    ("two_layer_gain", "the two-layer control's gain (what more compute per position buys)", lambda v: v),
+)
+
+
+def with_reason(row: dict) -> dict:
+    """`row` with its `reason` (`missing_conditions`) once its verdict is decided and PR wins nowhere in it."""
+    if _no_win(row):
+        row["reason"] = missing_conditions(row)
+    return row
+
+
+def missing_conditions(row: dict) -> List[dict]:
+    """Which of the conditions the paper's gain relies on this regime lacks, from its measured rows (`conditions`):
+    for each of `REASON_CONDITIONS` measured here, every seed's value beside the paper's, and `missing` when every
+    seed is under `MISSING_SHARE` of it."""
+    out = []
+    for key, what, value_of in REASON_CONDITIONS:
+        cnd = (row.get("conditions") or {}).get(key)
+        if not cnd or not cnd["measured"] or not cnd["paper"]:
+            continue
+        paper = value_of(cnd["paper"])
+        values = [value_of(m["value"]) for _, m in sorted(cnd["measured"].items())]
+        shares = [v / paper for v in values]
+        out.append({"condition": key, "what": what, "measured": values, "paper": paper, "shares": shares,
+                    "missing": all(x < MISSING_SHARE for x in shares)})
+    return out
+
+
+def _no_win(row: dict) -> bool:
+    """Every decided verdict of the regime (its one verdict where it has one) says PR does not win, and one is decided."""
+    verdicts = [v for v in (row.get("regime_verdict") or row.get("verdict") or {}).values() if v]
+    return any(v["decided"] for v in verdicts) and not any(v["wins"] for v in verdicts)
+
+
+def _reason_lines(reasons: List[dict]) -> List[str]:
+    def fmt(key, x):
+        if key == "share":
+            return f"{x:.2f}x"
+        return f"{x:.2f}" if key == "eagle3_tau" else (f"{100 * x:+.1f}%" if "gain" in key else f"{100 * x:.1f}%")
+
+    def span(key, xs):
+        lo, hi = fmt(key, min(xs)), fmt(key, max(xs))
+        return lo if lo == hi else f"{lo} to {hi}"
+
+    lines = ["", "### Why PR does not win here, from the rows above", "",
+             f"A condition counts as missing when every seed measures under {MISSING_SHARE:.0%} of the paper's figure.", ""]
+    for r in reasons:
+        k = r["condition"]
+        lines.append(f"- {r['what']}: {span(k, r['measured'])} against the paper's {fmt(k, r['paper'])} "
+                     f"({span('share', r['shares'])}): **{'missing' if r['missing'] else 'present'}**.")
+    missing = [r["what"].split(" (")[0] for r in reasons if r["missing"]]
+    lines += ["", "Missing here: " + ("; ".join(missing) if missing else "none of these") + "."]
+    return lines
+
+
 def part_d() -> dict:
     """The ShareGPT chat regime's earlier verdict: the committed part D report (`smollm2-cpu-best.json`; its drafters
     are gone), per-set cells averaged."""
@@ -746,7 +807,7 @@ def sharegpt_row(work: Optional[Path] = None) -> dict:
     row["part_d"] = part_d()
     row["data_what"] = "regenerated ShareGPT conversations"
     row["regime_verdict"] = {"pr-warm": combined_verdict(row["part_d"]["verdict"].get("pr-warm"), row["verdict"].get("pr-warm"))}
-    return row
+    return with_reason(row)
 
 
 def combined_verdict(earlier: Optional[dict], rebuilt: Optional[dict]) -> Optional[dict]:
@@ -871,6 +932,8 @@ def render(report: dict) -> str:
                 meas = "; ".join(f"{sd}: {fmt(m['value'])} ({m['from']})" for sd, m in sorted(cnd["measured"].items()))
                 paper = "-" if cnd["paper"] is None else fmt(cnd["paper"])
                 lines.append(f"| {key} | {meas} | {paper} ({cnd['paper_source']}) |")
+        if row.get("reason"):
+            lines += _reason_lines(row["reason"])
         lines.append("")
     return "\n".join(lines) + "\n"
 

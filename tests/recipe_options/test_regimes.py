@@ -354,3 +354,26 @@ def test_the_sharegpt_row_reads_its_workdir_and_keeps_part_ds_verdict_beside_it(
     assert regimes.combined_verdict({"seeds": {0: win}}, {"seeds": {0: win}})["wins"]
     assert not regimes.combined_verdict({"seeds": {0: win}}, {"seeds": {0: dict(win, cell_below_zero=True)}})["wins"]
     assert "not yet run" in regimes.render({"regimes": [regimes.sharegpt_row()]})
+
+
+def test_a_regime_pr_wins_nowhere_names_the_missing_conditions_from_its_measured_rows(regimes):
+    def cnd(paper, *values):
+        return {"paper": paper, "paper_source": "-", "measured": {f"seed{i}": {"value": v, "from": "report"} for i, v in enumerate(values)}}
+
+    lose = {"seeds": {}, "decided": True, "wins": False}
+    row = {"regime": "r", "verdict": {"pr-warm": lose},
+           "conditions": {"recovered_low_cd": cnd(0.288, 0.063, 0.066), "eagle3_tau": cnd(4.84, 2.75, 3.5),
+                          "two_layer_gain": cnd(0.006, 0.005, 0.007), "bw9_gain": cnd(0.009, 0.0)}}
+    reasons = {r["condition"]: r for r in regimes.with_reason(row)["reason"]}
+    assert set(reasons) == {"recovered_low_cd", "eagle3_tau", "two_layer_gain"}
+    assert reasons["recovered_low_cd"]["missing"] and not reasons["two_layer_gain"]["missing"]
+    # the accepted path is tau - 1; one seed at or above half the paper's path keeps it present
+    assert reasons["eagle3_tau"]["measured"] == pytest.approx([1.75, 2.5]) and not reasons["eagle3_tau"]["missing"]
+    text = regimes.render({"regimes": [row]})
+    assert "6.3% to 6.6% against the paper's 28.8% (0.22x to 0.23x): **missing**" in text
+    assert "Missing here: the recoverable share." in text
+    # undecided, or a win: no reason is given
+    row.pop("reason")
+    for v in ({"seeds": {}, "decided": False, "wins": False}, {"seeds": {}, "decided": True, "wins": True}):
+        assert "reason" not in regimes.with_reason(dict(row, verdict={"pr-warm": v}))
+    assert "Why PR does not win" not in regimes.render({"regimes": [dict(row, reason=None)]})
