@@ -727,12 +727,21 @@ def conditions(row: dict) -> dict:
 
 #: a condition the paper relies on counts as missing when every seed measures under this share of the paper's figure
 MISSING_SHARE = 0.5
-#: the conditions the issue names, in the order the reason gives them: (key, what it is, measured value -> compared value)
+#: the conditions the issue names, in the order the reason gives them:
+#: (key, name, what it measures, measured value -> compared value)
 REASON_CONDITIONS = (
-    ("recovered_low_cd", "the recoverable share (c_d < 0.5 rejects a reconsidered depth gets right)", lambda v: v),
-    ("eagle3_tau", "the accepted path (EAGLE-3's accepted draft tokens per round, tau - 1, B 48, T 0)", lambda v: v - 1.0),
-    ("two_layer_gain", "the two-layer control's gain (what more compute per position buys)", lambda v: v),
+    ("recovered_low_cd", "the recoverable share", "c_d < 0.5 rejects a reconsidered depth gets right", lambda v: v),
+    ("eagle3_tau", "the accepted path", "EAGLE-3's accepted draft tokens per round, tau - 1, B 48, T 0", lambda v: v - 1.0),
+    ("two_layer_gain", "the two-layer control's gain", "what more compute per position buys", lambda v: v),
 )
+
+
+def condition_text(key: str, x: float, digits: int = 3) -> str:
+    """A condition's value as the report writes it: `eagle3_tau` (and the path it gives) as a number, a gain as a
+    signed percentage, a share as a percentage; `digits` for the number, one fewer for a share's percentage."""
+    if key == "eagle3_tau":
+        return f"{x:.{digits}f}"
+    return f"{100 * x:+.1f}%" if "gain" in key else f"{100 * x:.{digits - 1}f}%"
 
 
 def with_reason(row: dict) -> dict:
@@ -747,14 +756,14 @@ def missing_conditions(row: dict) -> List[dict]:
     for each of `REASON_CONDITIONS` measured here, every seed's value beside the paper's, and `missing` when every
     seed is under `MISSING_SHARE` of it."""
     out = []
-    for key, what, value_of in REASON_CONDITIONS:
+    for key, name, what, value_of in REASON_CONDITIONS:
         cnd = (row.get("conditions") or {}).get(key)
         if not cnd or not cnd["measured"] or not cnd["paper"]:
             continue
         paper = value_of(cnd["paper"])
         values = [value_of(m["value"]) for _, m in sorted(cnd["measured"].items())]
         shares = [v / paper for v in values]
-        out.append({"condition": key, "what": what, "measured": values, "paper": paper, "shares": shares,
+        out.append({"condition": key, "name": name, "what": what, "measured": values, "paper": paper, "shares": shares,
                     "missing": all(x < MISSING_SHARE for x in shares)})
     return out
 
@@ -767,9 +776,7 @@ def _no_win(row: dict) -> bool:
 
 def _reason_lines(reasons: List[dict]) -> List[str]:
     def fmt(key, x):
-        if key == "share":
-            return f"{x:.2f}x"
-        return f"{x:.2f}" if key == "eagle3_tau" else (f"{100 * x:+.1f}%" if "gain" in key else f"{100 * x:.1f}%")
+        return f"{x:.2f}x" if key == "share" else condition_text(key, x, digits=2)
 
     def span(key, xs):
         lo, hi = fmt(key, min(xs)), fmt(key, max(xs))
@@ -779,9 +786,9 @@ def _reason_lines(reasons: List[dict]) -> List[str]:
              f"A condition counts as missing when every seed measures under {MISSING_SHARE:.0%} of the paper's figure.", ""]
     for r in reasons:
         k = r["condition"]
-        lines.append(f"- {r['what']}: {span(k, r['measured'])} against the paper's {fmt(k, r['paper'])} "
+        lines.append(f"- {r['name']} ({r['what']}): {span(k, r['measured'])} against the paper's {fmt(k, r['paper'])} "
                      f"({span('share', r['shares'])}): **{'missing' if r['missing'] else 'present'}**.")
-    missing = [r["what"].split(" (")[0] for r in reasons if r["missing"]]
+    missing = [r["name"] for r in reasons if r["missing"]]
     lines += ["", "Missing here: " + ("; ".join(missing) if missing else "none of these") + "."]
     return lines
 
@@ -928,9 +935,8 @@ def render(report: dict) -> str:
             lines += ["", "### The conditions the paper's gain relies on, measured here", "",
                       "| condition | measured | paper |", "|---|---|---|"]
             for key, cnd in row["conditions"].items():
-                fmt = (lambda x: f"{x:.3f}") if key == "eagle3_tau" else (lambda x: f"{100 * x:+.1f}%" if "gain" in key else f"{100 * x:.2f}%")
-                meas = "; ".join(f"{sd}: {fmt(m['value'])} ({m['from']})" for sd, m in sorted(cnd["measured"].items()))
-                paper = "-" if cnd["paper"] is None else fmt(cnd["paper"])
+                meas = "; ".join(f"{sd}: {condition_text(key, m['value'])} ({m['from']})" for sd, m in sorted(cnd["measured"].items()))
+                paper = "-" if cnd["paper"] is None else condition_text(key, cnd["paper"])
                 lines.append(f"| {key} | {meas} | {paper} ({cnd['paper_source']}) |")
         if row.get("reason"):
             lines += _reason_lines(row["reason"])
