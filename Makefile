@@ -13,7 +13,7 @@ setup:
 run: setup
 	.venv/bin/pr-specforge run $(ARGS)
 
-# The test suite (CPU, tiny random models; ~10 minutes on 2 cores).
+# The test suite (CPU, tiny random models; about 15-20 minutes on 2 cores).
 test: setup
 	.venv/bin/python -m pytest -q tests $(ARGS)
 
