@@ -5,6 +5,10 @@
     python benchmarks/regimes.py gsm8k --workdir work/regime-gsm8k --dry-run          # print the stage commands
     python benchmarks/regimes.py sharegpt --workdir work/regime-sharegpt --seeds 0 1  # the chat regime's controls
     python benchmarks/regimes.py report --gsm8k W --sharegpt W2                       # benchmarks/results/regimes.{md,json}
+    python benchmarks/regimes.py save --workdir W --to benchmarks/results/regime-gsm8k # keep a workdir's served rows
+    python benchmarks/regimes.py restore --from benchmarks/results/regime-gsm8k --workdir W  # into a rebuilt workdir
+    python benchmarks/regimes.py report --gsm8k benchmarks/results/regime-gsm8k --sharegpt benchmarks/results/regime-sharegpt
+                                                                # the committed report, from the kept rows
 
 The GSM8K domain regime: a SmolLM2-135M drafter specialised on one narrow prompt source, the
 way many users train drafters (on their own traffic), to reach long accepted paths on a 135M
@@ -39,9 +43,6 @@ at 672 had done), 128-token greedy replies, 60 more first turns held out; drafte
 starts 500 more); the report serves the first 10 prompts of MT-Bench, GSM8K and HumanEval at 64 new tokens (part
 D's cells). The same drafters, report folders and controls as GSM8K's; no screening serve (the pilots chose the
 variant on prompts 40-49). Its row shows part D's earlier two-seed verdict beside the rebuilt seeds.
-
-    python benchmarks/regimes.py save --workdir W --to benchmarks/results/regime-gsm8k   # keep the served rows
-    python benchmarks/regimes.py restore --from benchmarks/results/regime-gsm8k --workdir W  # into a rebuilt workdir
 
 The report's provenance table is read from each folder's `provenance.json` (`--provenance FILE` adds one of the same
 form; `study/regime_provenance.py`). A report that would hold fewer regimes, seeds or report problems than the one at

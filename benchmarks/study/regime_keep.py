@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 
 #: the target's regenerated replies (text, under 1 MB a regime), their resume records and `.done` markers: restored,
@@ -42,12 +42,26 @@ def _copy_tree(src: Path, dst: Path, globs: Sequence[str], overwrite: bool) -> L
 
 
 class FewerRows(ValueError):
-    """A save would replace a kept row file with one holding fewer rows."""
+    """A save (or a report) would replace kept rows with fewer."""
 
 
-def _row_count(path: Path) -> int:
-    with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
+def rows_held(path: Path) -> Optional[Tuple[int, str]]:
+    """How much a kept record holds, and of what, where a smaller one would lose something: a row file's
+    (`.jsonl`) or the command log's lines, the stage times' stages, an eval summary's served prompts; None for the
+    other records (settings, manifests, diagnose and headroom reports: replaced as they come)."""
+    if path.suffix in (".jsonl", ".log"):
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip()), "rows" if path.suffix == ".jsonl" else "lines"
+    if path.name in ("stage_times.json", "summary.json"):
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
+            return None
+        if path.name == "stage_times.json":
+            return (len(data), "stages") if isinstance(data, dict) else None
+        entries = data.get("results") if isinstance(data, dict) else None
+        return (sum(e.get("prompts", 0) for e in entries if isinstance(e, dict)), "served prompts") if isinstance(entries, list) else None
+    return None
 
 
 def heldout_curves(work: Path) -> Dict[Path, str]:
@@ -66,17 +80,18 @@ def heldout_curves(work: Path) -> Dict[Path, str]:
 
 
 def fewer_rows(work: Path, to: Path, curves: Dict[Path, str]) -> List[str]:
-    """The row files (`.jsonl`) of `to` a save of `work` would replace with fewer rows, one line each."""
+    """What a save of `work` would replace in `to` with less (`rows_held`), one line each."""
     out = []
     for pattern in KEEP:
         for f in sorted(work.glob(pattern)):
             rel = f.relative_to(work)
-            if f.is_file() and f.suffix == ".jsonl" and (to / rel).is_file() and _row_count(f) < _row_count(to / rel):
-                out.append(f"{to / rel}: {_row_count(to / rel)} rows kept, {f} has {_row_count(f)}")
+            if f.is_file() and (to / rel).is_file() and (kept := rows_held(to / rel)) and (new := rows_held(f)) \
+                    and new[0] < kept[0]:
+                out.append(f"{to / rel}: {kept[0]} {kept[1]} kept, {f} has {new[0]}")
     for rel, text in curves.items():
-        kept, rows = to / rel, text.count("\n")
-        if kept.is_file() and rows < _row_count(kept):
-            out.append(f"{kept}: {_row_count(kept)} rows kept, {work / rel.parent / 'metrics.jsonl'} gives {rows}")
+        rows = text.count("\n")
+        if (to / rel).is_file() and (kept := rows_held(to / rel)) and rows < kept[0]:
+            out.append(f"{to / rel}: {kept[0]} rows kept, {work / rel.parent / 'metrics.jsonl'} gives {rows}")
     return out
 
 

@@ -441,12 +441,23 @@ def test_save_refuses_to_replace_kept_rows_with_fewer_unless_told(regimes, tmp_p
     assert len(err) == 1 and "report-b48/results.jsonl: 800 rows kept" in err[0] and "has 10" in err[0], err
     assert len((kept / "seed0" / "report-b48" / "results.jsonl").read_text().splitlines()) == 800
     assert not (kept / "data_settings.json").exists() and not (kept / "seed0" / "settings.json").exists()  # nothing written
+    # so are the records the provenance reads: the stage times and the command log
+    (work / "seed0" / "report-b48" / "results.jsonl").write_text("".join(rows))  # as many rows: not refused for these
+    (kept / "stage_times.json").write_text(json.dumps({"features": 250.0, "seed0 eagle3: train": 900.0}))
+    (work / "stage_times.json").write_text(json.dumps({"features": 12.0}))
+    with pytest.raises(regimes.FewerRows, match=r"stage_times.json: 2 stages kept, .*work/stage_times.json has 1"):
+        regimes.save_rows(work, kept)
+    (work / "stage_times.json").write_text(json.dumps({"features": 12.0, "seed0 eagle3: train": 9.0, "x": 1.0}))
+    (kept / "commands.log").write_text("pr-specforge data a\npr-specforge train b\n")
+    (work / "commands.log").write_text("pr-specforge data a\n")
+    with pytest.raises(regimes.FewerRows, match=r"commands.log: 2 lines kept, .* has 1"):
+        regimes.save_rows(work, kept)
+    (work / "commands.log").write_text("pr-specforge data a\npr-specforge train b\npr-specforge eval c\n")
     # a training's held-out curve that would come out shorter is refused the same way
     (kept / "seed0" / "runs" / "eagle3").mkdir(parents=True)
     (kept / "seed0" / "runs" / "eagle3" / "heldout.jsonl").write_text('{"step": 250, "eval/avg_loss": 7.5}\n{"step": 500}\n')
     (work / "seed0" / "runs" / "eagle3").mkdir(parents=True)
     (work / "seed0" / "runs" / "eagle3" / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
-    (work / "seed0" / "report-b48" / "results.jsonl").write_text("".join(rows))  # as many rows: not refused for these
     with pytest.raises(regimes.FewerRows, match=r"heldout.jsonl: 2 rows kept, .*metrics.jsonl gives 1"):
         regimes.save_rows(work, kept)
     # as many rows or more, or told to: saved
