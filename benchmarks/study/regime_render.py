@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import List, Optional
 
+from pr_specforge.eval.experiment_report import format_gain
+
 from .regime_keep import FewerRows
 from .regime_provenance import collect, render_provenance
 from .regime_settings import DRAFTERS
@@ -55,10 +57,6 @@ BASE_OF = {"eagle3@bw9": "eagle3", "eagle3-2layer": "eagle3", "eagle3-long": "ea
            "pr-warm": "eagle3-long"}
 
 
-def _pct(g: Optional[dict]) -> str:
-    return "-" if not g else f"{100 * g['gain_rel']:+.1f}% [{100 * g['gain_rel_ci95'][0]:+.1f}, {100 * g['gain_rel_ci95'][1]:+.1f}]"
-
-
 def render_cells(cells: List[dict]) -> List[str]:
     """One table per served cell: each drafter's tau, its gain over its baseline, and PR's decomposition."""
     lines = []
@@ -70,10 +68,10 @@ def render_cells(cells: List[dict]) -> List[str]:
                 continue
             extra = ""
             if name == "pr-warm" and c.get("pr-warm@eagle3"):
-                extra = f"; over eagle3: {_pct(c['pr-warm@eagle3'])}"
+                extra = f"; over eagle3: {format_gain(c['pr-warm@eagle3'])}"
             lines.append(f"| {name} | {c['prompts'].get(name, '-')} | {c['tau'][name]:.3f} | {BASE_OF.get(name, '-') if key else '-'} | "
-                         f"{_pct(c.get(key)) if key else '-'}{extra} | {_pct(c.get(f'{key}/one-pass')) if key else '-'} | "
-                         f"{_pct(c.get(f'{key}/mechanism')) if key else '-'} |")
+                         f"{format_gain(c.get(key)) if key else '-'}{extra} | {format_gain(c.get(f'{key}/one-pass')) if key else '-'} | "
+                         f"{format_gain(c.get(f'{key}/mechanism')) if key else '-'} |")
         lines.append("")
     return lines
 
