@@ -32,11 +32,10 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/pilots.py: the variants' recipes and options
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/pilots.py (the variants), benchmarks/study
 
 import pilots as PILOTS  # noqa: E402
+from study.common import RECIPES, RESULTS, continue_from, tree_args  # noqa: E402
 from pr_specforge.eval.experiment_report import build_report, render_markdown, write_report  # noqa: E402
 from pr_specforge.stages import STAGE_ERRORS, Stage, StageBuilder, run_stages, train_command  # noqa: E402
 from pr_specforge.training.preflight import latest_checkpoint  # noqa: E402
@@ -57,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=40, help="served prompts per set (the first ones)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--bootstrap", type=int, default=2000)
-    p.add_argument("--report", default=str(REPO_ROOT / "benchmarks" / "results" / "smollm2-cpu-best"))
+    p.add_argument("--report", default=str(RESULTS / "smollm2-cpu-best"))
     p.add_argument("--note", action="append", help="a line for the report's head (how this run was made; repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print the training commands, run nothing")
     return p
@@ -78,7 +77,7 @@ class Best:
     def trainings(self, seed: int) -> Dict[str, tuple]:
         """name -> (recipe, overrides) of one seed's trainings, in order (`eagle3-base` only for warm starts)."""
         args, steps = self.args, self.args.warm_steps if self.warm else self.args.steps
-        eagle_recipe = str(REPO_ROOT / "recipes" / PILOTS.VARIANTS[PILOTS.EAGLE3][0])
+        eagle_recipe = str(RECIPES / PILOTS.VARIANTS[PILOTS.EAGLE3][0])
         recipe, options = PILOTS.VARIANTS[args.variant]
 
         def common(name: str, n: int) -> List[str]:
@@ -87,9 +86,8 @@ class Best:
 
         base = latest_checkpoint(self.run_dir("eagle3-base", seed), required=False) or "<eagle3-base checkpoint>"
         out = {"eagle3-base": (eagle_recipe, common("eagle3-base", args.steps))} if self.warm else {}
-        out["eagle3"] = (eagle_recipe, common("eagle3", steps) + ([f"model.draft_checkpoint_path={base}"] if self.warm else []))
-        out["pr"] = (str(REPO_ROOT / "recipes" / recipe), common("pr", steps) + list(options)
-                     + ([f"pr.init_from={base}"] if self.warm else []))
+        out["eagle3"] = (eagle_recipe, common("eagle3", steps) + ([continue_from(base, pr=False)] if self.warm else []))
+        out["pr"] = (str(RECIPES / recipe), common("pr", steps) + list(options) + ([continue_from(base, pr=True)] if self.warm else []))
         return out
 
     def evals(self, seed: int) -> Dict[str, Path]:
@@ -117,7 +115,7 @@ class Best:
         each set, both drafters, the PR drafter also at m = 0 and decomposed."""
         return dict(drafts={name: self.export_dir(name, seed) for name in DRAFTERS}, prompts=PILOTS.SETS,
                     limit=self.args.limit, max_new_tokens=self.args.max_new_tokens,
-                    extra=["--k", "6", "--bw", "6", "--gamma", "8", "--m", "3", "--seed", seed, "--no-progress",
+                    extra=[*tree_args(), "--seed", seed, "--no-progress",
                            "--also-one-pass", "--decompose"])
 
     def diag(self, name: str, seed: int) -> Path:

@@ -23,9 +23,9 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/study: what the studies share
 
+from study.common import ISOLATED_SEPARATE_ADAPTER16, RECIPES, RESULTS, SETS, continue_from  # noqa: E402
 from pr_specforge.eval.experiment_report import DECOMPOSITION, format_gain  # noqa: E402
 from pr_specforge.stages import STAGE_ERRORS, Stage, StageBuilder, run_stages  # noqa: E402
 from pr_specforge.training.preflight import latest_checkpoint  # noqa: E402
@@ -39,12 +39,10 @@ VARIANTS: Dict[str, tuple] = {
     "per-position": ("smollm2-135m-cpu.yaml", ["pr.balance_norm=per_position"]),
     "separate-bias-1": ("smollm2-135m-cpu.yaml", ["pr.recon_head=separate", "pr.gate_init_bias=-1.0"]),
     "isolated-separate": ("smollm2-135m-cpu.yaml", ["pr.recon_grad=isolated", "pr.recon_head=separate"]),
-    "isolated-separate-adapter16": ("smollm2-135m-cpu.yaml", ["pr.recon_grad=isolated", "pr.recon_head=separate",
-                                                               "pr.recon_adapter_rank=16"]),
+    "isolated-separate-adapter16": ("smollm2-135m-cpu.yaml", list(ISOLATED_SEPARATE_ADAPTER16)),
     "warm-frozen-separate-adapter16": ("smollm2-135m-cpu.yaml", ["pr.freeze_one_pass=true", "pr.recon_head=separate",
                                                                   "pr.recon_adapter_rank=16"]),
-    "warm-isolated-separate-adapter16": ("smollm2-135m-cpu.yaml", ["pr.recon_grad=isolated", "pr.recon_head=separate",
-                                                                    "pr.recon_adapter_rank=16"]),
+    "warm-isolated-separate-adapter16": ("smollm2-135m-cpu.yaml", list(ISOLATED_SEPARATE_ADAPTER16)),
     # the isolated warm start's second head lags the one-pass head it was copied from (it trains at weight
     # ~q(r) while the one-pass head keeps training on l^0): read depths >= 1 through the current one-pass
     # head, or train the second head at full weight
@@ -55,7 +53,6 @@ VARIANTS: Dict[str, tuple] = {
     "eagle3-long": ("smollm2-135m-cpu-eagle3.yaml", []),
 }
 WARM = tuple(name for name in VARIANTS if name.startswith("warm-")) + ("eagle3-long",)
-SETS = ("mtbench", "gsm8k", "humaneval")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=48, help="served check: tree budget B")
     p.add_argument("--decompose", action="store_true",
                    help="served check with `eval --decompose` (issue 16 part A counters per PR pilot; object tree builder)")
-    p.add_argument("--report", default=str(REPO_ROOT / "benchmarks" / "results" / "smollm2-cpu-pilots"))
+    p.add_argument("--report", default=str(RESULTS / "smollm2-cpu-pilots"))
     p.add_argument("--dry-run", action="store_true", help="print the stage commands, run nothing")
     return p
 
@@ -96,7 +93,7 @@ def train_overrides(args, work: Path, name: str, run: Path) -> List[str]:
            f"training.save_interval={steps}", *VARIANTS[name][1]]
     if name in WARM:  # continue from the EAGLE-3 pilot's weights for `--warm-steps` more steps (fresh optimiser, both)
         ckpt = latest_checkpoint(Path(args.out) / "runs" / EAGLE3, required=not args.dry_run) or "<eagle3 pilot checkpoint>"
-        out.append(f"model.draft_checkpoint_path={ckpt}" if name == "eagle3-long" else f"pr.init_from={ckpt}")
+        out.append(continue_from(ckpt, pr=name != "eagle3-long"))
     return out
 
 
@@ -118,7 +115,7 @@ def stages(args, work: Path, name: str) -> List[Stage]:
     pilots = Path(args.out)
     run, export, ev = pilots / "runs" / name, pilots / "export" / name, pilots / "eval" / name
     diag = pilots / "diagnose" / f"{name}.json"
-    recipe = str(REPO_ROOT / "recipes" / VARIANTS[name][0])
+    recipe = str(RECIPES / VARIANTS[name][0])
     diag.parent.mkdir(parents=True, exist_ok=True)
     build = StageBuilder(work, log_file=pilots / "commands.log")
     return [

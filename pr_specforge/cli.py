@@ -113,7 +113,8 @@ def _main(argv: List[str]) -> int:
     if args.command == "train":
         from pr_specforge.config import ConfigError
         from pr_specforge.data.io import DataFormatError
-        from pr_specforge.training.train import NonFiniteTraining, TrainingInterrupted, run_train
+        from pr_specforge.training.errors import NonFiniteTraining, TrainingInterrupted
+        from pr_specforge.training.train import run_train
 
         try:
             return run_train(args.config, args.overrides, dry_run=args.dry_run, start_over=args.start_over)

@@ -9,6 +9,10 @@
   module); library functions raise exceptions and log.
 * Light modules (recipe errors, recipe loading, the CLI, the stages) import without torch or SpecForge,
   and importing the adapter patches nothing in SpecForge.
+* No import circle among the package's modules: the graph is read from every `import` and `from ... import`
+  (module level and inside functions, absolute and relative, `from pkg import submodule` as an edge to the
+  submodule; `if TYPE_CHECKING:` blocks never run and are left out), and a cycle fails naming its modules.
+* No `.py` file in `benchmarks/` over 600 lines either.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator, List, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pr_specforge"
+BENCHMARKS = PACKAGE.parent / "benchmarks"
 ADAPTER = PACKAGE / "_specforge.py"
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
@@ -81,6 +86,165 @@ def test_no_file_over_600_lines_and_no_function_over_80():
                     long_functions.append(f"{_rel(path)}:{node.lineno} {node.name}: {length} lines")
     assert not long_files, long_files
     assert not long_functions, long_functions
+
+
+def test_no_benchmark_file_over_600_lines():
+    files = sorted(BENCHMARKS.rglob("*.py"))
+    assert len(files) >= 8, files  # the studies are read (a moved folder must not pass by finding nothing)
+    long_files = [f"{p.relative_to(PACKAGE.parent)}: {n} lines" for p in files
+                  if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
+    assert not long_files, long_files
+
+
+def _module_name(path: Path, package: Path) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _executed_imports(tree: ast.AST) -> Iterator[ast.stmt]:
+    """Every import statement of a module, at any depth, but those under `if TYPE_CHECKING:` (never run)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            for child in node.orelse:
+                yield from _executed_imports(ast.Module(body=[child], type_ignores=[]))
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        yield from _executed_imports(node)
+
+
+def import_graph(package: Path) -> Dict[str, Dict[str, int]]:
+    """`module -> {module it imports: line}` among the modules of `package` (a directory): each import names the
+    most specific module of the package it loads (`from a.b import c` is `a.b.c` when that is a module, else `a.b`;
+    `import a.b.c` is `a.b.c`; a relative import is resolved against the importing module's package)."""
+    paths = {_module_name(p, package): p for p in sorted(package.rglob("*.py"))}
+    graph: Dict[str, Dict[str, int]] = {}
+    for name, path in paths.items():
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = graph.setdefault(name, {})
+        for node in _executed_imports(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    parts = here.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names]
+            for target in targets:
+                while target and target not in paths:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    edges.setdefault(target, node.lineno)
+    return graph
+
+
+def import_cycles(graph: Dict[str, Dict[str, int]]) -> List[List[str]]:
+    """One cycle per strongly connected group of modules (Tarjan's algorithm, iterative), each as the path
+    `[a, b, ..., a]` a shortest walk from its first module back to it takes."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack = set()
+    groups: List[List[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, {})))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    groups.append(sorted(group))
+    cycles = []
+    for group in groups:
+        start, members = group[0], set(group)
+        came_from = {start: None}
+        frontier = [start]
+        while frontier and start not in [c for f in frontier for c in graph[f]]:
+            nxt = []
+            for f in frontier:
+                for c in sorted(graph[f]):
+                    if c in members and c not in came_from:
+                        came_from[c] = f
+                        nxt.append(c)
+            frontier = nxt
+        last = next(f for f in frontier if start in graph[f])
+        path = [last]
+        while came_from[path[-1]] is not None:
+            path.append(came_from[path[-1]])
+        cycles.append(path[::-1] + [start])  # start -> ... -> last -> start
+    return cycles
+
+
+def _cycle_text(graph: Dict[str, Dict[str, int]], cycle: List[str]) -> str:
+    return " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+
+
+def test_the_package_and_the_study_code_have_no_import_cycle():
+    graph = import_graph(PACKAGE)
+    assert len(graph) > 50 and sum(map(len, graph.values())) > 100, "the import graph came out nearly empty"
+    assert "pr_specforge._specforge" in graph["pr_specforge.training.registration"]  # `from pr_specforge import _specforge`
+    study = import_graph(BENCHMARKS / "study")  # the studies' shared code and the regime study's rooms
+    assert "study.regime_settings" in study["study.regime_stages"]  # `from .regime_settings import ...`
+    cycles = [(graph, c) for c in import_cycles(graph)] + [(study, c) for c in import_cycles(study)]
+    assert not cycles, "import cycles (move what both sides need into a module both import):\n" + "\n".join(
+        _cycle_text(g, c) for g, c in cycles)
+
+
+def test_the_cycle_check_finds_a_deliberate_cycle_at_any_depth_and_of_any_import_form(tmp_path):
+    """A package with the import forms the check must read: a cycle through a function-level relative import and a
+    `from pkg import submodule`, a longer one through `import a.b`, and a TYPE_CHECKING import that is no edge."""
+    pkg = tmp_path / "demo"
+    files = {
+        "__init__.py": "",
+        "errors.py": "class Boom(Exception):\n    pass\n",
+        "train.py": "from demo.backends.checkpoint import save\nfrom demo.errors import Boom\n",
+        "backends/__init__.py": "",
+        "backends/checkpoint.py": "def save():\n    from ..train import run\n    return run\n",
+        "a.py": "import demo.b\n",
+        "b.py": "from demo import c\n",
+        "c.py": "def f():\n    import demo.a\n",
+        "typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from demo import leaf\nimport demo.errors\n",
+        "leaf.py": "from demo import typed\n",
+    }
+    for rel, text in files.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    graph = import_graph(pkg)
+    assert graph["demo.backends.checkpoint"] == {"demo.train": 2} and graph["demo.b"] == {"demo.c": 1}
+    assert graph["demo.typed"] == {"demo.errors": 4}  # the TYPE_CHECKING import is not an edge
+    cycles = import_cycles(graph)
+    assert sorted(cycles) == [["demo.a", "demo.b", "demo.c", "demo.a"],
+                              ["demo.backends.checkpoint", "demo.train", "demo.backends.checkpoint"]], cycles
+    assert _cycle_text(graph, cycles[0]).startswith("demo.a (line 1) -> demo.b (line 1) -> demo.c (line 2) -> demo.a")
+    # moving the exception out breaks the first circle, as in the package (training/errors.py)
+    (pkg / "backends/checkpoint.py").write_text("def save():\n    from ..errors import Boom\n    return Boom\n")
+    (pkg / "c.py").write_text("def f():\n    import demo.errors\n")
+    assert import_cycles(import_graph(pkg)) == []
 
 
 def test_print_and_system_exit_only_in_cli_entry_points():

@@ -280,6 +280,20 @@ def build_pr_config(eagle3_config, settings: Optional[PRDraftSettings] = None):
     return cfg
 
 
+def pr_draft_config(draft_config, pr: PRDraftSettings):
+    """The draft config with PR's architecture and the recipe's `pr` settings (a `PRConfig`; EAGLE-3 configs are
+    converted); refuses a drafter PR does not extend."""
+    archs = list(getattr(draft_config, "architectures", None) or [EAGLE3_ARCHITECTURE])
+    if archs[0] not in (EAGLE3_ARCHITECTURE, PR_ARCHITECTURE):
+        raise ValueError(
+            f"draft config architectures[0] = {archs[0]!r} is not an EAGLE-3 drafter; the pr algorithm extends "
+            f"{EAGLE3_ARCHITECTURE} (use an EAGLE-3 draft config, e.g. SpecForge's configs/*-eagle3.json)"
+        )
+    if int(getattr(draft_config, "num_hidden_layers", 1)) != 1:
+        raise ValueError("the pr algorithm needs a single-layer EAGLE-3 drafter (num_hidden_layers: 1)")
+    return build_pr_config(draft_config, pr.draft_settings())
+
+
 def load_drafter(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
     """Load an EAGLE-3 or PR drafter directory (HF layout) with RoPE rebuilt.
 

@@ -19,7 +19,7 @@ import torch
 from pr_specforge import _specforge as sf
 from pr_specforge._specforge import Eagle3TrainStrategy, StepOutput
 from pr_specforge.config import PR_ATTENTION_BACKEND, PRConfig
-from pr_specforge.modeling.drafter import EAGLE3_ARCHITECTURE, PR_ARCHITECTURE, PR_PARAM_PREFIXES, build_pr_config
+from pr_specforge.modeling.drafter import EAGLE3_ARCHITECTURE, PR_ARCHITECTURE, PR_PARAM_PREFIXES, pr_draft_config
 
 ALGORITHM_NAME = "pr"
 
@@ -88,19 +88,6 @@ def _check_feature_width(training_model, hidden: torch.Tensor) -> None:
             f"3 x target_hidden_size = {expected}; the features were captured from a different target "
             "(check data.hidden_states_path and the draft config's target_hidden_size)"
         )
-
-
-def pr_draft_config(draft_config, pr: PRConfig):
-    """The draft config with PR's architecture and settings (EAGLE-3 configs are converted)."""
-    archs = list(getattr(draft_config, "architectures", None) or [EAGLE3_ARCHITECTURE])
-    if archs[0] not in (EAGLE3_ARCHITECTURE, PR_ARCHITECTURE):
-        raise ValueError(
-            f"draft config architectures[0] = {archs[0]!r} is not an EAGLE-3 drafter; the pr algorithm extends "
-            f"{EAGLE3_ARCHITECTURE} (use an EAGLE-3 draft config, e.g. SpecForge's configs/*-eagle3.json)"
-        )
-    if int(getattr(draft_config, "num_hidden_layers", 1)) != 1:
-        raise ValueError("the pr algorithm needs a single-layer EAGLE-3 drafter (num_hidden_layers: 1)")
-    return build_pr_config(draft_config, pr.draft_settings())
 
 
 def prepare_draft(draft, pr: PRConfig) -> None:

@@ -28,6 +28,7 @@ from typing import List, Sequence
 import yaml
 
 from pr_specforge.config import ConfigError
+from pr_specforge.training.errors import NonFiniteTraining, TrainingInterrupted
 from pr_specforge.training.preflight import check_run
 from pr_specforge.training.recipe import Recipe, load_recipe, resolved_payload
 
@@ -64,14 +65,6 @@ def run_train(recipe_path: str, overrides: Sequence[str], dry_run: bool = False,
 
 #: set in the ranks `pr-specforge train` launches itself: an interrupted rank exits quietly, the launcher reports.
 SELF_LAUNCHED_ENV = "PR_SPECFORGE_SELF_LAUNCHED"
-
-
-class TrainingInterrupted(Exception):
-    """Ctrl-C: the message says what was kept and how to resume."""
-
-
-class NonFiniteTraining(RuntimeError):
-    """The loss (or a tensor about to be checkpointed) went non-finite; the message names the step and the term."""
 
 
 def _loss_terms(metrics) -> List[str]:

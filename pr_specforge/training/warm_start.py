@@ -88,7 +88,7 @@ def check_init_from(pr, draft_config_path: str) -> None:
     from transformers import LlamaConfig
 
     from pr_specforge.modeling import LlamaForCausalLMEagle3PR
-    from pr_specforge.training.registration import pr_draft_config
+    from pr_specforge.modeling.drafter import pr_draft_config
 
     state = read_one_pass_state(pr.init_from)
     with open(draft_config_path) as f:

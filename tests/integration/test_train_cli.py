@@ -292,7 +292,7 @@ def test_a_non_finite_loss_stops_training_in_one_line_and_no_checkpoint_holds_na
 
     from pr_specforge.cli import main
     from pr_specforge.training.backends.checkpoint import recipe_checkpoint_manager
-    from pr_specforge.training.train import NonFiniteTraining
+    from pr_specforge.training.errors import NonFiniteTraining
 
     feats = tmp_path / "features"
     shutil.copytree(os.path.join(_root(workspace), "features"), feats)

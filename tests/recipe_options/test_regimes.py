@@ -1,6 +1,9 @@
 """`benchmarks/regimes.py gsm8k` (issue 27): disjoint GSM8K splits by index, and stages that screen and report apart."""
 
 import json
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -377,3 +380,131 @@ def test_a_regime_pr_wins_nowhere_names_the_missing_conditions_from_its_measured
     for v in ({"seeds": {}, "decided": False, "wins": False}, {"seeds": {}, "decided": True, "wins": True}):
         assert "reason" not in regimes.with_reason(dict(row, verdict={"pr-warm": v}))
     assert "Why PR does not win" not in regimes.render({"regimes": [dict(row, reason=None)]})
+
+
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks", "results")
+
+
+def _committed_report_copy(tmp_path):
+    """A copy of the committed regimes.{md,json} under tmp_path (what a bad `report` must leave alone)."""
+    out = tmp_path / "results"
+    out.mkdir()
+    for suffix in (".md", ".json"):
+        shutil.copy(os.path.join(RESULTS, "regimes" + suffix), out / ("regimes" + suffix))
+    return out / "regimes"
+
+
+def test_report_refuses_no_folder_a_folder_that_is_no_workdir_and_a_smaller_report(regimes, tmp_path, capsys):
+    prefix = _committed_report_copy(tmp_path)
+    before = {s: prefix.with_suffix(s).read_bytes() for s in (".md", ".json")}
+    (tmp_path / "not-a-workdir").mkdir()
+    (tmp_path / "not-a-workdir" / "results.jsonl").write_text("{}\n")
+    # a kept GSM8K folder with seed 0 only: the committed report holds seeds 0 and 1 of it
+    kept = tmp_path / "gsm8k"
+    shutil.copytree(os.path.join(RESULTS, "regime-gsm8k"), kept, ignore=shutil.ignore_patterns("seed1"))
+    cases = {"no folder": [], "not a workdir": ["--gsm8k", str(tmp_path / "not-a-workdir")],
+             "no such folder": ["--gsm8k", str(tmp_path / "nothing")],
+             "fewer seeds": ["--gsm8k", str(kept), "--sharegpt", os.path.join(RESULTS, "regime-sharegpt")],
+             "no chat rows": ["--gsm8k", os.path.join(RESULTS, "regime-gsm8k")]}
+    said = {}
+    for case, argv in cases.items():
+        assert regimes.main(["report", *argv, "--out", str(prefix)]) == 1, case
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("regimes: "), (case, err)
+        said[case] = err[0]
+        assert {s: prefix.with_suffix(s).read_bytes() for s in (".md", ".json")} == before, case
+    assert "no regime folder given" in said["no folder"] and "nothing written" in said["no folder"]
+    assert "not-a-workdir: not a regime workdir" in said["not a workdir"] and "nothing: not a regime" in said["no such folder"]
+    assert "holds gsm8k-domain seed 1's report split, this report none" in said["fewer seeds"]
+    assert "--replace-with-fewer" in said["fewer seeds"]
+    assert "holds sharegpt-chat seed 0's report split" in said["no chat rows"]
+    # told to in so many words, the smaller report is written
+    assert regimes.main(["report", *cases["fewer seeds"], "--out", str(prefix), "--replace-with-fewer"]) == 0
+    capsys.readouterr()
+    assert list(json.loads(prefix.with_suffix(".json").read_text())["regimes"][1]["seeds"]) == ["0"]
+
+
+def test_save_refuses_to_replace_kept_rows_with_fewer_unless_told(regimes, tmp_path, capsys):
+    committed = os.path.join(RESULTS, "regime-gsm8k", "seed0", "report-b48", "results.jsonl")
+    kept, work = tmp_path / "kept", tmp_path / "work"
+    (kept / "seed0" / "report-b48").mkdir(parents=True)
+    shutil.copy(committed, kept / "seed0" / "report-b48" / "results.jsonl")  # 800 rows
+    rows = (kept / "seed0" / "report-b48" / "results.jsonl").read_text().splitlines(keepends=True)
+    assert len(rows) == 800
+    (work / "seed0" / "report-b48").mkdir(parents=True)
+    (work / "data_settings.json").write_text("{}")
+    (work / "seed0" / "report-b48" / "results.jsonl").write_text("".join(rows[:10]))
+    (work / "seed0" / "settings.json").write_text("{}")
+    argv = ["save", "--workdir", str(work), "--to", str(kept)]
+    assert regimes.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "report-b48/results.jsonl: 800 rows kept" in err[0] and "has 10" in err[0], err
+    assert len((kept / "seed0" / "report-b48" / "results.jsonl").read_text().splitlines()) == 800
+    assert not (kept / "data_settings.json").exists() and not (kept / "seed0" / "settings.json").exists()  # nothing written
+    # so are the records the provenance reads: the stage times and the command log
+    (work / "seed0" / "report-b48" / "results.jsonl").write_text("".join(rows))  # as many rows: not refused for these
+    (kept / "stage_times.json").write_text(json.dumps({"features": 250.0, "seed0 eagle3: train": 900.0}))
+    (work / "stage_times.json").write_text(json.dumps({"features": 12.0}))
+    with pytest.raises(regimes.FewerRows, match=r"stage_times.json: 2 stages kept, .*work/stage_times.json has 1"):
+        regimes.save_rows(work, kept)
+    (work / "stage_times.json").write_text(json.dumps({"features": 12.0, "seed0 eagle3: train": 9.0, "x": 1.0}))
+    (kept / "commands.log").write_text("pr-specforge data a\npr-specforge train b\n")
+    (work / "commands.log").write_text("pr-specforge data a\n")
+    with pytest.raises(regimes.FewerRows, match=r"commands.log: 2 lines kept, .* has 1"):
+        regimes.save_rows(work, kept)
+    (work / "commands.log").write_text("pr-specforge data a\npr-specforge train b\npr-specforge eval c\n")
+    # a training's held-out curve that would come out shorter is refused the same way
+    (kept / "seed0" / "runs" / "eagle3").mkdir(parents=True)
+    (kept / "seed0" / "runs" / "eagle3" / "heldout.jsonl").write_text('{"step": 250, "eval/avg_loss": 7.5}\n{"step": 500}\n')
+    (work / "seed0" / "runs" / "eagle3").mkdir(parents=True)
+    (work / "seed0" / "runs" / "eagle3" / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    with pytest.raises(regimes.FewerRows, match=r"heldout.jsonl: 2 rows kept, .*metrics.jsonl gives 1"):
+        regimes.save_rows(work, kept)
+    # as many rows or more, or told to: saved
+    (work / "seed0" / "runs" / "eagle3" / "metrics.jsonl").write_text('{"step": 250, "eval/avg_loss": 7.5}\n{"step": 500}\n')
+    assert {str(p) for p in regimes.save_rows(work, kept)} >= {"seed0/report-b48/results.jsonl", "data_settings.json"}
+    (work / "seed0" / "report-b48" / "results.jsonl").write_text("".join(rows[:10]))
+    assert regimes.main([*argv, "--replace-with-fewer"]) == 0
+    assert len((kept / "seed0" / "report-b48" / "results.jsonl").read_text().splitlines()) == 10
+
+
+def test_the_provenance_is_a_table_from_structured_rows_and_a_bad_row_is_one_line(regimes, tmp_path, capsys):
+    work = tmp_path / "chat"
+    work.mkdir()
+    (work / "data_settings.json").write_text("{}")
+    (work / "stage_times.json").write_text(json.dumps({"seed0 report-b48 to 10": 600.0, "seed0 report-b48": 1200.0,
+                                                       "seed0 eagle3: train": 99.0}))
+    row = {"what": "seed 0: report-b48", "commit": "abc1234", "recorded_in": ["def5678"], "date": "2026-01-02",
+           "machine": "2-core CPU #1", "threads": "1", "stages": ["seed0 report-b48*"]}
+    (work / "provenance.json").write_text(json.dumps({"study": "chat", "rows": [row, dict(row, what="rebuilt", stages=[])],
+                                                      "notes": ["a note"]}))
+    extra = tmp_path / "more.json"
+    extra.write_text(json.dumps({"study": "extra", "rows": [dict(row, stages=["nothing*"])]}))
+    out = tmp_path / "out" / "regimes"
+    out.parent.mkdir()
+    assert regimes.main(["report", "--sharegpt", str(work), "--out", str(out), "--provenance", str(extra)]) == 0
+    capsys.readouterr()
+    text = out.with_suffix(".md").read_text()
+    assert "| study | what | commit | recorded in | date | machine | threads | wall time |" in text
+    assert "| chat | seed 0: report-b48 | abc1234 | def5678 | 2026-01-02 | 2-core CPU #1 | 1 | 30 min |" in text
+    assert "| chat | rebuilt | abc1234 | def5678 | 2026-01-02 | 2-core CPU #1 | 1 | - |" in text
+    assert "| extra | seed 0: report-b48 | abc1234 | def5678 | 2026-01-02 | 2-core CPU #1 | 1 | - |" in text
+    assert "- chat: a note" in text
+    stored = json.loads(out.with_suffix(".json").read_text())["provenance"]
+    assert [s["study"] for s in stored] == ["chat", "extra"] and stored[0]["rows"][0]["wall_s"] == 1800.0
+    for bad, said in (({"study": "x", "rows": [dict(row, commit="")]}, "row 0: 'commit' must be a non-empty string"),
+                      ({"study": "x", "rows": [dict(row, stages="seed*")]}, "row 0: 'stages' must be a list of strings"),
+                      (["a", "list"], "an object with 'study'")):
+        extra.write_text(json.dumps(bad))
+        assert regimes.main(["report", "--sharegpt", str(work), "--out", str(out), "--provenance", str(extra)]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and str(extra) in err[0] and said in err[0], err
+    extra.write_text("{not json")
+    assert regimes.main(["report", "--sharegpt", str(work), "--out", str(out), "--provenance", str(extra)]) == 1
+    assert "more.json: not JSON" in capsys.readouterr().err
+    # the committed folders' provenance parses, and names no sitting and no machine's path
+    for name in ("regime-gsm8k", "regime-sharegpt"):
+        path = os.path.join(RESULTS, name, "provenance.json")
+        data = regimes.read_provenance(Path(path))
+        assert data["rows"] and all(len(r["commit"]) == 7 for r in data["rows"])
+        assert "session" not in open(path).read().lower() and "/work/" not in open(path).read()

@@ -111,7 +111,7 @@ def _manager_class():
 
 def check_finite_state(tensors: Dict[str, Any], step) -> None:
     """Refuse to checkpoint a drafter state holding a NaN or inf (one line naming the tensor)."""
-    from pr_specforge.training.train import NonFiniteTraining
+    from pr_specforge.training.errors import NonFiniteTraining
 
     for name, value in tensors.items():
         if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):

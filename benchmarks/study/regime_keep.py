@@ -1,0 +1,124 @@
+"""`regimes.py save` and `restore`: a regime workdir's served rows, regenerated text and small records, kept in a
+folder (the committed `benchmarks/results/regime-*`) and put back into a rebuilt workdir to resume its serves.
+
+A save never replaces a kept row file with one holding fewer rows (a workdir rebuilt from less, or another
+workdir) unless told to (`--replace-with-fewer`); a restore never overwrites a file already in the workdir.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+
+#: the target's regenerated replies (text, under 1 MB a regime), their resume records and `.done` markers: restored,
+#: the 12-16 min regenerate stages are skipped on a new machine (the features manifest's `input` fingerprint names the
+#: file it read)
+DATA = ("regenerated.*", "screen/regenerated.*", "heldout/regenerated.*")
+#: what `restore` puts back: the regenerated text, the eval folders, and the stage times and command log (a rebuilt
+#: workdir goes on adding to them, so the next `save` keeps the earlier runs' entries); the features, trainings,
+#: diagnose and headroom stages rerun. A serve resumed from restored rows refuses a rebuilt drafter whose weights
+#: differ (`eval`'s own drafter fingerprint)
+RESTORE = (*DATA, "stage_times.json", "commands.log", "seed*/screen-b48*/*.json", "seed*/screen-b48*/*.jsonl", "seed*/report-*/*.json", "seed*/report-*/*.jsonl")
+#: what `save` keeps of a workdir (relative globs): the served rows, the regenerated training text and the small
+#: records, never a model or a feature
+KEEP = ("data_settings.json", "splits/splits.json", "features/manifest.json",
+        "screen/features/manifest.json", "heldout/features/manifest.json", "seed*/settings.json", "seed*/headroom/*.json", "seed*/diagnose/*.json", *RESTORE)
+
+
+def _copy_tree(src: Path, dst: Path, globs: Sequence[str], overwrite: bool) -> List[Path]:
+    """Copy the files of `src` matching `globs` to the same relative paths under `dst` (atomically); returns them."""
+    from pr_specforge.data.io import atomic_write_bytes
+
+    copied = []
+    for pattern in globs:
+        for f in sorted(src.glob(pattern)):
+            rel = f.relative_to(src)
+            if f.is_file() and (overwrite or not (dst / rel).exists()):
+                atomic_write_bytes(dst / rel, f.read_bytes())
+                copied.append(rel)
+    return copied
+
+
+class FewerRows(ValueError):
+    """A save (or a report) would replace kept rows with fewer."""
+
+
+def rows_held(path: Path) -> Optional[Tuple[int, str]]:
+    """How much a kept record holds, and of what, where a smaller one would lose something: a row file's
+    (`.jsonl`) or the command log's lines, the stage times' stages, an eval summary's served prompts; None for the
+    other records (settings, manifests, diagnose and headroom reports: replaced as they come)."""
+    if path.suffix in (".jsonl", ".log"):
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip()), "rows" if path.suffix == ".jsonl" else "lines"
+    if path.name in ("stage_times.json", "summary.json"):
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
+            return None
+        if path.name == "stage_times.json":
+            return (len(data), "stages") if isinstance(data, dict) else None
+        entries = data.get("results") if isinstance(data, dict) else None
+        return (sum(e.get("prompts", 0) for e in entries if isinstance(e, dict)), "served prompts") if isinstance(entries, list) else None
+    return None
+
+
+def heldout_curves(work: Path) -> Dict[Path, str]:
+    """Each training's held-out loss curve as `save` keeps it, relative path (`seedN/runs/NAME/heldout.jsonl`) ->
+    text: its `metrics.jsonl` rows of SpecForge's eval loop, and its last step (where a warm start on it begins)."""
+    from pr_specforge.data.io import read_jsonl_rows
+
+    out = {}
+    for metrics in sorted(work.glob("seed*/runs/*/metrics.jsonl")):
+        rows = read_jsonl_rows(metrics, repair=False)
+        curve = [{k: v for k, v in r.items() if k == "step" or k.startswith("eval/")} for r in rows if any(k.startswith("eval/") for k in r)]
+        if rows and (not curve or curve[-1]["step"] != rows[-1]["step"]):
+            curve.append({"step": rows[-1]["step"]})
+        out[metrics.parent.relative_to(work) / "heldout.jsonl"] = "".join(json.dumps(r) + "\n" for r in curve)
+    return out
+
+
+def fewer_rows(work: Path, to: Path, curves: Dict[Path, str]) -> List[str]:
+    """What a save of `work` would replace in `to` with less (`rows_held`), one line each."""
+    out = []
+    for pattern in KEEP:
+        for f in sorted(work.glob(pattern)):
+            rel = f.relative_to(work)
+            if f.is_file() and (to / rel).is_file() and (kept := rows_held(to / rel)) and (new := rows_held(f)) \
+                    and new[0] < kept[0]:
+                out.append(f"{to / rel}: {kept[0]} {kept[1]} kept, {f} has {new[0]}")
+    for rel, text in curves.items():
+        rows = text.count("\n")
+        if (to / rel).is_file() and (kept := rows_held(to / rel)) and rows < kept[0]:
+            out.append(f"{to / rel}: {kept[0]} rows kept, {work / rel.parent / 'metrics.jsonl'} gives {rows}")
+    return out
+
+
+def save_rows(work: Path, to: Path, replace_with_fewer: bool = False) -> List[Path]:
+    """Keep `work`'s served rows and small records (`KEEP`) in `to`, replacing what an earlier save kept there, and
+    each training's held-out loss curve (`heldout_curves`). Refuses (`FewerRows`, before writing anything) to replace
+    a kept row file with one of fewer rows, unless `replace_with_fewer`."""
+    from pr_specforge.data.io import atomic_write_text
+
+    if not (work / "data_settings.json").exists():
+        raise FileNotFoundError(f"{work}: not a regime workdir (no data_settings.json)")
+    curves = heldout_curves(work)
+    if not replace_with_fewer and (fewer := fewer_rows(work, to, curves)):
+        more = f" (and {len(fewer) - 1} more)" if len(fewer) > 1 else ""
+        raise FewerRows(f"save would replace kept rows with fewer: {fewer[0]}{more}; nothing written "
+                        "(--replace-with-fewer to replace them)")
+    copied = _copy_tree(work, to, KEEP, overwrite=True)
+    for rel, text in curves.items():
+        atomic_write_text(to / rel, text)
+        copied.append(rel)
+    return copied
+
+
+def restore_rows(src: Path, work: Path) -> List[Path]:
+    """Put `save`'s regenerated text, eval folders, stage times and command log back into `work` (files already there
+    are left alone)."""
+    if not (src / "data_settings.json").exists():
+        raise FileNotFoundError(f"{src}: not a saved regime folder (no data_settings.json)")
+    work.mkdir(parents=True, exist_ok=True)
+    return _copy_tree(src, work, RESTORE, overwrite=False)

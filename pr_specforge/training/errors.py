@@ -1,0 +1,11 @@
+"""The training run's own failures, in a module of their own: the run (`training.train`) raises them, the
+checkpoint manager (`training.backends.checkpoint`) raises `NonFiniteTraining` before a tensor is written, and
+the CLI reports them; none of them imports the others for an exception class."""
+
+
+class TrainingInterrupted(Exception):
+    """Ctrl-C: the message says what was kept and how to resume."""
+
+
+class NonFiniteTraining(RuntimeError):
+    """The loss (or a tensor about to be checkpointed) went non-finite; the message names the step and the term."""
