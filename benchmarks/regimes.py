@@ -37,7 +37,7 @@ default PR recipe, from scratch) and `pr-warm` (the pilots' best variant: the EA
 weights, `pr.recon_grad=isolated`, the second head and a rank-16 adapter, trained `--warm-steps`
 more; its matched baseline is `eagle3-long`, the same EAGLE-3 checkpoint trained as many steps more).
 
-The ShareGPT chat regime (`sharegpt`) is the pilots' scale rebuilt (docs/experiment.md, "Pilots at reduced
+The ShareGPT chat regime (`sharegpt`) is the pilots' scale rebuilt (docs/results/pilots.md, "Pilots at reduced
 scale"): the 672 shortest usable prompts of 1,000 ShareGPT first turns (the conversations a regeneration stopped
 at 672 had done), 128-token greedy replies, 60 more first turns held out; drafters trained by steps (1,000; warm
 starts 500 more); the report serves the first 10 prompts of MT-Bench, GSM8K and HumanEval at 64 new tokens (part

@@ -169,7 +169,7 @@ class GSM8KRegime(Regime):
 
 
 class ShareGPTRegime(Regime):
-    """The ShareGPT chat regime at the pilots' scale (docs/experiment.md, "Pilots at reduced scale"): the `--keep`
+    """The ShareGPT chat regime at the pilots' scale (docs/results/pilots.md, "Pilots at reduced scale"): the `--keep`
     shortest of `--conversations` ShareGPT first turns (prompts of at most `--max-prompt-chars` characters), their
     greedy replies (`--max-new-tokens`); `--heldout` more first turns for the held-out features; from-scratch drafters
     train `--steps`, warm starts `--warm-steps` more; the report serves the first `--report-limit` prompts of MT-Bench,
