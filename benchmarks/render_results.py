@@ -27,15 +27,15 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from pr_specforge.eval.experiment_report import format_gain
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/study: what the studies share
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+from pr_specforge.eval.experiment_report import format_gain
+from study.common import REPO_ROOT as ROOT, RESULTS
+from study.regime_settings import CELLS  # the served cells in the order the pages show them: (B, T), then the sets
+
 PAGES = ROOT / "docs" / "results"
 BLOCK = re.compile(r"(<!-- render: (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!-- end render -->)", re.S)
 SETS = {"mtbench": "MT-Bench", "gsm8k": "GSM8K", "humaneval": "HumanEval"}
-#: the served cells in the order the pages show them: (B, T), then the sets
-CELLS = ((48, 0.0), (24, 0.0), (48, 1.0))
 
 
 def _load(name: str) -> dict:
