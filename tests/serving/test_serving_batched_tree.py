@@ -9,6 +9,7 @@ import torch
 from pr_specforge.serving import TensorTreeBuilder, TreeConfig
 from pr_specforge.serving import batched_tree
 from pr_specforge.serving.batched_tree import BatchedTreeBuilder, BatchRequest
+from tests.helpers import load_benchmark
 from tests.serving.test_serving_tree import eager_gate, models, primed_runtime  # noqa: F401 (models: a fixture)
 
 SHAPES = [  # (k, B_w, m, gamma, B) of the issue
@@ -140,3 +141,20 @@ def test_bad_batches(models):
     empty = type(rt)(pr, target)
     with pytest.raises(ValueError, match="request 0: the drafter context is empty"):
         builder.build([BatchRequest(empty, root, feat)])
+
+
+def test_the_benchmark_script_runs_and_checks_its_trees(tmp_path):
+    """`benchmarks/batched_tree.py` at a tiny size (a smoke check, no cost): the table, the JSON, one host read for
+    the batch, the same trees both ways."""
+    import json
+
+    bench = load_benchmark("batched_tree")
+    out = tmp_path / "bt.json"
+    argv = ["--drafter", "tiny", "--shapes", "small", "--requests", "1", "3", "--context", "8", "--repeats", "1",
+            "--warmup", "0", "--json", str(out), "--md", str(tmp_path / "bt.md")]
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["requests"] for r in rows] == [1, 3] and all(r["equal"] and r["recon_rows_per_round"] > 0 for r in rows)
+    assert [r["host_reads_per_round"] for r in rows] == [{"per_request": 1, "batched": 1}, {"per_request": 3, "batched": 1}]
+    assert "| small (2, 2, 1, 3, 6) | 3 |" in (tmp_path / "bt.md").read_text()
+    assert bench.main(argv[:-4] + ["--requests", "0"]) == 2
