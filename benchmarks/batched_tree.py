@@ -32,6 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/draft_cost.py: drafters and the interleaved clock
 
+import draft_cost  # noqa: E402
+
 SHAPES = {"paper": dict(k=6, bw=6, m=3, gamma=8, budget=48), "small": dict(k=2, bw=2, m=1, gamma=3, budget=6)}
 WAYS = ("per_request", "batched")
 
@@ -53,8 +55,6 @@ def make_drafter(name: str, max_depth: int, dtype: torch.dtype):
     if name == "tiny":
         drafter = tiny_drafter(max_depth).to(dtype)
     else:
-        import draft_cost
-
         drafter = draft_cost.smollm2_drafters(max_depth, dtype)[1]
     with torch.no_grad():
         drafter.pr_halt_gate.linear.bias.fill_(-10.0)  # lambda ~ 0: every node pooled, m rows every step
@@ -107,8 +107,6 @@ def host_copies(fn) -> int:
 
 
 def measure(drafter, shape: str, n: int, args, sync, clock) -> dict:
-    import draft_cost
-
     from pr_specforge.serving import TreeConfig
 
     cfg = TreeConfig(**SHAPES[shape])
@@ -160,14 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="wall: perf_counter; cpu: the process's CPU time (use with --threads 1 on a CPU)")
-    p.add_argument("--machine", default="quiet machine", help="a label for the JSON, e.g. 'quiet 2-core CPU'")
-    p.add_argument("--json", default=None)
-    p.add_argument("--md", default=None)
+    draft_cost.add_run_arguments(p)
     args = p.parse_args(argv)
     if any(n < 1 for n in args.requests) or args.repeats < 1 or args.context < 1:
         print("batched_tree: --requests, --repeats and --context must be >= 1", file=sys.stderr)
@@ -186,12 +177,7 @@ def main(argv=None) -> int:
     }
     table = markdown(result)
     print(table)
-    from pr_specforge.data.io import atomic_write_json, atomic_write_text
-
-    if args.json:
-        atomic_write_json(args.json, result)
-    if args.md:
-        atomic_write_text(args.md, table)
+    draft_cost.write_outputs(result, table, args)
     return 0 if all(r["equal"] for r in rows) else 1
 
 
