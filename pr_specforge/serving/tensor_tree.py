@@ -118,7 +118,7 @@ class _Step:
     """One step's fixed slices: index tensors, and views of the builder's buffers (made once per shape,
     so a step writes its rows and slots without slicing anything)."""
 
-    def __init__(self, tb: "TensorTreeBuilder", s: int) -> None:
+    def __init__(self, tb: "TreeShape", s: int) -> None:
         k, p, bw, dev = tb.k, tb.per_step, tb.bw, tb.rt.device
         n = tb.n_nodes + 1
         self.block, self.r0 = 1 + k + (s - 1) * p * k, 1 + (s - 1) * p

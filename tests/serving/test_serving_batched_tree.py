@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from pr_specforge.serving import TensorTreeBuilder, TreeConfig
+from pr_specforge.serving import SpeculativeDecoder, TensorTreeBuilder, TreeConfig
 from pr_specforge.serving import batched_tree
 from pr_specforge.serving.batched_tree import BatchedTreeBuilder, BatchRequest
 from tests.helpers import load_benchmark
@@ -158,3 +158,27 @@ def test_the_benchmark_script_runs_and_checks_its_trees(tmp_path):
     assert [r["host_reads_per_round"] for r in rows] == [{"per_request": 1, "batched": 1}, {"per_request": 3, "batched": 1}]
     assert "| small (2, 2, 1, 3, 6) | 3 |" in (tmp_path / "bt.md").read_text()
     assert bench.main(argv[:-4] + ["--requests", "0"]) == 2
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_generate_many_decodes_each_prompt_as_generate_does(models, temperature):
+    """Three prompts of different lengths decoded together (trees drafted as one batch, sequences leaving as they
+    finish): each result is `generate`'s for that prompt and seed, round for round."""
+    target, _, pr = models
+    eager_gate(pr, -2.0)
+    dec = SpeculativeDecoder(target, pr, SHAPES[1])
+    prompts, seeds, limits = [[5, 17, 33, 2, 9], [4, 8], [60, 3, 3, 71, 12, 40, 9, 1]], [3, 0, 5], [20, 7, 13]
+    many = dec.generate_many(prompts, limits, temperature=temperature, seeds=seeds)
+    for prompt, seed, limit, got in zip(prompts, seeds, limits, many):
+        ref = dec.generate(prompt, limit, temperature=temperature, seed=seed)
+        assert (got.tokens, got.accept_lengths, got.tree_sizes, got.diagnostics) == (
+            ref.tokens, ref.accept_lengths, ref.tree_sizes, ref.diagnostics)
+        assert (got.recon_rows, got.recon_kept, got.repriced_kept) == (ref.recon_rows, ref.recon_kept, ref.repriced_kept)
+    assert len({r.rounds for r in many}) > 1 and sum(r.recon_kept for r in many) > 0  # they leave at different rounds
+    assert dec.batch_builder.host_reads == max(r.rounds for r in many)  # one host read per round for the batch
+    with pytest.raises(ValueError, match="2 prompts but 1 seeds"):
+        dec.generate_many(prompts[:2], 4, seeds=[0])
+    with pytest.raises(ValueError, match="2 prompts but 3 max_new_tokens"):
+        dec.generate_many(prompts[:2], limits)
+    with pytest.raises(ValueError, match="batched tensor builder"):
+        SpeculativeDecoder(target, pr, SHAPES[1], tree_builder="object").generate_many(prompts, 4)
