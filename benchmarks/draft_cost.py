@@ -348,6 +348,30 @@ def breakdown_markdown(result) -> list:
     return lines
 
 
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The options every cost benchmark shares: threads, device, dtype, clock, the machine's label, outputs."""
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the drafters' compute dtype (the evaluator's --dtype)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="wall: perf_counter; cpu: the process's CPU time, which leaves out the time a busy "
+                        "machine's scheduler gives to others (use with --threads 1 on a CPU)")
+    p.add_argument("--machine", default="quiet machine", help="a label for the JSON, e.g. 'busy 2-core CPU'")
+    p.add_argument("--json", default=None)
+    p.add_argument("--md", default=None)
+
+
+def write_outputs(result: dict, table: str, args) -> None:
+    """The JSON (`--json`) and the markdown table (`--md`), each written atomically, where asked."""
+    from pr_specforge.data.io import atomic_write_json, atomic_write_text
+
+    if args.json:
+        atomic_write_json(args.json, result)
+    if args.md:
+        atomic_write_text(args.md, table)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budget", type=int, default=48)
@@ -359,16 +383,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="the drafters' compute dtype (the evaluator's --dtype)")
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="wall: perf_counter; cpu: the process's CPU time, which leaves out the time a busy "
-                        "machine's scheduler gives to others (use with --threads 1 on a CPU)")
-    p.add_argument("--machine", default="quiet machine", help="a label for the JSON, e.g. 'busy 2-core CPU'")
-    p.add_argument("--json", default=None)
-    p.add_argument("--md", default=None)
+    add_run_arguments(p)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -402,12 +417,7 @@ def main(argv=None) -> int:
     result["rows_cost_s"] = rows_cost(runtimes["pr"][0], probe, 3 * args.repeats, sync, clock)
     table = markdown(result)
     print(table)
-    from pr_specforge.data.io import atomic_write_json, atomic_write_text
-
-    if args.json:
-        atomic_write_json(args.json, result)
-    if args.md:
-        atomic_write_text(args.md, table)
+    write_outputs(result, table, args)
     return 0
 
 

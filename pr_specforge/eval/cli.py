@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multi-turn prompts: the first user turn only, or every turn (each reply joins the history)")
     p.add_argument("--tree-builder", choices=["tensor", "object"], default="tensor",
                    help="draft-tree builder: tensor (default) or the object reference (same trees, slower)")
+    p.add_argument("--batch-prompts", type=int, default=1, metavar="N",
+                   help="decode N prompts together: each round drafts their trees as one batch (one host read per "
+                        "round; the same outputs and acceptance as one by one; drafting time shared per round)")
     p.add_argument("--also-one-pass", action="store_true", help="also serve each PR drafter as plain EAGLE (NAME/one-pass)")
     p.add_argument("--decompose", action="store_true",
                    help="diagnostic: per round, also build the m=0 tree from the same drafter state and count frontier "
@@ -117,6 +120,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             turns=args.turns,
             tree_builder=args.tree_builder,
             decompose=args.decompose,
+            batch_prompts=args.batch_prompts,
         )
         prompt_sets = {}
         for source in args.prompts:

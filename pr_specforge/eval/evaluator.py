@@ -48,6 +48,7 @@ class EvalSettings:
     turns: str = "first"
     tree_builder: str = "tensor"  # "object": the reference builder (same trees, slower)
     decompose: bool = False  # diagnostic: per-round counters against the m = 0 tree (`serving.decompose`)
+    batch_prompts: int = 1  # > 1: decode that many prompts together, their trees drafted as one batch per round
 
     def __post_init__(self) -> None:
         if not self.budgets:
@@ -62,6 +63,11 @@ class EvalSettings:
             raise ValueError(f"turns must be 'first' or 'all', got {self.turns!r}")
         if self.tree_builder not in TREE_BUILDERS:
             raise ValueError(f"tree_builder must be one of {TREE_BUILDERS}, got {self.tree_builder!r}")
+        if not isinstance(self.batch_prompts, int) or self.batch_prompts < 1:
+            raise ValueError(f"batch_prompts must be an integer >= 1, got {self.batch_prompts!r}")
+        if self.batch_prompts > 1 and (self.tree_builder != "tensor" or self.decompose):
+            raise ValueError("batch_prompts > 1 drafts with the batched tensor builder: it needs tree_builder "
+                             "'tensor' and no decompose")
 
     def tree(self, budget: int, m: Optional[int] = None) -> TreeConfig:
         """The round's shape at `budget` (and `m` reconsideration rows per step, if given)."""
@@ -134,16 +140,26 @@ class Evaluator:
     # ------------------------------------------------------------------ runs
     def _conversation(self, turns: List[str], generate: Callable[[List[int]], Tuple[List[int], object]]):
         """Run each user turn in order; the model's own reply joins the history."""
-        messages: List[dict] = []
-        outs = []
-        for turn in turns:
-            messages.append({"role": "user", "content": turn})
-            ids = self.encode(messages)
-            if not ids:
-                raise ValueError(f"prompt turn {turn[:40]!r} encodes to no tokens")
-            tokens, extra = generate(ids)
-            outs.append((tokens, extra))
-            messages.append({"role": "assistant", "content": self.tokenizer.decode(tokens, skip_special_tokens=True)})
+        return self._conversations([turns], lambda ids_list, _: [generate(ids_list[0])])[0]
+
+    def _conversations(self, conversations: List[List[str]],
+                       generate: Callable[[List[List[int]], List[int]], List[Tuple[List[int], object]]]):
+        """Several conversations, turn j of each together (`generate(ids of each, which conversations)`); each
+        reply joins its own conversation's history."""
+        messages: List[List[dict]] = [[] for _ in conversations]
+        outs: List[list] = [[] for _ in conversations]
+        for j in range(max(len(turns) for turns in conversations)):
+            which = [i for i, turns in enumerate(conversations) if j < len(turns)]
+            ids_list = []
+            for i in which:
+                messages[i].append({"role": "user", "content": conversations[i][j]})
+                ids = self.encode(messages[i])
+                if not ids:
+                    raise ValueError(f"prompt turn {conversations[i][j][:40]!r} encodes to no tokens")
+                ids_list.append(ids)
+            for i, (tokens, extra) in zip(which, generate(ids_list, which)):
+                outs[i].append((tokens, extra))
+                messages[i].append({"role": "assistant", "content": self.tokenizer.decode(tokens, skip_special_tokens=True)})
         return outs
 
     def _baseline(self, set_name: str, prompt, temperature: float, seed: int, done: Dict) -> dict:
@@ -184,7 +200,27 @@ class Evaluator:
             r = dec.generate(ids, s.max_new_tokens, temperature, seed, self.eos)
             return r.tokens, r
 
-        outs = self._conversation(prompt.turns, gen)
+        return self._row(entry, budget, set_name, prompt, temperature, seed, base, self._conversation(prompt.turns, gen))
+
+    def _speculative_batch(self, chunk: list, base_done: Dict) -> List[dict]:
+        """Jobs of one (set, T, drafter, B) decoded together (`SpeculativeDecoder.generate_many`): their rows."""
+        s = self.settings
+        set_name, _, _, temperature, entry, budget = chunk[0]
+        dec = self.decoders[(entry.name, budget)]
+        seeds = [s.seed + job[1] for job in chunk]
+        bases = [self._baseline(set_name, job[2], temperature, seed, base_done) for job, seed in zip(chunk, seeds)]
+
+        def gen(ids_list, which):
+            rs = dec.generate_many(ids_list, s.max_new_tokens, temperature, [seeds[i] for i in which], self.eos)
+            return [(r.tokens, r) for r in rs]
+
+        outs = self._conversations([job[2].turns for job in chunk], gen)
+        return [self._row(entry, budget, set_name, job[2], temperature, seed, base, o)
+                for job, seed, base, o in zip(chunk, seeds, bases, outs)]
+
+    def _row(self, entry: DraftEntry, budget: int, set_name: str, prompt, temperature, seed, base, outs) -> dict:
+        """One prompt's row from its turns' `(tokens, DecodeResult)`."""
+        s = self.settings
         results = [o[1] for o in outs]
         lossless = None
         if temperature == 0:
@@ -249,21 +285,37 @@ class Evaluator:
             for entry in self.drafters
             for b in s.budgets
         ]
-        bar = tqdm(jobs, desc="eval", disable=not self.progress)
-        for set_name, idx, prompt, t, entry, b in bar:
-            if (entry.name, b, t, set_name, prompt.id) in done:
-                continue
-            bar.set_postfix_str(f"{entry.name} B={b} T={t} {set_name}/{prompt.id}")
-            seed = s.seed + idx
-            base = self._baseline(set_name, prompt, t, seed, base_done)
-            row = self._speculative(entry, b, set_name, prompt, t, seed, base)
-            append_jsonl(self.results_path, row)
-            if row["lossless"] is False:
-                raise LosslessnessError(
-                    f"{entry.name} B={b} on {set_name}/{prompt.id}: speculative output differs from the "
-                    "target's greedy decode at temperature 0"
-                )
+        pending = [job for job in jobs if (job[4].name, job[5], job[3], job[0], job[2].id) not in done]
+        bar = tqdm(self._chunks(pending), desc="eval", disable=not self.progress)
+        for chunk in bar:
+            set_name, idx, prompt, t, entry, b = chunk[0]
+            more = f" (+{len(chunk) - 1} prompts)" if len(chunk) > 1 else ""
+            bar.set_postfix_str(f"{entry.name} B={b} T={t} {set_name}/{prompt.id}{more}")
+            if len(chunk) > 1:
+                rows = self._speculative_batch(chunk, base_done)
+            else:
+                seed = s.seed + idx
+                base = self._baseline(set_name, prompt, t, seed, base_done)
+                rows = [self._speculative(entry, b, set_name, prompt, t, seed, base)]
+            for row in rows:
+                append_jsonl(self.results_path, row)
+                if row["lossless"] is False:
+                    raise LosslessnessError(
+                        f"{row['draft']} B={row['budget']} on {row['set']}/{row['prompt']}: speculative output differs "
+                        "from the target's greedy decode at temperature 0"
+                    )
         return summarize(read_jsonl_rows(self.results_path), s)
+
+    def _chunks(self, jobs: list) -> List[list]:
+        """The jobs in order, one at a time; with `batch_prompts` n > 1, up to n prompts of one
+        (set, T, drafter, B) together."""
+        n = self.settings.batch_prompts
+        if n == 1:
+            return [[job] for job in jobs]
+        groups: Dict[Tuple, list] = {}
+        for job in jobs:
+            groups.setdefault((job[0], job[3], job[4].name, job[5]), []).append(job)
+        return [group[i : i + n] for group in groups.values() for i in range(0, len(group), n)]
 
 
 def check_prompts(out_dir: str, prompt_sets: Dict[str, list], rows: Iterable[dict]) -> None:
@@ -356,6 +408,7 @@ def summarize(rows: Iterable[dict], settings: Optional[EvalSettings] = None) -> 
             "turns": settings.turns,
             "tree_builder": settings.tree_builder,
             "decompose": settings.decompose,
+            **({"batch_prompts": settings.batch_prompts} if settings.batch_prompts > 1 else {}),
         }
     return out
 
@@ -370,6 +423,8 @@ def provenance(settings: EvalSettings, target: str, drafts: Dict[str, str], dtyp
               "max_new_tokens": settings.max_new_tokens, "k": settings.shape.k, "bw": settings.shape.bw,
               "gamma": settings.shape.gamma, "m": settings.shape.m, "seed": settings.seed, "turns": settings.turns,
               "tree_builder": settings.tree_builder, "decompose": settings.decompose}  # both change the timings
+    if settings.batch_prompts > 1:  # so does batching (absent at 1: out-dirs of earlier versions stay resumable)
+        shared["batch_prompts"] = settings.batch_prompts
     return {"shared": shared, "drafters": {name: dir_fingerprint(path) for name, path in drafts.items()}}
 
 

@@ -2,6 +2,7 @@
 verification by a `transformers` target, and the speculative decode loop — a PyTorch
 reference implementation, not a production server."""
 
+from pr_specforge.serving.batched_tree import BatchedTreeBuilder, BatchRequest  # noqa: F401
 from pr_specforge.serving.decode import TREE_BUILDERS, DecodeResult, SpeculativeDecoder, autoregressive_decode  # noqa: F401
 from pr_specforge.serving.drafter_runtime import DrafterRuntime, aux_layer_ids, check_compatible  # noqa: F401
 from pr_specforge.serving.tensor_tree import TensorDraftTree, TensorTreeBuilder  # noqa: F401

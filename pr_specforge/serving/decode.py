@@ -8,6 +8,11 @@ Owns:
     drafter's context (`DrafterRuntime.extend`). Records per-round timings and,
     for each verified node on the accepted path, the diagnostics the evaluator
     buckets (drafter / target confidence, one-pass hit, recovered by reconsideration).
+  * `SpeculativeDecoder.generate_many` — several sequences at once: each round drafts the trees
+    of all running sequences in one `batched_tree.BatchedTreeBuilder.build` (one host read for
+    the batch), then verifies each sequence against its own target cache; a finished sequence
+    leaves the batch. Each sequence's result equals `generate`'s for it (`_Sequence` is the
+    per-sequence round both use).
   * `autoregressive_decode` — the target alone, token by token, with its KV cache:
     the reference output at T = 0 and the speed baseline.
 
@@ -26,10 +31,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from pr_specforge.serving.batched_tree import BatchedTreeBuilder, BatchRequest
 from pr_specforge.serving.decompose import COUNTERS, decompose_round
 from pr_specforge.serving.drafter_runtime import DrafterRuntime, aux_layer_ids
 from pr_specforge.serving.tensor_tree import TensorTreeBuilder
@@ -121,6 +127,8 @@ class SpeculativeDecoder:
         self.device = target.get_input_embeddings().weight.device
         use_tensor = tree_builder == "tensor" and not decompose
         self.tensor_builder = TensorTreeBuilder(self.rt, tree_config) if use_tensor else None
+        self.batch_builder: Optional[BatchedTreeBuilder] = None  # `generate_many`'s, built on first use
+        self.runtimes: List[DrafterRuntime] = [self.rt]  # `generate_many`'s drafter contexts, one per sequence
 
     def draft(self, root_token: int, root_feature: torch.Tensor, generator: torch.Generator):
         if self.tensor_builder is not None:
@@ -136,66 +144,57 @@ class SpeculativeDecoder:
         seed: int = 0,
         eos_token_id=None,
     ) -> DecodeResult:
-        if len(input_ids) < 1:
-            raise ValueError("input_ids must hold at least one prompt token")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        eos = _eos_set(eos_token_id)
-        verify_gen = torch.Generator().manual_seed(seed)
-        draft_gen = torch.Generator().manual_seed(seed + 1)
-        res = DecodeResult(tokens=[])
-        if self.decompose:
-            res.decomposition = {c: 0 for c in COUNTERS}
-        t_start = time.perf_counter()
-
-        # prefill: the target's first token and the drafter's context rows
-        cache = _new_cache(self.target)
-        ids = torch.tensor([list(input_ids)], device=self.device)
-        out = self.target(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
-        first = sample_token(out.logits[0, -1].float(), temperature, verify_gen)
-        # Per-node logits on use, if the output embedding alone reproduces the target's logits.
-        head = output_head(self.target, out.hidden_states[-1][0, -1:], out.logits[0, -1:]) if self.lazy_logits else None
-        aux = torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
-        self.rt.reset()
-        next_tokens = torch.tensor(list(input_ids[1:]) + [first])
-        root_feature = self.rt.extend(aux, next_tokens)[-1]
-        root_token = first
-        done = _emit(res.tokens, [first], max_new_tokens, eos)
-
-        while not done:
+        seq = _Sequence(self, self.rt, input_ids, max_new_tokens, temperature, seed, eos_token_id)
+        while not seq.done:
             t0 = time.perf_counter()
-            tree = self.draft(root_token, root_feature, draft_gen)
+            tree = self.draft(seq.root_token, seq.root_feature, seq.draft_gen)
             t1 = time.perf_counter()
-            counterfactual = self._counterfactual(tree, root_token, root_feature) if self.decompose else None
-            tokens, depths = tree.tokens(), tree.depths()
-            children = tree.children()
-            logits, aux = target_forward_tree(
-                self.target, cache, tokens, depths, tree.tree_mask(), tree.root_position, self.layer_ids, head
-            )
-            if temperature <= 0:
-                path, bonus = accept_greedy(tokens, children, logits)
-            else:
-                path, bonus = accept_sampling(tokens, children, logits, temperature, verify_gen)
-            commit_cache(cache, tree.root_position, path)
-            accepted = [tokens[i] for i in path[1:]]
-            root_feature = self.rt.extend(aux[path], torch.tensor(accepted + [bonus]))[-1]
-            root_token = bonus
-            t2 = time.perf_counter()
-            res.draft_s += t1 - t0
-            res.verify_s += t2 - t1
-            if counterfactual is not None:
-                counts = decompose_round(tree, counterfactual, path, bonus, greedy=temperature <= 0).to_dict()
-                for key, value in counts.items():
-                    res.decomposition[key] += value
-            res.accept_lengths.append(len(path))
-            res.recon_rows += tree.recon_rows
-            res.recon_kept += tree.recon_kept
-            res.repriced_kept += tree.repriced_kept
-            res.tree_sizes.append(len(tokens) - 1)
-            self._diagnose(tree, path, bonus, logits, res)
-            done = _emit(res.tokens, accepted + [bonus], max_new_tokens, eos)
-        res.total_s = time.perf_counter() - t_start
-        return res
+            counterfactual = self._counterfactual(tree, seq.root_token, seq.root_feature) if self.decompose else None
+            seq.res.draft_s += t1 - t0
+            seq.verify(tree, t1, counterfactual)
+        return seq.res
+
+    @torch.no_grad()
+    def generate_many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: Union[int, Sequence[int]],
+        temperature: float = 0.0,
+        seeds: Optional[Sequence[int]] = None,
+        eos_token_id=None,
+    ) -> List[DecodeResult]:
+        """Several sequences, each round's trees drafted for all running ones at once (`BatchedTreeBuilder`);
+        a sequence leaves the batch when it finishes (`max_new_tokens`: one limit, or one per prompt). Each result
+        equals `generate(prompts[i], max_new_tokens[i], temperature, seeds[i])`'s
+        (tested) but for its timings: `draft_s` is each round's batched drafting time shared equally by the sequences in it,
+        `total_s` the whole call's wall time shared equally (their sum is the batch's time, so tokens / sum is throughput)."""
+        if self.tensor_builder is None:
+            raise ValueError("generate_many drafts with the batched tensor builder: use tree_builder='tensor' without decompose")
+        seeds = list(range(len(prompts))) if seeds is None else list(seeds)
+        limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        for name, values in (("seeds", seeds), ("max_new_tokens", limits)):
+            if len(values) != len(prompts):
+                raise ValueError(f"generate_many got {len(prompts)} prompts but {len(values)} {name}")
+        if self.batch_builder is None:
+            self.batch_builder = BatchedTreeBuilder(self.rt, self.cfg)
+        while len(self.runtimes) < len(prompts):  # one drafter context per sequence, kept for later calls
+            self.runtimes.append(DrafterRuntime(self.drafter))
+        t_begin = time.perf_counter()
+        seqs = [_Sequence(self, rt, ids, limit, temperature, seed, eos_token_id)
+                for rt, ids, limit, seed in zip(self.runtimes, prompts, limits, seeds)]
+        active = [q for q in seqs if not q.done]
+        while active:
+            t0 = time.perf_counter()
+            trees = self.batch_builder.build([BatchRequest(q.rt, q.root_token, q.root_feature, q.draft_gen) for q in active])
+            t1 = time.perf_counter()
+            for q, tree in zip(active, trees):
+                q.res.draft_s += (t1 - t0) / len(active)
+                q.verify(tree, time.perf_counter(), None)
+            active = [q for q in active if not q.done]
+        wall = time.perf_counter() - t_begin
+        for q in seqs:  # the batch's wall time, shared: the results' total_s sum to it (throughput, not latency)
+            q.res.total_s = wall / len(seqs)
+        return [q.res for q in seqs]
 
     def _counterfactual(self, tree: DraftTree, root_token: int, root_feature: torch.Tensor) -> DraftTree:
         """The m = 0 tree of this round from the same drafter state (no reconsideration, no coins).
@@ -222,6 +221,74 @@ class SpeculativeDecoder:
                 (c_d, float(torch.softmax(logits[j], dim=-1).max()), one_pass[0] == emitted, onepass_hit,
                  (not onepass_hit) and via_recon)
             )
+
+
+class _Sequence:
+    """One sequence's decode: the target's cache, the drafter's context (`rt`), the generators, the next round's
+    root and the result. Built by prefilling; `verify` runs one round on a drafted tree."""
+
+    def __init__(self, dec: "SpeculativeDecoder", rt: DrafterRuntime, input_ids: Sequence[int], max_new_tokens: int,
+                 temperature: float, seed: int, eos_token_id) -> None:
+        if len(input_ids) < 1:
+            raise ValueError("input_ids must hold at least one prompt token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.dec, self.rt, self.max_new_tokens, self.temperature = dec, rt, max_new_tokens, temperature
+        self.eos = _eos_set(eos_token_id)
+        self.verify_gen = torch.Generator().manual_seed(seed)
+        self.draft_gen = torch.Generator().manual_seed(seed + 1)
+        self.res = DecodeResult(tokens=[])
+        if dec.decompose:
+            self.res.decomposition = {c: 0 for c in COUNTERS}
+        self.t_start = time.perf_counter()
+        # prefill: the target's first token and the drafter's context rows
+        self.cache = _new_cache(dec.target)
+        ids = torch.tensor([list(input_ids)], device=dec.device)
+        out = dec.target(input_ids=ids, past_key_values=self.cache, use_cache=True, output_hidden_states=True)
+        first = sample_token(out.logits[0, -1].float(), temperature, self.verify_gen)
+        # Per-node logits on use, if the output embedding alone reproduces the target's logits.
+        self.head = output_head(dec.target, out.hidden_states[-1][0, -1:], out.logits[0, -1:]) if dec.lazy_logits else None
+        aux = torch.cat([out.hidden_states[i + 1][0] for i in dec.layer_ids], dim=-1)
+        rt.reset()
+        next_tokens = torch.tensor(list(input_ids[1:]) + [first])
+        self.root_feature = rt.extend(aux, next_tokens)[-1]
+        self.root_token = first
+        self.done = False
+        self._emit([first])
+
+    def _emit(self, new: Sequence[int]) -> None:
+        self.done = _emit(self.res.tokens, new, self.max_new_tokens, self.eos)
+        if self.done:
+            self.res.total_s = time.perf_counter() - self.t_start
+
+    def verify(self, tree, t1: float, counterfactual: Optional[DraftTree]) -> None:
+        """Verify the round's tree (drafted up to time `t1`), keep the accepted path, extend the drafter, record."""
+        dec, res = self.dec, self.res
+        tokens, depths = tree.tokens(), tree.depths()
+        children = tree.children()
+        logits, aux = target_forward_tree(
+            dec.target, self.cache, tokens, depths, tree.tree_mask(), tree.root_position, dec.layer_ids, self.head
+        )
+        if self.temperature <= 0:
+            path, bonus = accept_greedy(tokens, children, logits)
+        else:
+            path, bonus = accept_sampling(tokens, children, logits, self.temperature, self.verify_gen)
+        commit_cache(self.cache, tree.root_position, path)
+        accepted = [tokens[i] for i in path[1:]]
+        self.root_feature = self.rt.extend(aux[path], torch.tensor(accepted + [bonus]))[-1]
+        self.root_token = bonus
+        res.verify_s += time.perf_counter() - t1
+        if counterfactual is not None:
+            counts = decompose_round(tree, counterfactual, path, bonus, greedy=self.temperature <= 0).to_dict()
+            for key, value in counts.items():
+                res.decomposition[key] += value
+        res.accept_lengths.append(len(path))
+        res.recon_rows += tree.recon_rows
+        res.recon_kept += tree.recon_kept
+        res.repriced_kept += tree.repriced_kept
+        res.tree_sizes.append(len(tokens) - 1)
+        dec._diagnose(tree, path, bonus, logits, res)
+        self._emit(accepted + [bonus])
 
 
 @torch.no_grad()

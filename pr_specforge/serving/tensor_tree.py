@@ -42,8 +42,13 @@ row in row order (the root's admission, then per step the frontier rows' and the
 reconsidered rows'), exactly as the object tree does, so the same generator gives the same
 tree at T > 0; the uniform of row r is `u[r]`.
 
+Shared with `batched_tree` (the same round for a batch of requests): `TreeShape` (the sizes,
+the layout's index tensors, the initial ancestor matrix, pool admission), `root_readout` and
+`forward_step_rows` (one request's calls of the runtime in a step) and `unpack_round` (the
+host vector's reading).
+
 Does not own: the algorithm's definition and its reference (`tree`, the test oracle), the
-row forwards (`drafter_runtime`), verification (`verify`).
+row forwards (`drafter_runtime`), verification (`verify`), batching requests (`batched_tree`).
 """
 
 from __future__ import annotations
@@ -113,7 +118,7 @@ class _Step:
     """One step's fixed slices: index tensors, and views of the builder's buffers (made once per shape,
     so a step writes its rows and slots without slicing anything)."""
 
-    def __init__(self, tb: "TensorTreeBuilder", s: int) -> None:
+    def __init__(self, tb: "TreeShape", s: int) -> None:
         k, p, bw, dev = tb.k, tb.per_step, tb.bw, tb.rt.device
         n = tb.n_nodes + 1
         self.block, self.r0 = 1 + k + (s - 1) * p * k, 1 + (s - 1) * p
@@ -142,8 +147,9 @@ class _Step:
         self.rows_fr, self.rows_rec = self.rows[:bw], self.rows[bw:]
 
 
-class TensorTreeBuilder:
-    """One sequence's tree builder; its buffers and index tensors are allocated once and reused every round."""
+class TreeShape:
+    """A tree shape's sizes and constant index tensors (the fixed layout of the module doc), shared by
+    `TensorTreeBuilder` (one request) and `batched_tree.BatchedTreeBuilder` (a batch of requests)."""
 
     def __init__(self, rt: DrafterRuntime, cfg: TreeConfig, coforward: bool = True) -> None:
         cfg.check_vocab(rt.draft_vocab_size)
@@ -157,11 +163,7 @@ class TensorTreeBuilder:
         self.n_rows = 1 + (cfg.gamma - 1) * self.per_step
         self.null_row = self.n_rows
         self._layout()
-        self._allocate()
-        for st in self.steps:
-            st.bind(self)
 
-    # ------------------------------------------------------------- layout
     def _layout(self) -> None:
         """The shape's constant index tensors: which row proposed each slot, and each step's slices."""
         dev, k, n, r, p = self.rt.device, self.k, self.n_nodes + 1, self.n_rows + 1, self.per_step
@@ -183,6 +185,70 @@ class TensorTreeBuilder:
         self.recon_row_mask = torch.arange(p, device=dev) >= self.bw  # the PR drafter's adapter acts on these rows
         self.split_readout = self.pool_on and hasattr(self.rt.drafter, "pr_recon_head")
 
+    def initial_ancestors(self) -> torch.Tensor:
+        """The ancestor matrix before a round's first step: the root, its k children, the null slot."""
+        dev, n, k = self.rt.device, self.n_nodes + 1, self.k
+        anc = torch.zeros(n, n, device=dev, dtype=torch.bool)
+        anc[0, 0] = anc[self.null, self.null] = True  # the null slot at depth 0 keeps empty rows' positions sane
+        anc[1 : 1 + k, 0] = True
+        anc[1 : 1 + k, 1 : 1 + k] = torch.eye(k, device=dev, dtype=torch.bool)
+        return anc
+
+    @staticmethod
+    def _admit(top1_logp, lam, u, ok, pooled, bid_base, survive) -> None:
+        """Appendix C.1: forwarded nodes enter the pool with probability `1 - lambda_0` (views of their rows)."""
+        # (top1_logp is fp32: .double() copies, so exp_ and neg_ work on the copy) -inf when max_t pi_one = 1
+        torch.log1p(top1_logp.double().exp_().neg_(), out=bid_base)
+        torch.neg(lam, out=survive).add_(1.0)
+        torch.ge(u, lam, out=pooled)
+        pooled.logical_and_(ok)
+
+
+def root_readout(rt: DrafterRuntime, feat: torch.Tensor, pool_on: bool, out: torch.Tensor):
+    """The root row's readout `[1, Vd]` (written into `out`) and, with a pool, its lambda_0 (else None)."""
+    if pool_on:
+        return rt.readout_and_halt(feat, out=out)
+    return rt.log_probs(feat, 0, out=out), None
+
+
+def forward_step_rows(tb: TreeShape, rt: DrafterRuntime, ids, hidden, rec_feat, pos, col: int, mask, max_pos: int,
+                      feat_out: torch.Tensor, logp_out: torch.Tensor):
+    """ONE call of `M` over a step's rows of one request: the frontier rows (draft ids `ids`, their parents'
+    features `hidden`) and, with a pool, the carried rows (their current depth's features `rec_feat`, else None).
+    Writes the features into `feat_out` and the readouts into `logp_out`; returns `(logp_out, lambda or None)`."""
+    bw = tb.bw
+    emb = rt.embed(rt.to_target_ids(ids))
+    if rec_feat is not None:  # Eq. 3's input slots for the carried rows, from their current depth's feature
+        r_emb, r_hidden = rt.reconsideration_inputs(rec_feat)
+        emb, hidden = torch.cat([emb.to(r_emb.dtype), r_emb]), torch.cat([hidden, r_hidden])
+    recon = tb.recon_row_mask if tb.m else None
+    if tb.coforward or not tb.m:
+        feats = rt.forward_tree_rows(emb, hidden, pos, col, mask, max_pos, recon)
+    else:  # the serial baseline of Appendix A.1: the reconsideration rows in their own call of M
+        feats = torch.cat([
+            rt.forward_tree_rows(emb[:bw], hidden[:bw], pos[:bw], col, mask[:bw], max_pos, recon[:bw]),
+            rt.forward_tree_rows(emb[bw:], hidden[bw:], pos[bw:], col + bw, mask[bw:], max_pos, recon[bw:])])
+    feat_out.copy_(feats)
+    if not tb.m:
+        return rt.log_probs(feats, 0, out=logp_out), None
+    if tb.split_readout:  # a second head: read each part with its own head only (depths >= 1 share it)
+        rt.log_probs(feats[:bw], 0, out=logp_out[:bw])
+        rt.log_probs(feats[bw:], 1, out=logp_out[bw:])
+        lam = rt.halt_probability(feats)
+    else:
+        lam = rt.readout_and_halt(feats, out=logp_out)[1]
+    return logp_out, lam.double()
+
+
+class TensorTreeBuilder(TreeShape):
+    """One sequence's tree builder; its buffers and index tensors are allocated once and reused every round."""
+
+    def __init__(self, rt: DrafterRuntime, cfg: TreeConfig, coforward: bool = True) -> None:
+        super().__init__(rt, cfg, coforward)
+        self._allocate()
+        for st in self.steps:
+            st.bind(self)
+
     def _allocate(self) -> None:
         rt, dev, n, r, k = self.rt, self.rt.device, self.n_nodes + 1, self.n_rows + 1, self.k
         f64, i64 = dict(device=dev, dtype=torch.float64), dict(device=dev, dtype=torch.long)
@@ -191,10 +257,7 @@ class TensorTreeBuilder:
         self.valid = torch.zeros(n, device=dev, dtype=torch.bool)
         self.valid[1 : 1 + k] = True  # the root's children (the root itself is kept apart from the cut)
         self.shifted = torch.zeros(n, **f64)  # > 0: an edge into the node was repriced (Eq. 9)
-        self.anc = torch.zeros(n, n, device=dev, dtype=torch.bool)  # anc[x, a]: a is x or one of its ancestors
-        self.anc[0, 0] = self.anc[self.null, self.null] = True  # the null slot at depth 0 keeps empty rows' positions sane
-        self.anc[1 : 1 + k, 0] = True
-        self.anc[1 : 1 + k, 1 : 1 + k] = torch.eye(k, device=dev, dtype=torch.bool)
+        self.anc = self.initial_ancestors()  # anc[x, a]: a is x or one of its ancestors
         self.row_of = torch.full((n,), -1, **i64)  # the node's one-pass row, -1 if never forwarded
         self.row_of_init = self.row_of.clone()
         self.row_of_init[0] = 0
@@ -229,24 +292,12 @@ class TensorTreeBuilder:
         self.root_tok.fill_(int(root_token))
         feat = root_feature.reshape(1, -1).to(rt.dtype)
         self.row_feat[0] = feat[0]
-        if self.pool_on:
-            logp, lam = rt.readout_and_halt(feat, out=self.row_logp[:1])
-        else:
-            logp = rt.log_probs(feat, 0, out=self.row_logp[:1])
+        logp, lam = root_readout(rt, feat, self.pool_on, self.row_logp[:1])
         torch.topk(logp, k, dim=-1, out=(self.row_topv[:1], self.draft[1 : 1 + k].view(1, k)))
         self.score[1 : 1 + k] = self.row_topv[0]
         if self.pool_on:
             self._admit(self.row_topv[:1, 0], lam.double(), self.u[:1], self.row_ok[:1],
                         self.pooled[:1], self.bid_base[:1], self.survive[:1])
-
-    @staticmethod
-    def _admit(top1_logp, lam, u, ok, pooled, bid_base, survive) -> None:
-        """Appendix C.1: forwarded nodes enter the pool with probability `1 - lambda_0` (views of their rows)."""
-        # (top1_logp is fp32: .double() copies, so exp_ and neg_ work on the copy) -inf when max_t pi_one = 1
-        torch.log1p(top1_logp.double().exp_().neg_(), out=bid_base)
-        torch.neg(lam, out=survive).add_(1.0)
-        torch.ge(u, lam, out=pooled)
-        pooled.logical_and_(ok)
 
     def _frontier(self, st: _Step) -> Tuple[torch.Tensor, torch.Tensor]:
         """The B_w highest-scoring valid slots of the previous block (ties: earlier slot first); null when short."""
@@ -291,33 +342,15 @@ class TensorTreeBuilder:
 
     def _forward(self, st: _Step, adv: torch.Tensor, rec: Optional[torch.Tensor], anc: torch.Tensor):
         """ONE call of `M` over the step's frontier and reconsidered rows; their readouts (and lambda for PR)."""
-        rt, bw, m, n, r0 = self.rt, self.bw, self.m, self.per_step, st.r0
-        emb, hidden = rt.embed(rt.to_target_ids(self.draft[adv])), self.row_feat[self.slot_row[adv]]
-        if m:  # Eq. 3's input slots for the carried rows, from their current depth's feature
-            r_emb, r_hidden = rt.reconsideration_inputs(self.row_feat[self.cur_row[rec]])
-            emb, hidden = torch.cat([emb.to(r_emb.dtype), r_emb]), torch.cat([hidden, r_hidden])
+        n, r0 = self.per_step, st.r0
+        hidden = self.row_feat[self.slot_row[adv]]
+        rec_feat = self.row_feat[self.cur_row[rec]] if self.m else None
         pos = anc.sum(1) + (self.root_pos - 1)  # position = root's + depth; depth = ancestors-or-self - 1
         visible = torch.addmm(st.own, anc.float(), self.src_onehot)  # tree rows each row may see, and its own
         mask = self.mask[r0 : r0 + n]
         mask[:, self.ctx :] = torch.where(visible > 0, 0.0, NEG)
-        col = self.ctx + r0
-        recon = self.recon_row_mask if m else None
-        if self.coforward or not m:
-            feats = rt.forward_tree_rows(emb, hidden, pos, col, mask, self.max_pos, recon)
-        else:  # the serial baseline of Appendix A.1: the reconsideration rows in their own call of M
-            feats = torch.cat([
-                rt.forward_tree_rows(emb[:bw], hidden[:bw], pos[:bw], col, mask[:bw], self.max_pos, recon[:bw]),
-                rt.forward_tree_rows(emb[bw:], hidden[bw:], pos[bw:], col + bw, mask[bw:], self.max_pos, recon[bw:])])
-        st.row_feat.copy_(feats)
-        if not m:
-            return rt.log_probs(feats, 0, out=st.logp), None
-        if self.split_readout:  # a second head: read each part with its own head only (depths >= 1 share it)
-            rt.log_probs(feats[:bw], 0, out=st.logp[:bw])
-            rt.log_probs(feats[bw:], 1, out=st.logp[bw:])
-            lam = rt.halt_probability(feats)
-        else:
-            lam = rt.readout_and_halt(feats, out=st.logp)[1]
-        return st.logp, lam.double()
+        return forward_step_rows(self, self.rt, self.draft[adv], hidden, rec_feat, pos, self.ctx + r0, mask,
+                                 self.max_pos, st.row_feat, st.logp)
 
     def _reconsider(self, st: _Step, rec, rec_ok, logp_d, lam):
         """One depth deeper for the carried bids (one-pass rows `rec`); the halted ones are repriced (Eq. 9).
@@ -429,28 +462,7 @@ class TensorTreeBuilder:
         return tree
 
     def _unpack(self, host: torch.Tensor, mask: torch.Tensor, root_position: int) -> TensorDraftTree:
-        b1, k = self.cfg.budget + 1, self.k
-        cols = host[: 11 * b1].view(11, b1)
-        n = int(cols[0].sum())
-        vals = cols[:, :n].tolist()
-        ok, slots, tokens, depths, parents, via, repriced, by_score, fwd = vals[:9]
-        top1 = cols[9, :n].view(torch.float64).tolist()
-        scores = cols[10, :n].view(torch.float64).tolist()
-        onepass = host[11 * b1 : 11 * b1 + b1 * k].view(b1, k)[:n].tolist()
-        counts = host[11 * b1 + b1 * k :].tolist()
-        children: List[List[int]] = [[] for _ in range(n)]
-        for j in by_score[:n]:
-            if j < n and parents[j] >= 0:
-                children[parents[j]].append(j)
-        return TensorDraftTree(
-            slots=slots, token_ids=tokens, depth_list=depths, parent_list=parents, child_lists=children,
-            scores=scores, via_recon_list=[bool(x) for x in via], repriced_list=[bool(x) for x in repriced],
-            onepass=[(top1[j], onepass[j]) if fwd[j] else None for j in range(n)],
-            mask=mask[:n, :n], root_position=root_position,
-            recon_rows=counts[0], steps=counts[1],
-            recon_kept=sum(via), repriced_kept=sum(repriced),
-            halt_depths={d: c for d, c in enumerate(counts[2:]) if c},
-        )
+        return unpack_round(host, mask, root_position, self.cfg.budget, self.k)
 
     def state(self) -> Dict[str, torch.Tensor]:
         """The round's node tensors (copies) in the per-node layout of `info` (see its columns), for tests and diagnostics."""
@@ -466,3 +478,29 @@ class TensorTreeBuilder:
             "score": self.score.clone(), "info": info, "row_logp": self.row_logp.clone(), "row_of": self.row_of.clone(),
             "cur_row": self.cur_row.clone(), "depth_r": self.depth_r.clone(), "row_node": self.row_node.clone(),
         }
+
+
+def unpack_round(host: torch.Tensor, mask: torch.Tensor, root_position: int, budget: int, k: int) -> TensorDraftTree:
+    """A round's host vector (`_pack`'s layout) and its ancestor mask as a `TensorDraftTree`."""
+    b1 = budget + 1
+    cols = host[: 11 * b1].view(11, b1)
+    n = int(cols[0].sum())
+    vals = cols[:, :n].tolist()
+    ok, slots, tokens, depths, parents, via, repriced, by_score, fwd = vals[:9]
+    top1 = cols[9, :n].view(torch.float64).tolist()
+    scores = cols[10, :n].view(torch.float64).tolist()
+    onepass = host[11 * b1 : 11 * b1 + b1 * k].view(b1, k)[:n].tolist()
+    counts = host[11 * b1 + b1 * k :].tolist()
+    children: List[List[int]] = [[] for _ in range(n)]
+    for j in by_score[:n]:
+        if j < n and parents[j] >= 0:
+            children[parents[j]].append(j)
+    return TensorDraftTree(
+        slots=slots, token_ids=tokens, depth_list=depths, parent_list=parents, child_lists=children,
+        scores=scores, via_recon_list=[bool(x) for x in via], repriced_list=[bool(x) for x in repriced],
+        onepass=[(top1[j], onepass[j]) if fwd[j] else None for j in range(n)],
+        mask=mask[:n, :n], root_position=root_position,
+        recon_rows=counts[0], steps=counts[1],
+        recon_kept=sum(via), repriced_kept=sum(repriced),
+        halt_depths={d: c for d, c in enumerate(counts[2:]) if c},
+    )
