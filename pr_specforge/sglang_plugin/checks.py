@@ -9,6 +9,7 @@ Owns:
   * `check_server_args` - the one-line refusals (`PRServeError`): tp > 1, k < 2, page size > 1,
     the overlap schedule, a shape whose tree cannot fill B nodes, a drafter without PR tensors,
     a PR tensor renamed or missing, `norm_output`.
+  * `request_shape` - a request's own B_w / m (`custom_params["pr_eagle3"]`), k, gamma and B staying the server's.
   * `load_pr_drafter` - our `LlamaForCausalLMEagle3PR` with every tensor of the `--to sglang`
     export (EAGLE-3 and `pr_*`), for the draft worker's tree rows.
 
@@ -18,6 +19,7 @@ Does not own: the registration (`sglang_plugin.algorithm`), the round (`sglang_p
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -31,6 +33,8 @@ ALGORITHM = "PR_EAGLE3"
 SERVING_KEY = "pr_serving"  # optional config.json entry of an export: {"bw": int, "m": int}
 ENV_BW, ENV_M = "PR_EAGLE3_BW", "PR_EAGLE3_M"
 DEFAULT_M = 3  # the paper's m
+REQUEST_KEY = "pr_eagle3"  # a request's own B_w / m: sampling_params.custom_params["pr_eagle3"] = {"bw": .., "m": ..}
+log = logging.getLogger(__name__)
 
 
 class PRServeError(ValueError):
@@ -126,6 +130,24 @@ def check_shape(shape: PRServeShape) -> None:
         raise PRServeError(
             f"{ALGORITHM}: the tree k={shape.k}, B_w={shape.bw}, gamma={shape.gamma} holds only {have} nodes for sure, "
             f"fewer than B={shape.budget} (--speculative-num-draft-tokens {shape.budget + 1}); lower it to <= {have + 1}")
+
+
+def request_shape(shape: PRServeShape, custom_params) -> PRServeShape:
+    """`shape` with a request's own B_w / m (`custom_params["pr_eagle3"]`); an override that is not an
+    integer in range, or whose tree could not fill B nodes, is ignored (logged): a request cannot stop the server."""
+    own = (custom_params or {}).get(REQUEST_KEY) if isinstance(custom_params, dict) else None
+    if not own:
+        return shape
+    try:
+        asked = PRServeShape(k=shape.k, bw=int(own.get("bw", shape.bw)), m=int(own.get("m", shape.m)),
+                             gamma=shape.gamma, budget=shape.budget)
+        if asked.bw < 1 or asked.m < 0:
+            raise PRServeError(f"B_w {asked.bw} / m {asked.m} out of range")
+        check_shape(asked)
+    except (TypeError, ValueError, AttributeError) as e:
+        log.warning("%s: ignoring the request's %s=%r (%s)", ALGORITHM, REQUEST_KEY, own, e)
+        return shape
+    return asked
 
 
 def _skeleton(export_config: Dict, device):

@@ -14,7 +14,8 @@ verify, acceptance, the radix cache, chunked prefill, retraction.
      loaded from the same export with its `pr_*` tensors; the request's own seeded generator);
   3. the kept tree is encoded for SGLang's `build_tree_kernel_efficient` (`encoding`) and returned as
      SGLang's `EagleVerifyInput` (spec_steps = gamma, topk = k, B + 1 verify tokens).
-Per-request counters (rounds, reconsideration rows, kept reconsidered nodes) are kept on the worker
+A request may set its own B_w and m (`sampling_params.custom_params = {"pr_eagle3": {"bw": .., "m": ..}}`;
+k, gamma and B are the server's: SGLang's verify has one shape). Per-request counters (rounds, reconsideration rows, kept reconsidered nodes) are kept on the worker
 and, when `PR_EAGLE3_ROUND_LOG` names a file, appended there one JSON line per round.
 """
 
@@ -33,7 +34,7 @@ from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorker
 
 from pr_specforge.serving.drafter_runtime import DrafterRuntime
 from pr_specforge.serving.tensor_tree import TensorTreeBuilder
-from pr_specforge.sglang_plugin.checks import check_server_args, load_pr_drafter
+from pr_specforge.sglang_plugin.checks import check_server_args, load_pr_drafter, request_shape
 from pr_specforge.sglang_plugin.encoding import encode_tree
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,16 @@ class PRDraftWorker(EagleDraftWorker):
         dtype = self.draft_runner.model_config.dtype
         drafter = load_pr_drafter(self.server_args.speculative_draft_model_path, embed.device, dtype, embed)
         self.pr_rt = DrafterRuntime(drafter)
-        self.pr_builder = TensorTreeBuilder(self.pr_rt, self.pr_shape.tree_config())
+        self.pr_builders = {}
         self.pr_layer_id = next(m.layer_id for m in self.draft_runner.model.modules() if isinstance(m, RadixAttention))
+
+    def _builder(self, req) -> TensorTreeBuilder:
+        """The round's builder: the server's shape, or the request's `custom_params["pr_eagle3"]` B_w / m."""
+        shape = request_shape(self.pr_shape, getattr(req.sampling_params, "custom_params", None))
+        key = (shape.bw, shape.m)
+        if key not in self.pr_builders:
+            self.pr_builders[key] = TensorTreeBuilder(self.pr_rt, shape.tree_config())
+        return self.pr_builders[key]
 
     def _generator(self, req) -> torch.Generator:
         gen = getattr(req, "pr_generator", None)
@@ -69,7 +78,7 @@ class PRDraftWorker(EagleDraftWorker):
         keys = pool.get_key_buffer(self.pr_layer_id)[slots]
         values = pool.get_value_buffer(self.pr_layer_id)[slots]
         self.pr_rt.load_context(keys, values)
-        tree = self.pr_builder.build(root_token, root_feature, self._generator(req))
+        tree = self._builder(req).build(root_token, root_feature, self._generator(req))
         if len(tree.tokens()) != self.pr_shape.budget + 1:
             raise RuntimeError(f"PR_EAGLE3: a round kept {len(tree.tokens()) - 1} nodes, not B={self.pr_shape.budget}")
         self._count(req.rid, int(slots.shape[0]), tree)
@@ -109,16 +118,13 @@ class PRDraftWorker(EagleDraftWorker):
             parent_list[b] = torch.tensor(parents)
             top_scores_index[b] = torch.tensor([scores[i] for i in order])
             draft_tokens[b] = torch.tensor([tree.tokens()[i + 1] for i in order])
-        return self._verify_input(batch, draft_input, parent_list, top_scores_index, draft_tokens)
+        return self._verify_input(batch, draft_input, parent_list, top_scores_index, draft_tokens, sum(seq_lens))
 
-    def _verify_input(self, batch, draft_input, parent_list, top_scores_index, draft_tokens) -> EagleVerifyInput:
+    def _verify_input(self, batch, draft_input, parent_list, top_scores_index, draft_tokens,
+                      seq_lens_sum: int) -> EagleVerifyInput:
         """SGLang's own tree build (`build_tree_kernel_efficient`, groups 2k wide) and verify input."""
         shape, dev = self.pr_shape, batch.seq_lens.device
         tree_mask_buf, position_buf = self.target_worker.model_runner.attn_backend.get_verify_buffers_to_fill_after_draft()
-        seq_lens_sum = batch.seq_lens_sum
-        if seq_lens_sum is None:
-            seq_lens_sum = 0 if tree_mask_buf is not None else \
-                batch.seq_lens.shape[0] * self.target_worker.model_runner.attn_backend.max_context_len
         tree_mask, position, retrieve_index, retrieve_next_token, retrieve_next_sibling, tokens = \
             eagle_utils.build_tree_kernel_efficient(
                 draft_input.bonus_tokens, parent_list.to(dev), top_scores_index.to(dev), draft_tokens.to(dev),
