@@ -67,7 +67,14 @@ def _server_args(live_run, draft, *, steps=3, topk=2, tokens=7, **extra):
 
 @pytest.fixture
 def cpu_engine(monkeypatch):
+    """SGLang's CPU engine switch for this test (`is_cpu` caches its first answer: cleared on both sides)."""
+    from sglang.srt.utils.common import is_cpu
+
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    is_cpu.cache_clear()
+    yield
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE")
+    is_cpu.cache_clear()
 
 
 def test_a_good_launch_passes_and_takes_its_shape_from_the_flags_and_the_environment(live_run, cpu_engine, monkeypatch):
