@@ -140,6 +140,18 @@ class DrafterRuntime:
     def max_depth(self) -> int:
         return self.drafter.max_depth if self.is_pr else 0
 
+    def load_context(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace the committed context with rows of an outside KV cache (SGLang's draft pool):
+        `keys, values [L, H_kv, Dh]`, keys RoPE'd at positions `0 .. L-1`; KV heads repeated to H."""
+        if self.layers != 1:
+            raise ValueError("load_context serves one-layer drafters only")
+        n, rep = keys.shape[0], self.num_heads // keys.shape[1]
+        self._length = 0
+        self.reserve(n)
+        self.k_buf[:, :n] = keys.transpose(0, 1).repeat_interleave(rep, dim=0).to(self.dtype)
+        self.v_buf[:, :n] = values.transpose(0, 1).repeat_interleave(rep, dim=0).to(self.dtype)
+        self._length = n
+
     # ---------------------------------------------------------------- helpers
     def embed(self, target_ids: torch.Tensor) -> torch.Tensor:
         return self.drafter.embed_tokens(target_ids.to(self.device))

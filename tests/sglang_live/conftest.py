@@ -61,15 +61,15 @@ class ServerFailed(RuntimeError):
 
 
 @contextlib.contextmanager
-def sglang_server(model: str, log_path, *args: str, dtype: str = "float32"):
-    """Yield the port of a live `launch_server` for `model` (extra CLI `args`); stop it on exit."""
+def sglang_server(model: str, log_path, *args: str, dtype: str = "float32", env=None):
+    """Yield the port of a live `launch_server` for `model` (extra CLI `args`, extra environment `env`); stop it on exit."""
     from pr_specforge.sglang_cpu import SERVER_FLAGS, child_env
 
     port = _free_port()
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--dtype", dtype,
            *SERVER_FLAGS, "--host", "127.0.0.1", "--port", str(port), "--max-total-tokens", "4096", *args]
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, env=child_env(dict(ENV, HF_HUB_OFFLINE="1")), stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, env=child_env(dict(ENV, HF_HUB_OFFLINE="1", **(env or {}))), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
         deadline = time.time() + START_TIMEOUT

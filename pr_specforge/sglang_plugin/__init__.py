@@ -1,0 +1,28 @@
+"""`--speculative-algorithm PR_EAGLE3`: Parallel Reconsideration served inside SGLang 0.5.14, as a plugin.
+
+SGLang runs every function of the `sglang.srt.plugins` entry-point group (pyproject.toml) in each of
+its processes before it parses arguments; ours is `register`, which adds `PR_EAGLE3` to SGLang's
+speculative registry (`SpeculativeAlgorithm.register`). Nothing of SGLang is edited or patched.
+
+  * `algorithm` - the registration: an algorithm that answers as EAGLE-3 (3-layer capture, the
+    draft KV pool, EAGLE radix keys), fills what 0.5.14's `CustomSpecAlgo` lacks, runs the EAGLE
+    family's argument handling, then the start-up refusals of `checks`.
+  * `worker` - SGLang's V2 EAGLE worker with a PR draft worker: its `draft` builds the paper's round
+    with `pr_specforge.serving.tensor_tree` per request, reading the drafter's committed context from
+    SGLang's draft KV pool, and encodes the tree for SGLang's own `build_tree`; verify and
+    draft-extend are SGLang's.
+  * `checks` - the shape, the refusals, loading the PR drafter from the export.
+
+On a CPU, `pr_specforge.sglang_cpu` (the bridge) is still what makes SGLang's EAGLE path run.
+"""
+
+from __future__ import annotations
+
+ALGORITHM = "PR_EAGLE3"
+
+
+def register() -> None:
+    """The entry point: register `PR_EAGLE3` (idempotent; a second call in one process does nothing)."""
+    from pr_specforge.sglang_plugin.algorithm import register_algorithm
+
+    register_algorithm()

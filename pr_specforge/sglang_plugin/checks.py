@@ -1,0 +1,221 @@
+"""What `PR_EAGLE3` refuses at start-up, the tree shape it serves, and loading the PR drafter from an export.
+
+Owns:
+  * `PRServeShape` - the round's shape from SGLang's flags and the export: gamma =
+    `--speculative-num-steps`, k = `--speculative-eagle-topk`, B = `--speculative-num-draft-tokens` - 1;
+    B_w and m from the export's `pr_serving` entry of `config.json` (default B_w = k, m = 3), each
+    overridable at launch with `PR_EAGLE3_BW` / `PR_EAGLE3_M` (environment: SGLang's argument
+    parser has no field for them, and the environment reaches every SGLang process).
+  * `check_server_args` - the one-line refusals (`PRServeError`): tp > 1, k < 2, page size > 1,
+    the overlap schedule, a shape whose tree cannot fill B nodes, a drafter without PR tensors,
+    a PR tensor renamed or missing, `norm_output`.
+  * `request_shape` - a request's own B_w / m (`custom_params["pr_eagle3"]`), k, gamma and B staying the server's.
+  * `load_pr_drafter` - our `LlamaForCausalLMEagle3PR` with every tensor of the `--to sglang`
+    export (EAGLE-3 and `pr_*`), for the draft worker's tree rows.
+
+Does not own: the registration (`sglang_plugin.algorithm`), the round (`sglang_plugin.worker`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+from pr_specforge.serving.tree import TreeConfig
+
+ALGORITHM = "PR_EAGLE3"
+SERVING_KEY = "pr_serving"  # optional config.json entry of an export: {"bw": int, "m": int}
+ENV_BW, ENV_M = "PR_EAGLE3_BW", "PR_EAGLE3_M"
+DEFAULT_M = 3  # the paper's m
+REQUEST_KEY = "pr_eagle3"  # a request's own B_w / m: sampling_params.custom_params["pr_eagle3"] = {"bw": .., "m": ..}
+log = logging.getLogger(__name__)
+
+
+class PRServeError(ValueError):
+    """A `PR_EAGLE3` launch that cannot serve (one line, naming the flag, file or tensor)."""
+
+
+@dataclass(frozen=True)
+class PRServeShape:
+    k: int
+    bw: int
+    m: int
+    gamma: int
+    budget: int
+
+    def tree_config(self) -> TreeConfig:
+        return TreeConfig(budget=self.budget, k=self.k, bw=self.bw, gamma=self.gamma, m=self.m)
+
+    def guaranteed_nodes(self) -> int:
+        """Non-root nodes every round holds at least: each forwarded frontier row adds k one-pass children."""
+        total, frontier_pool = self.k, self.k
+        for _ in range(1, self.gamma):
+            rows = min(self.bw, frontier_pool)
+            total += rows * self.k
+            frontier_pool = rows * self.k
+        return total
+
+    def groups(self) -> int:
+        """Node groups of the encoding for SGLang's `build_tree`: the root and every kept node that has kept
+        children (at most B of them, and at most the one-pass rows)."""
+        return min(self.budget, 1 + (self.gamma - 1) * self.bw)
+
+    def kernel_steps(self) -> int:
+        """`spec_steps` of `build_tree_kernel_efficient` for groups 2k wide: its parent list holds them all."""
+        return 1 + math.ceil((self.groups() - 1) / (2 * self.k))
+
+
+def _env_int(name: str) -> Optional[int]:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise PRServeError(f"{ALGORITHM}: {name}={raw!r} is not an integer") from None
+
+
+def read_export_config(draft_dir: Optional[str]) -> Dict:
+    if not draft_dir:
+        raise PRServeError(f"{ALGORITHM} needs --speculative-draft-model-path (a `pr-specforge export --to sglang` dir)")
+    path = os.path.join(draft_dir, "config.json")
+    if not os.path.isfile(path):
+        raise PRServeError(f"{ALGORITHM}: {path} does not exist (expected a `pr-specforge export --to sglang` dir)")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise PRServeError(f"{ALGORITHM}: {path} is not readable JSON ({e})") from None
+
+
+def serve_shape(server_args, export_config: Dict) -> PRServeShape:
+    serving = export_config.get(SERVING_KEY) or {}
+    k = int(server_args.speculative_eagle_topk)
+    bw = _env_int(ENV_BW) or int(serving.get("bw", k))
+    m = _env_int(ENV_M)
+    m = int(serving.get("m", DEFAULT_M)) if m is None else m
+    gamma = int(server_args.speculative_num_steps)
+    budget = int(server_args.speculative_num_draft_tokens) - 1
+    for name, value, lo in (("B_w (" + ENV_BW + ")", bw, 1), ("m (" + ENV_M + ")", m, 0), ("--speculative-num-steps", gamma, 1),
+                            ("--speculative-num-draft-tokens - 1", budget, 1)):
+        if value < lo:
+            raise PRServeError(f"{ALGORITHM}: {name} must be >= {lo}, got {value}")
+    return PRServeShape(k=k, bw=bw, m=m, gamma=gamma, budget=budget)
+
+
+def check_parallel_and_paging(server_args) -> None:
+    """The flags the per-request PR round does not support."""
+    if int(server_args.tp_size) > 1:
+        raise PRServeError(f"{ALGORITHM} drafts on one rank: --tp-size {server_args.tp_size} is not supported (use --tp-size 1)")
+    if server_args.speculative_eagle_topk is None or int(server_args.speculative_eagle_topk) < 2:
+        raise PRServeError(f"{ALGORITHM} needs --speculative-eagle-topk >= 2 (SGLang verifies a tree only for topk > 1), "
+                           f"got {server_args.speculative_eagle_topk}")
+    if int(server_args.page_size or 1) > 1:
+        raise PRServeError(f"{ALGORITHM} needs --page-size 1, got {server_args.page_size}")
+    if not server_args.disable_overlap_schedule:
+        raise PRServeError(f"{ALGORITHM} drafts synchronously: pass --disable-overlap-schedule")
+    if getattr(server_args, "speculative_adaptive", False):
+        raise PRServeError(f"{ALGORITHM} has a fixed tree shape: --speculative-adaptive is not supported")
+
+
+def check_shape(shape: PRServeShape) -> None:
+    have = shape.guaranteed_nodes()
+    if have < shape.budget:
+        raise PRServeError(
+            f"{ALGORITHM}: the tree k={shape.k}, B_w={shape.bw}, gamma={shape.gamma} holds only {have} nodes for sure, "
+            f"fewer than B={shape.budget} (--speculative-num-draft-tokens {shape.budget + 1}); lower it to <= {have + 1}")
+
+
+def request_shape(shape: PRServeShape, custom_params) -> PRServeShape:
+    """`shape` with a request's own B_w / m (`custom_params["pr_eagle3"]`); an override that is not an
+    integer in range, or whose tree could not fill B nodes, is ignored (logged): a request cannot stop the server."""
+    own = (custom_params or {}).get(REQUEST_KEY) if isinstance(custom_params, dict) else None
+    if not own:
+        return shape
+    try:
+        asked = PRServeShape(k=shape.k, bw=int(own.get("bw", shape.bw)), m=int(own.get("m", shape.m)),
+                             gamma=shape.gamma, budget=shape.budget)
+        if asked.bw < 1 or asked.m < 0:
+            raise PRServeError(f"B_w {asked.bw} / m {asked.m} out of range")
+        check_shape(asked)
+    except (TypeError, ValueError, AttributeError) as e:
+        log.warning("%s: ignoring the request's %s=%r (%s)", ALGORITHM, REQUEST_KEY, own, e)
+        return shape
+    return asked
+
+
+def _skeleton(export_config: Dict, device):
+    from pr_specforge.export import build_drafter_skeleton
+
+    with torch.device(device):
+        return build_drafter_skeleton(export_config, "pr", None)
+
+
+def check_drafter(draft_dir: str, export_config: Dict) -> None:
+    """Refuse an export that is not a PR drafter, or whose tensors do not fill ours (names and shapes, read
+    from the safetensors header only)."""
+    from safetensors import safe_open
+
+    from pr_specforge.config import PR_CONFIG_KEY
+    from pr_specforge.modeling.drafter import PR_PARAM_PREFIXES
+
+    path = os.path.join(draft_dir, "model.safetensors")
+    if PR_CONFIG_KEY not in export_config:
+        raise PRServeError(f"{ALGORITHM}: {draft_dir}/config.json has no {PR_CONFIG_KEY!r}: not a PR drafter export "
+                           "(serve it with --speculative-algorithm EAGLE3)")
+    if export_config.get("norm_output"):
+        raise PRServeError(f"{ALGORITHM}: {draft_dir}/config.json sets norm_output; the PR round reads pre-norm features")
+    if not os.path.isfile(path):
+        raise PRServeError(f"{ALGORITHM}: {path} does not exist")
+    with safe_open(path, framework="pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    if not any(n.startswith(PR_PARAM_PREFIXES) for n in shapes):
+        raise PRServeError(f"{ALGORITHM}: {path} holds no PR tensors ({', '.join(p + '*' for p in PR_PARAM_PREFIXES)}): "
+                           "not a PR drafter (serve it with --speculative-algorithm EAGLE3)")
+    want = {n: tuple(p.shape) for n, p in _skeleton(export_config, "meta").state_dict().items() if "embed" not in n}
+    missing = sorted(set(want) - set(shapes))
+    unknown = sorted(n for n in set(shapes) - set(want) if "embed" not in n)
+    wrong = sorted(n for n in set(want) & set(shapes) if want[n] != shapes[n])
+    if missing or unknown or wrong:
+        parts = ([f"missing {missing}"] if missing else []) + ([f"unknown {unknown}"] if unknown else []) + \
+                ([f"wrong shape {wrong}"] if wrong else [])
+        raise PRServeError(f"{ALGORITHM}: {path} does not fill the PR drafter of its config: " + "; ".join(parts))
+
+
+def check_server_args(server_args) -> PRServeShape:
+    """Every start-up refusal, in one line each (`PRServeError`); returns the round's shape."""
+    check_parallel_and_paging(server_args)
+    return check_export_and_shape(server_args)
+
+
+def check_export_and_shape(server_args) -> PRServeShape:
+    export_config = read_export_config(server_args.speculative_draft_model_path)
+    shape = serve_shape(server_args, export_config)
+    check_shape(shape)
+    check_drafter(server_args.speculative_draft_model_path, export_config)
+    return shape
+
+
+@torch.no_grad()
+def load_pr_drafter(draft_dir: str, device, dtype: torch.dtype, embedding: torch.Tensor):
+    """Our PR drafter with every tensor of the export, the target's `embedding` shared, RoPE rebuilt, eval mode."""
+    from safetensors.torch import load_file
+
+    from pr_specforge.modeling.drafter import rebuild_rope
+
+    export_config = read_export_config(draft_dir)
+    model = _skeleton(export_config, "cpu")
+    weights = load_file(os.path.join(draft_dir, "model.safetensors"))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or any("embed" not in n for n in missing):
+        raise PRServeError(f"{ALGORITHM}: {draft_dir} does not fill the PR drafter: missing {missing}, unknown {unexpected}")
+    rows = model.embed_tokens.weight.shape[0]  # SGLang pads its vocabulary embedding (to a multiple of 64)
+    model.embed_tokens.weight.copy_(embedding.detach()[:rows].to("cpu", model.embed_tokens.weight.dtype))
+    rebuild_rope(model)
+    return model.to(device=device, dtype=dtype).eval()

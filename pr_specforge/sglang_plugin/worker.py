@@ -1,0 +1,147 @@
+"""The PR draft worker: SGLang 0.5.14's V2 EAGLE worker with our round in place of its `draft`.
+
+`PREagleWorkerV2` is `EAGLEWorkerV2` whose draft worker is a `PRDraftWorker` (SGLang hard-codes
+`EagleDraftWorker` in `EAGLEWorkerV2.__init__`, so the built instance takes our subclass). Everything
+but `draft` is SGLang's: the draft model, its KV pool and draft-extend (prefill and decode), target
+verify, acceptance, the radix cache, chunked prefill, retraction.
+
+`PRDraftWorker.draft`, request by request (batching is not done here):
+  1. the request's committed drafter context is its rows of SGLang's draft KV pool (slots
+     `req_to_token[req, :seq_len]`, written by SGLang's draft-extend); they are read into our
+     `DrafterRuntime` (`load_context`), and the root is SGLang's bonus token and the draft-extend
+     feature of the last context row;
+  2. `pr_specforge.serving.tensor_tree.TensorTreeBuilder` builds the paper's round (our PR drafter,
+     loaded from the same export with its `pr_*` tensors; the request's own seeded generator);
+  3. the kept tree is encoded for SGLang's `build_tree_kernel_efficient` (`encoding`) and returned as
+     SGLang's `EagleVerifyInput` (spec_steps = gamma, topk = k, B + 1 verify tokens).
+A request may set its own B_w and m (`sampling_params.custom_params = {"pr_eagle3": {"bw": .., "m": ..}}`;
+k, gamma and B are the server's: SGLang's verify has one shape). Per-request counters (rounds, reconsideration rows, kept reconsidered nodes) are kept on the worker
+and, when `PR_EAGLE3_ROUND_LOG` names a file, appended there one JSON line per round.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Dict
+
+import torch
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.speculative import eagle_utils
+from sglang.srt.speculative.eagle_info import EagleVerifyInput
+from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
+
+from pr_specforge.serving.drafter_runtime import DrafterRuntime
+from pr_specforge.serving.tensor_tree import TensorTreeBuilder
+from pr_specforge.sglang_plugin.checks import check_server_args, load_pr_drafter, request_shape
+from pr_specforge.sglang_plugin.encoding import encode_tree
+
+log = logging.getLogger(__name__)
+ROUND_LOG = "PR_EAGLE3_ROUND_LOG"
+
+
+class PRDraftWorker(EagleDraftWorker):
+    """`EagleDraftWorker` whose `draft` runs the PR round (see the module docstring)."""
+
+    def pr_setup(self) -> None:
+        self.pr_shape = check_server_args(self.server_args)
+        self.pr_stats: Dict[str, Dict[str, int]] = {}
+        self.pr_log = os.environ.get(ROUND_LOG) or None
+
+    def alloc_memory_pool(self, *args, **kwargs):
+        super().alloc_memory_pool(*args, **kwargs)
+        embed, _ = self.target_worker.model_runner.model.get_embed_and_head()
+        dtype = self.draft_runner.model_config.dtype
+        drafter = load_pr_drafter(self.server_args.speculative_draft_model_path, embed.device, dtype, embed)
+        self.pr_rt = DrafterRuntime(drafter)
+        self.pr_builders = {}
+        self.pr_layer_id = next(m.layer_id for m in self.draft_runner.model.modules() if isinstance(m, RadixAttention))
+
+    def _builder(self, req) -> TensorTreeBuilder:
+        """The round's builder: the server's shape, or the request's `custom_params["pr_eagle3"]` B_w / m."""
+        shape = request_shape(self.pr_shape, getattr(req.sampling_params, "custom_params", None))
+        key = (shape.bw, shape.m)
+        if key not in self.pr_builders:
+            self.pr_builders[key] = TensorTreeBuilder(self.pr_rt, shape.tree_config())
+        return self.pr_builders[key]
+
+    def _generator(self, req) -> torch.Generator:
+        gen = getattr(req, "pr_generator", None)
+        if gen is None:  # SpeculativeDecoder's convention: drafting draws from seed + 1
+            seed = getattr(req.sampling_params, "sampling_seed", None) or 0
+            gen = req.pr_generator = torch.Generator().manual_seed(int(seed) + 1)
+        return gen
+
+    def _round(self, req, slots: torch.Tensor, root_token: int, root_feature: torch.Tensor):
+        pool = self.draft_runner.token_to_kv_pool
+        keys = pool.get_key_buffer(self.pr_layer_id)[slots]
+        values = pool.get_value_buffer(self.pr_layer_id)[slots]
+        self.pr_rt.load_context(keys, values)
+        tree = self._builder(req).build(root_token, root_feature, self._generator(req))
+        if len(tree.tokens()) != self.pr_shape.budget + 1:
+            raise RuntimeError(f"PR_EAGLE3: a round kept {len(tree.tokens()) - 1} nodes, not B={self.pr_shape.budget}")
+        self._count(req.rid, int(slots.shape[0]), tree)
+        return tree
+
+    def _count(self, rid: str, seq_len: int, tree) -> None:
+        stats = self.pr_stats.setdefault(rid, {"rounds": 0, "recon_rows": 0, "recon_kept": 0, "repriced_kept": 0})
+        stats["rounds"] += 1
+        stats["recon_rows"] += tree.recon_rows
+        stats["recon_kept"] += tree.recon_kept
+        stats["repriced_kept"] += tree.repriced_kept
+        if self.pr_log:
+            line = {"rid": rid, "seq_len": seq_len, "tokens": tree.tokens(), "parents": tree.parents(),
+                    "recon_rows": tree.recon_rows, "recon_kept": tree.recon_kept, "repriced_kept": tree.repriced_kept}
+            with open(self.pr_log, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+    @torch.no_grad()
+    def draft(self, batch):
+        shape = self.pr_shape
+        if batch.forward_mode.is_idle():
+            return EagleVerifyInput.create_idle_input(self.topk, self.speculative_num_steps,
+                                                      self.speculative_num_draft_tokens)
+        draft_input = batch.spec_info
+        bs, n, k = len(batch.reqs), shape.budget, shape.k
+        width = 2 * k * (shape.kernel_steps() - 1) + 1
+        parent_list = torch.full((bs, width), -1, dtype=torch.long)
+        top_scores_index = torch.empty((bs, n), dtype=torch.long)
+        draft_tokens = torch.empty((bs, n), dtype=torch.long)
+        rows = self.req_to_token_pool.req_to_token[batch.req_pool_indices]
+        seq_lens = batch.seq_lens.tolist()
+        bonus = draft_input.bonus_tokens.tolist()
+        for b, req in enumerate(batch.reqs):
+            tree = self._round(req, rows[b, : seq_lens[b]].long(), int(bonus[b]), draft_input.hidden_states[b])
+            parents, scores = encode_tree(tree.parents(), tree.via_recon_list, k, width)
+            order = sorted(range(n), key=scores.__getitem__)
+            parent_list[b] = torch.tensor(parents)
+            top_scores_index[b] = torch.tensor([scores[i] for i in order])
+            draft_tokens[b] = torch.tensor([tree.tokens()[i + 1] for i in order])
+        return self._verify_input(batch, draft_input, parent_list, top_scores_index, draft_tokens, sum(seq_lens))
+
+    def _verify_input(self, batch, draft_input, parent_list, top_scores_index, draft_tokens,
+                      seq_lens_sum: int) -> EagleVerifyInput:
+        """SGLang's own tree build (`build_tree_kernel_efficient`, groups 2k wide) and verify input."""
+        shape, dev = self.pr_shape, batch.seq_lens.device
+        tree_mask_buf, position_buf = self.target_worker.model_runner.attn_backend.get_verify_buffers_to_fill_after_draft()
+        tree_mask, position, retrieve_index, retrieve_next_token, retrieve_next_sibling, tokens = \
+            eagle_utils.build_tree_kernel_efficient(
+                draft_input.bonus_tokens, parent_list.to(dev), top_scores_index.to(dev), draft_tokens.to(dev),
+                batch.seq_lens, seq_lens_sum, 2 * shape.k, shape.kernel_steps(), shape.budget + 1,
+                self.tree_mask_mode, tree_mask_buf, position_buf)
+        return EagleVerifyInput(
+            draft_token=tokens, custom_mask=tree_mask, positions=position, retrieve_index=retrieve_index,
+            retrieve_next_token=retrieve_next_token, retrieve_next_sibling=retrieve_next_sibling,
+            retrieve_cum_len=None, spec_steps=shape.gamma, topk=shape.k, draft_token_num=shape.budget + 1,
+            capture_hidden_mode=None, seq_lens_sum=None, seq_lens_cpu=None, draft_probs=None)
+
+
+class PREagleWorkerV2(EAGLEWorkerV2):
+    """SGLang's V2 EAGLE worker with `PRDraftWorker` as its draft worker."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._draft_worker.__class__ = PRDraftWorker
+        self._draft_worker.pr_setup()
+        log.info("PR_EAGLE3 draft worker ready: %s", self._draft_worker.pr_shape)

@@ -1,0 +1,110 @@
+"""Shared by the live `PR_EAGLE3` test modules: a PR server at one shape, our decoder at the same shape, and
+the comparison (tolerance zero) of outputs, verify rounds, accepted drafts and every round's tree.
+
+The server is SGLang 0.5.14's `launch_server` through the CPU bridge with our plugin (fp32, greedy,
+127.0.0.1, a free port, stopped by `sglang_server` also on failure); the worker appends each round's tree
+(tokens, parents) and counters to `PR_EAGLE3_ROUND_LOG`, keyed by the request id SGLang returns in
+`meta_info["id"]`. The reference is `SpeculativeDecoder` (our evaluator's decoder, HF target and our PR
+drafter from the `--to hf` export of the same run) with the same (k, B_w, m, gamma, B) and seed 0.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from dataclasses import dataclass
+from typing import Dict, List
+
+import torch
+
+from tests.sglang_live.conftest import post, sglang_server
+
+MAX_NEW = 24
+
+
+@dataclass(frozen=True)
+class Shape:
+    k: int
+    bw: int
+    m: int
+    gamma: int
+    budget: int
+
+
+def pr_args(draft: str, shape: Shape):
+    return ("--speculative-algorithm", "PR_EAGLE3", "--speculative-draft-model-path", draft,
+            "--speculative-num-steps", str(shape.gamma), "--speculative-eagle-topk", str(shape.k),
+            "--speculative-num-draft-tokens", str(shape.budget + 1))
+
+
+def pr_server(live_run, log_dir, shape: Shape):
+    """`sglang_server` serving the PR export at `shape` (B_w and m through the environment); its round log."""
+    rounds = log_dir / "rounds.jsonl"
+    env = {"PR_EAGLE3_BW": str(shape.bw), "PR_EAGLE3_M": str(shape.m), "PR_EAGLE3_ROUND_LOG": str(rounds)}
+    return sglang_server(live_run["target"], log_dir / "server.log", *pr_args(live_run["pr"], shape), env=env), rounds
+
+
+def generate(port: int, ids, bw=None, m=None) -> dict:
+    params = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+    if bw is not None or m is not None:
+        params["custom_params"] = {"pr_eagle3": {k: v for k, v in (("bw", bw), ("m", m)) if v is not None}}
+    return post(port, "/generate", {"input_ids": list(ids), "sampling_params": params})
+
+
+def round_log(path) -> Dict[str, List[dict]]:
+    by_rid = collections.defaultdict(list)
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        by_rid[row["rid"]].append(row)
+    return by_rid
+
+
+class Ours:
+    """Our evaluator's decoder on the live run's target and drafter, recording every round's tree."""
+
+    def __init__(self, live_run):
+        from pr_specforge.eval.evaluator import load_target
+        from pr_specforge.modeling import load_drafter
+
+        self.target, _ = load_target(live_run["target"])
+        self.drafter = load_drafter(live_run["hf"], "cpu", torch.float32)
+
+    def decode(self, shape: Shape, prompts):
+        from pr_specforge.serving import SpeculativeDecoder, TreeConfig
+
+        dec = SpeculativeDecoder(self.target, self.drafter, TreeConfig(budget=shape.budget, k=shape.k, bw=shape.bw,
+                                                                       gamma=shape.gamma, m=shape.m))
+        draft, trees, out = dec.draft, [], []
+
+        def recording(*args):
+            tree = draft(*args)
+            trees[-1].append((tree.tokens(), tree.parents()))
+            return tree
+
+        dec.draft = recording
+        for p in prompts:
+            trees.append([])
+            res = dec.generate(p, MAX_NEW, 0.0, 0, None)
+            out.append({"tokens": res.tokens, "rounds": res.rounds, "accepted": sum(res.accept_lengths) - res.rounds,
+                        "recon_kept": res.recon_kept, "recon_rows": res.recon_rows, "trees": trees[-1]})
+        return out
+
+
+def served_counts(out: dict, log: Dict[str, List[dict]]) -> dict:
+    """What the server says about one request: its tokens, its own verify rounds and accepted drafts
+    (`meta_info`), and the worker's trees and counters for it (the round log)."""
+    meta = out["meta_info"]
+    rows = log[meta["id"]]
+    return {"tokens": out["output_ids"], "rounds": meta["spec_verify_ct"], "accepted": meta["spec_num_correct_drafts"],
+            "recon_kept": sum(r["recon_kept"] for r in rows), "recon_rows": sum(r["recon_rows"] for r in rows),
+            "trees": [(r["tokens"], r["parents"]) for r in rows]}
+
+
+def assert_same(served: List[dict], reference: List[dict]) -> None:
+    """Tolerance zero: every prompt's output, rounds, accepted drafts, counters, and each round's tree."""
+    for i, (got, ref) in enumerate(zip(served, reference)):
+        for key in ("tokens", "rounds", "accepted", "recon_kept", "recon_rows"):
+            assert got[key] == ref[key], f"prompt {i}: {key} served {got[key]} vs ours {ref[key]}"
+        assert len(got["trees"]) == got["rounds"], f"prompt {i}: the worker drafted {len(got['trees'])} trees"
+        for r, (a, b) in enumerate(zip(got["trees"], ref["trees"])):
+            assert a == b, f"prompt {i}, round {r}: served tree {a} vs ours {b}"

@@ -1,0 +1,99 @@
+"""`--speculative-algorithm PR_EAGLE3` live on this CPU at (k 2, B_w 2, m 1, gamma 3, B 6): one server, every check.
+
+SGLang's own server (through the CPU bridge, with our plugin) against our evaluator's `SpeculativeDecoder`
+at the same shape, float32, greedy, tolerance zero (the kernel differences, ~1e-6, sit far below the tiny
+target's and drafter's margins; a near-tie would fail every run, the test is seeded): each prompt's output
+(also equal to plain greedy serving), verify rounds and accepted drafts (from the response's `meta_info`),
+reconsideration rows and kept reconsidered nodes, and every round's tree, node for node. The drafter is
+the live run's PR drafter as trained (its gate is not edited): reconsidered nodes survive the cut in some
+rounds, which the test asserts. Per request, `custom_params` sets m = 0 (our evaluator's m = 0 tree).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.export.conftest import ENV
+from tests.sglang_live.conftest import _free_port, greedy
+from tests.sglang_live.pr_eagle3 import MAX_NEW, Ours, Shape, assert_same, generate, pr_server, round_log, served_counts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPE = Shape(k=2, bw=2, m=1, gamma=3, budget=6)
+
+
+@pytest.fixture(scope="module")
+def ours(live_run):
+    return Ours(live_run)
+
+
+@pytest.fixture(scope="module")
+def server(live_run, tmp_path_factory):
+    ctx, rounds = pr_server(live_run, tmp_path_factory.mktemp("pr_eagle3"), SHAPE)
+    with ctx as port:
+        yield port, rounds
+
+
+@pytest.fixture(scope="module")
+def sequential(live_run, server):
+    port, rounds = server
+    outs = [generate(port, p) for p in live_run["prompts"]]
+    log = round_log(rounds)
+    return [served_counts(o, log) for o in outs]
+
+
+def test_output_rounds_accepted_drafts_and_trees_equal_our_decoder(live_run, sequential, ours, plain_server):
+    plain = [greedy(plain_server, p, MAX_NEW)["output_ids"] for p in live_run["prompts"]]
+    assert [s["tokens"] for s in sequential] == plain
+    assert_same(sequential, ours.decode(SHAPE, live_run["prompts"]))
+    assert sum(s["recon_rows"] for s in sequential) > 0
+    assert sum(s["recon_kept"] for s in sequential) > 0, "no reconsidered node survived the cut in any round"
+
+
+def test_m0_serves_exactly_our_evaluators_m0_tree(live_run, server, ours):
+    port, rounds = server
+    outs = [generate(port, p, m=0) for p in live_run["prompts"]]
+    served = [served_counts(o, round_log(rounds)) for o in outs]
+    assert all(s["recon_rows"] == 0 for s in served)
+    assert_same(served, ours.decode(Shape(k=2, bw=2, m=0, gamma=3, budget=6), live_run["prompts"]))
+
+
+def test_four_concurrent_requests_give_what_four_sequential_ones_gave(live_run, server, sequential):
+    port, rounds = server
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda p: generate(port, p), live_run["prompts"]))
+    log = round_log(rounds)
+    concurrent = [served_counts(o, log) for o in outs]
+    assert len(concurrent) == 4
+    assert concurrent == sequential
+
+
+def test_a_radix_cache_hit_gives_the_same_result(live_run, server, sequential):
+    port, rounds = server
+    out = generate(port, live_run["prompts"][0])
+    assert out["meta_info"]["cached_tokens"] > 0, "the second request of a prompt should hit the radix cache"
+    assert served_counts(out, round_log(rounds)) == sequential[0]
+
+
+def test_the_cpu_serve_script_launches_pr_eagle3_and_refuses_topk_1_in_one_line(live_run):
+    """scripts/sglang_cpu_serve_pr.sh, a real `launch_server` (which stops before start-up here)."""
+    script = os.path.join(ROOT, "scripts", "sglang_cpu_serve_pr.sh")
+    cmd = [script, live_run["target"], live_run["pr"], str(_free_port()), "--speculative-eagle-topk", "1",
+           "--speculative-num-draft-tokens", "4"]
+    proc = subprocess.Popen(cmd, env=dict(ENV, HF_HUB_OFFLINE="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    last = [line for line in out.splitlines() if line.strip()][-1]
+    assert last.startswith("pr_specforge.sglang_plugin.checks.PRServeError: PR_EAGLE3 needs --speculative-eagle-topk >= 2"), \
+        out[-3000:]

@@ -1,0 +1,179 @@
+"""`PR_EAGLE3` in SGLang 0.5.14's registry: the entry point, EAGLE-3 answers, and each start-up refusal in one line.
+
+The refusals run SGLang's real `ServerArgs` (its `__post_init__` is what `launch_server` runs before it starts
+anything) on this CPU, so no server starts; `test_live_pr_eagle3.py` has one refusal through a real launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+
+from tests.sglang_live.conftest import edit_export
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_pyproject_declares_the_plugin_entry_point_and_it_resolves():
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        declared = tomllib.load(f)["project"]["entry-points"]["sglang.srt.plugins"]
+    assert declared == {"pr_eagle3": "pr_specforge.sglang_plugin:register"}
+    ours = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "pr_eagle3"]
+    assert ours and ours[0].value == "pr_specforge.sglang_plugin:register", \
+        "the installed pr_specforge metadata lacks the entry point (reinstall the package)"
+    ours[0].load()()
+
+
+def test_the_algorithm_answers_as_eagle3_and_has_what_the_scheduler_calls():
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from pr_specforge.sglang_plugin import register
+
+    register()
+    register()  # idempotent: SGLang refuses a second registration of a name
+    algo = SpeculativeAlgorithm.from_string("pr_eagle3")
+    builtin = SpeculativeAlgorithm.EAGLE3
+    assert algo.is_eagle() and algo.is_eagle3() and algo.is_speculative() and not algo.is_none()
+    assert algo.need_topk() == builtin.need_topk() and algo.has_draft_kv() == builtin.has_draft_kv()
+    assert algo.carries_draft_hidden_states() == builtin.carries_draft_hidden_states()
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    future = algo.create_future_map(torch.device("cpu"), ReqToTokenPool(4, 16, "cpu", False), False)
+    assert type(future).__name__ == "FutureMap" and future.spec_algo is algo and future.req_pool_size == 5
+    missing = [n for n in vars(SpeculativeAlgorithm) if not n.startswith("_") and callable(getattr(builtin, n, None))
+               and n not in ("from_string", "register") and not hasattr(algo, n)]
+    assert not missing, f"SpeculativeAlgorithm methods the plugin lacks: {missing}"
+
+
+def _server_args(live_run, draft, *, steps=3, topk=2, tokens=7, **extra):
+    from sglang.srt.server_args import ServerArgs
+
+    from pr_specforge.sglang_plugin import register
+
+    register()
+    return ServerArgs(model_path=live_run["target"], device="cpu", attention_backend="torch_native", dtype="float32",
+                      disable_cuda_graph=True, disable_overlap_schedule=extra.pop("disable_overlap_schedule", True),
+                      speculative_algorithm="PR_EAGLE3", speculative_draft_model_path=draft,
+                      speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens,
+                      **extra)
+
+
+@pytest.fixture
+def cpu_engine(monkeypatch):
+    """SGLang's CPU engine switch for this test (`is_cpu` caches its first answer: cleared on both sides)."""
+    from sglang.srt.utils.common import is_cpu
+
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    is_cpu.cache_clear()
+    yield
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE")
+    is_cpu.cache_clear()
+
+
+def test_a_good_launch_passes_and_takes_its_shape_from_the_flags_and_the_environment(live_run, cpu_engine, monkeypatch):
+    from pr_specforge.sglang_plugin.checks import check_server_args
+
+    args = _server_args(live_run, live_run["pr"], steps=4, topk=4, tokens=17)
+    assert check_server_args(args) == _shape(k=4, bw=4, m=3, gamma=4, budget=16)  # B_w = k and m = 3 by default
+    monkeypatch.setenv("PR_EAGLE3_BW", "3")
+    monkeypatch.setenv("PR_EAGLE3_M", "0")
+    assert check_server_args(args) == _shape(k=4, bw=3, m=0, gamma=4, budget=16)
+
+
+def _shape(**kw):
+    from pr_specforge.sglang_plugin.checks import PRServeShape
+
+    return PRServeShape(**kw)
+
+
+def _drop_pr(tensors):
+    for name in [n for n in tensors if n.startswith("pr_")]:
+        tensors.pop(name)
+
+
+def _rename_pr(tensors):
+    name = next(n for n in tensors if n.startswith("pr_halt_gate."))
+    tensors[name.replace("pr_halt_gate.", "pr_halt_gates.")] = tensors.pop(name)
+
+
+def _drop_one_pr(tensors):
+    tensors.pop(next(n for n in tensors if n.startswith("pr_self_query.")))
+
+
+REFUSALS = [
+    ("tp", dict(tp_size=2), None, "--tp-size 2 is not supported"),
+    ("topk1", dict(topk=1, tokens=4), None, "needs --speculative-eagle-topk >= 2"),
+    ("page", dict(page_size=4), None, "needs --page-size 1, got 4"),
+    ("overlap", dict(disable_overlap_schedule=False), None, "pass --disable-overlap-schedule"),
+    ("short-tree", dict(steps=3, topk=2, tokens=12), None, "holds only 10 nodes for sure, fewer than B=11"),
+    ("eagle3-export", {}, "eagle3", "not a PR drafter export"),
+    ("no-pr-tensors", {}, _drop_pr, "holds no PR tensors"),
+    ("renamed-pr-tensor", {}, _rename_pr, "missing ['pr_halt_gate."),
+    ("missing-pr-tensor", {}, _drop_one_pr, "missing ['pr_self_query."),
+]
+
+
+@pytest.mark.parametrize("flags,draft,message", [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
+def test_each_unsupported_launch_is_refused_in_one_line(flags, draft, message, live_run, cpu_engine, tmp_path):
+    from pr_specforge.sglang_plugin.checks import PRServeError
+
+    if draft == "eagle3":
+        path = live_run["eagle3"]
+    elif draft is not None:
+        path = edit_export(live_run["pr"], tmp_path / "edited", draft)
+    else:
+        path = live_run["pr"]
+    with pytest.raises(PRServeError) as refused:
+        _server_args(live_run, path, **flags)
+    text = str(refused.value)
+    assert message in text and "\n" not in text and text.startswith("PR_EAGLE3")
+
+
+def test_a_renamed_tensor_names_both_sides(live_run, cpu_engine, tmp_path):
+    from pr_specforge.sglang_plugin.checks import PRServeError
+
+    path = edit_export(live_run["pr"], tmp_path / "edited", _rename_pr)
+    with pytest.raises(PRServeError, match=r"unknown \['pr_halt_gates\."):
+        _server_args(live_run, path)
+
+
+def test_an_export_with_norm_output_is_refused(live_run, cpu_engine, tmp_path):
+    from pr_specforge.sglang_plugin.checks import PRServeError
+
+    path = tmp_path / "normed"
+    shutil.copytree(live_run["pr"], path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["norm_output"] = True
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(PRServeError, match="sets norm_output; the PR round reads pre-norm features"):
+        _server_args(live_run, str(path))
+
+
+def test_a_request_may_set_its_own_bw_and_m_but_not_a_shape_that_cannot_fill_b():
+    from pr_specforge.sglang_plugin.checks import request_shape
+
+    server = _shape(k=2, bw=2, m=1, gamma=3, budget=6)
+    assert request_shape(server, None) == server and request_shape(server, {"other": 1}) == server
+    assert request_shape(server, {"pr_eagle3": {"m": 0}}) == _shape(k=2, bw=2, m=0, gamma=3, budget=6)
+    assert request_shape(server, {"pr_eagle3": {"bw": 1}}).bw == 1  # k + k + k = 6 nodes: fills B 6
+    assert request_shape(_shape(k=2, bw=2, m=1, gamma=3, budget=7), {"pr_eagle3": {"bw": 1}}).bw == 2  # 6 < 7
+    assert request_shape(server, {"pr_eagle3": {"m": "x"}}) == server
+
+
+def test_the_export_may_carry_its_serving_defaults(live_run, cpu_engine, tmp_path):
+    from pr_specforge.sglang_plugin.checks import check_server_args
+
+    path = tmp_path / "with-defaults"
+    shutil.copytree(live_run["pr"], path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["pr_serving"] = {"bw": 3, "m": 1}
+    (path / "config.json").write_text(json.dumps(cfg))
+    args = _server_args(live_run, str(path), steps=4, topk=4, tokens=17)
+    assert check_server_args(args) == _shape(k=4, bw=3, m=1, gamma=4, budget=16)

@@ -1,0 +1,65 @@
+"""PR trees (our tensor builder) through the 2k-wide encoding into SGLang's `build_tree` contract (the CPU
+bridge's implementation of it): every node's token, position, ancestors and parent come back unchanged.
+No server; the issue's three shapes plus a tight one, gates that reconsider a lot and a little."""
+
+import pytest
+import torch
+
+from pr_specforge.serving import TensorTreeBuilder
+from pr_specforge.sglang_cpu.tree import build_tree
+from pr_specforge.sglang_plugin.checks import PRServeShape
+from pr_specforge.sglang_plugin.encoding import encode_tree
+from tests.serving.test_serving_tree import eager_gate, models, primed_runtime  # noqa: F401 (models: a fixture)
+
+SHAPES = [PRServeShape(k=2, bw=2, m=1, gamma=3, budget=6), PRServeShape(k=4, bw=4, m=2, gamma=4, budget=16),
+          PRServeShape(k=6, bw=6, m=3, gamma=8, budget=48), PRServeShape(k=3, bw=6, m=3, gamma=4, budget=12)]
+
+
+def through_sglang(tree, shape: PRServeShape, seq_len: int):
+    """The kept tree as SGLang's verify sees it: (tokens, positions, mask, parent) in SGLang's node order,
+    and `order[i]` = the kept index of SGLang's node i."""
+    width = 2 * shape.k * (shape.kernel_steps() - 1) + 1
+    parents, scores = encode_tree(tree.parents(), tree.via_recon_list, shape.k, width)
+    order = sorted(range(shape.budget), key=scores.__getitem__)
+    toks = tree.tokens()
+    mask, pos, _, first, sib, tokens = build_tree(
+        torch.tensor([toks[0]]), torch.tensor([parents]), torch.tensor([[scores[i] for i in order]]),
+        torch.tensor([[toks[i + 1] for i in order]]), torch.tensor([seq_len]), seq_len, 2 * shape.k,
+        shape.kernel_steps(), shape.budget + 1)
+    n = shape.budget + 1
+    parent = [-1] * n
+    for node in range(n):  # walk the child / sibling links
+        child = int(first[0, node])
+        while child != -1:
+            parent[child] = node
+            child = int(sib[0, child])
+    return tokens.tolist(), pos.tolist(), mask.view(n, seq_len + n)[:, seq_len:], parent, [0] + [i + 1 for i in order]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"k{s.k}w{s.bw}m{s.m}g{s.gamma}B{s.budget}")
+def test_a_pr_tree_survives_the_encoding_node_for_node(models, shape):
+    target, _, pr = models
+    recon = 0
+    for bias, seed in ((-2.0, 0), (0.0, 1), (-2.0, 2)):
+        eager_gate(pr, bias)
+        rt, root, feat = primed_runtime(pr, target)
+        tree = TensorTreeBuilder(rt, shape.tree_config()).build(root, feat, torch.Generator().manual_seed(seed))
+        assert len(tree.tokens()) == shape.budget + 1
+        tokens, pos, mask, parent, kept = through_sglang(tree, shape, seq_len=rt.length)
+        assert tokens == [tree.tokens()[j] for j in kept]
+        assert pos == [rt.length + tree.depths()[j] for j in kept]
+        assert torch.equal(mask.bool(), tree.tree_mask()[kept][:, kept].bool())
+        assert [kept[p] if p >= 0 else -1 for p in parent] == [tree.parents()[j] for j in kept]
+        recon += tree.recon_kept
+    if shape.budget >= 12:  # the tight k 2, B 6 cut keeps none of them with these drafters
+        assert recon > 0, "some reconsidered node should be kept, or the k..2k-1 offsets go untested"
+
+
+def test_the_guaranteed_node_count_is_a_lower_bound_and_refuses_short_shapes():
+    from pr_specforge.sglang_plugin.checks import PRServeError, check_shape
+
+    assert PRServeShape(k=2, bw=2, m=1, gamma=3, budget=6).guaranteed_nodes() == 2 + 4 + 4
+    assert PRServeShape(k=2, bw=4, m=0, gamma=3, budget=6).guaranteed_nodes() == 2 + 4 + 8  # frontier 2 then 4
+    check_shape(PRServeShape(k=2, bw=2, m=1, gamma=3, budget=10))
+    with pytest.raises(PRServeError, match="holds only 10 nodes for sure, fewer than B=11"):
+        check_shape(PRServeShape(k=2, bw=2, m=1, gamma=3, budget=11))
