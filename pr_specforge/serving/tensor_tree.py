@@ -292,7 +292,7 @@ class TensorTreeBuilder:
     def _forward(self, st: _Step, adv: torch.Tensor, rec: Optional[torch.Tensor], anc: torch.Tensor):
         """ONE call of `M` over the step's frontier and reconsidered rows; their readouts (and lambda for PR)."""
         rt, bw, m, n, r0 = self.rt, self.bw, self.m, self.per_step, st.r0
-        emb, hidden = rt.embed(rt.to_target_ids(self.draft[adv])), self.row_feat[self.slot_row[adv]]
+        emb, hidden = rt.embed(rt.to_target_ids(self.draft[adv])), rt.feedback(self.row_feat[self.slot_row[adv]])
         if m:  # Eq. 3's input slots for the carried rows, from their current depth's feature
             r_emb, r_hidden = rt.reconsideration_inputs(self.row_feat[self.cur_row[rec]])
             emb, hidden = torch.cat([emb.to(r_emb.dtype), r_emb]), torch.cat([hidden, r_hidden])
