@@ -55,6 +55,11 @@ def option_set_pr(name: str):
     return PRConfig.from_mapping({**base, **overrides})
 
 
+def portable_command(command: str) -> str:
+    """The command with every path argument cut to its file name (no machine's directories in a document)."""
+    return " ".join(os.path.basename(w) if os.sep in w and not w.startswith("benchmarks") else w for w in command.split(" "))
+
+
 def provenance(args, threads: int) -> Dict[str, Any]:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
@@ -62,7 +67,8 @@ def provenance(args, threads: int) -> Dict[str, Any]:
     return {"commit": commit + ("+changes" if dirty else ""),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{os.cpu_count()}-core CPU ({platform.machine()}), shared with other jobs: wall times are rough",
-            "threads": threads, "command": "python benchmarks/control.py " + " ".join(sys.argv[1:])}
+            "threads": threads,
+            "command": portable_command("python benchmarks/control.py " + " ".join(sys.argv[1:]))}
 
 
 def render(report: Dict[str, Any]) -> str:
@@ -129,6 +135,8 @@ def main(argv=None) -> int:
                 print(f"control: {path} was measured with other settings than {args.json}", file=sys.stderr)
                 return 2
             report["sets"].update(other["sets"])
+        for row in report["sets"].values():
+            row["provenance"]["command"] = portable_command(row["provenance"]["command"])
         report["sets"] = {k: report["sets"][k] for k in OPTION_SETS if k in report["sets"]}
         _write(args.json, json.dumps(report, indent=1) + "\n")
         _write(args.md, render(report))

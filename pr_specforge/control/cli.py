@@ -77,7 +77,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         settings = ControlSettings(steps=args.steps, symbols=args.symbols, max_depth=args.max_depth,
                                    ttt_length=args.ttt_length, seed=args.seed)
     except (ConfigError, ValueError) as e:
-        print(f"pr-specforge control: {e}", file=sys.stderr)
+        print(f"pr-specforge control: {' '.join(str(e).split())}", file=sys.stderr)  # one line (YAML errors span several)
         return 2
     import torch
 
