@@ -2,7 +2,8 @@
 
 Each sample draws a random cycle `f` over `N` symbols and lists its pairs in a shuffled order,
 one pair `x v(f(x))` per symbol (`x` a key token, `v(y)` the value token of symbol `y`). Then
-come `K` queries `Qk x' v(y)`: `x'` is the query copy of symbol `a`, `k` the query kind (`Q1` or
+come `K` queries `Qk x' v(y)` about distinct symbols (a repeated query could copy the earlier
+answer): `x'` is the query copy of symbol `a`, `k` the query kind (`Q1` or
 `Q2`) and `y` the answer, `f(a)` for `Q1` and `f(f(a))` for `Q2`. The three tokens of a symbol
 share its embedding; only a key token's target features carry it.
 
@@ -45,8 +46,8 @@ class ControlTask:
     def __post_init__(self) -> None:
         if self.symbols < 3:
             raise ValueError(f"the control needs at least 3 symbols (a 2-hop answer differs from a 1-hop one), got {self.symbols}")
-        if self.queries < 1:
-            raise ValueError(f"the control needs at least one query per sample, got {self.queries}")
+        if not 1 <= self.queries <= self.symbols:
+            raise ValueError(f"the control asks 1 to N = {self.symbols} queries per sample (one per symbol), got {self.queries}")
 
     @property
     def first_key(self) -> int:
@@ -107,7 +108,7 @@ class ControlTask:
             f[order] = order.roll(-1)  # f(order[i]) = order[i + 1]: one cycle through every symbol
             pairs = torch.randperm(n, generator=generator)
             ctx = torch.stack([pairs + self.first_key, f[pairs] + self.first_symbol], dim=1).reshape(-1)
-            a = torch.randint(0, n, (k,), generator=generator)
+            a = torch.randperm(n, generator=generator)[:k]  # distinct: a repeated query would copy the earlier answer
             hops = torch.randint(1, 3, (k,), generator=generator)
             ans = torch.where(hops == 1, f[a], f[f[a]])
             qs = torch.stack([torch.where(hops == 1, Q1, Q2), a + self.first_query, ans + self.first_symbol], dim=1)
