@@ -1,6 +1,6 @@
 """The positive control per recipe option set: which PR options learn a second pass?
 
-    OMP_NUM_THREADS=1 TORCHDYNAMO_DISABLE=1 python benchmarks/control.py --steps 800 \
+    OMP_NUM_THREADS=1 TORCHDYNAMO_DISABLE=1 python benchmarks/control.py --steps 1200 \
         --json benchmarks/results/control.json --md benchmarks/results/control.md [--sets paper default ...]
 
 For each option set, `pr_specforge.control` trains a tiny PR drafter (hidden 64, R = 1, TTT 2,
@@ -111,7 +111,7 @@ def _args(argv: List[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sets", nargs="*", default=list(OPTION_SETS), choices=list(OPTION_SETS), metavar="SET",
                    help=f"option sets to run (default all): {', '.join(OPTION_SETS)}")
-    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--symbols", type=int, default=5)
     p.add_argument("--note", default="", help="a line recorded in the JSON (e.g. why the steps differ from the issue's)")
     p.add_argument("--merge", nargs="*", default=[], help="JSON files of earlier runs (same settings) whose sets join --json")

@@ -46,7 +46,7 @@ class ControlSettings:
     heads: int = 4
     ttt_length: int = 2
     max_depth: int = 1
-    steps: int = 800
+    steps: int = 1200
     warm_steps: Optional[int] = None  # None: `steps`
     batch: int = 32
     lr: float = 5e-3
