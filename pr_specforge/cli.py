@@ -9,6 +9,7 @@
     pr-specforge diagnose RUN_DIR --features DIR
     pr-specforge headroom DRAFTER --features DIR --out PREFIX   # the paper's Figure 1 / Table 7 on held-out features
     pr-specforge experiment --workdir DIR      # the SmolLM2 EAGLE-3 vs PR experiment
+    pr-specforge control --recipe RECIPE.yaml  # does the recipe's PR objective learn a second pass? (exit 1: no)
 
 Under torchrun every rank runs `python -m pr_specforge.cli train ...`.
 """
@@ -31,6 +32,7 @@ _DELEGATED = {
     "diagnose": "a checkpoint's per-depth accuracy, gate use and recovered share on held-out features",
     "headroom": "can reconsideration pay? acceptance by confidence, the reject pool, what PR recovers (Fig. 1 / Table 7)",
     "experiment": "the SmolLM2 EAGLE-3 vs PR experiment (resumable stages)",
+    "control": "a positive control: does a recipe's PR objective learn a second pass? (minutes on CPU)",
 }
 
 
@@ -50,6 +52,8 @@ def _entry(command: str) -> Callable[[List[str]], int]:
         from pr_specforge.training.diagnose import main
     elif command == "headroom":
         from pr_specforge.eval.headroom import main
+    elif command == "control":
+        from pr_specforge.control.cli import main
     else:
         from pr_specforge.experiment import main
     return main

@@ -74,6 +74,11 @@ class PRDraftSettings:
         is active only on reconsideration rows (depth >= 1; `pr_recon_adapter.*`),
         so depth >= 1 has capacity of its own when the one-pass path is isolated or
         frozen; 0 = off (default). Every row of a step still runs in one batched call of M.
+    post_norm_feedback: [choice] EAGLE-3.1's post-norm feedback: the next TTT (draft) step
+        and the next reconsideration depth read `norm(f)`, the final-normed feature the
+        one-pass head reads, instead of the pre-norm residual `f`. Training, the serving
+        runtime and the SGLang export (`norm_output: true`) agree. Default False (EAGLE-3:
+        the next step reads the pre-norm feature).
     """
 
     max_depth: int = 2
@@ -81,9 +86,11 @@ class PRDraftSettings:
     gate_reads_normed: bool = True
     recon_head: str = "shared"
     recon_adapter_rank: int = 0
+    post_norm_feedback: bool = False
 
     def __post_init__(self) -> None:
-        _check_types(self, {"max_depth": int, "gate_reads_normed": bool, "recon_adapter_rank": int})
+        _check_types(self, {"max_depth": int, "gate_reads_normed": bool, "recon_adapter_rank": int,
+                            "post_norm_feedback": bool})
         if self.recon_head not in RECON_HEADS:
             raise ConfigError(f"pr.recon_head: expected one of {list(RECON_HEADS)}, got {self.recon_head!r}")
         if self.recon_adapter_rank < 0:

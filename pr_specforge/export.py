@@ -202,8 +202,16 @@ def sglang_config(draft_config: Dict[str, Any], model, capture_layers: Optional[
     cfg["target_hidden_size"] = int(draft_config.get("target_hidden_size") or draft_config["hidden_size"])
     if capture_layers is not None:
         cfg["eagle_config"] = {**(draft_config.get("eagle_config") or {}), "eagle_aux_hidden_state_layer_ids": capture_layers}
-    if hasattr(model, "pr_settings"):
-        cfg[PR_CONFIG_KEY] = model.pr_settings.to_dict()
+    settings = getattr(model, "pr_settings", None)
+    if settings is not None:
+        cfg[PR_CONFIG_KEY] = settings.to_dict()
+    # SGLang's `norm_output: true`: the next draft step reads the normed feature, i.e. post-norm feedback.
+    # SpecForge's key of that name says whether logits are normed (true, its default, is what SGLang
+    # always does): written only when true for both, so either reader loads the drafter as trained.
+    if settings is not None and settings.post_norm_feedback:
+        cfg["norm_output"] = True
+    elif cfg.get("norm_output"):
+        del cfg["norm_output"]
     return cfg
 
 

@@ -178,10 +178,17 @@ class LlamaForCausalLMEagle3PR(LlamaForCausalLMEagle3):
         """Eq. 3, `f^r = M(f^{r-1}, Q(f^{r-1}))`: the two input slots of a reconsideration pass.
 
         Returns `(Q(f^{r-1}), f^{r-1})`: the self-query in the token-embedding slot, the previous
-        depth's feature in the hidden slot, at the same position. Training (`objective.ttt`) and
+        depth's feature in the hidden slot, at the same position (both read `norm(f^{r-1})` with
+        `post_norm_feedback`, see `feedback`). Training (`objective.ttt`) and
         serving (`serving.tree`) both build their reconsideration rows through this.
         """
-        return self.self_query(feature), feature
+        fed = self.feedback(feature)
+        return self.self_query(fed), fed
+
+    def feedback(self, feature: torch.Tensor) -> torch.Tensor:
+        """What the next step or depth reads of `feature` in its hidden slot: `norm(f)` with
+        `post_norm_feedback` (EAGLE-3.1), else `f` itself (EAGLE-3)."""
+        return self.norm(feature) if self.pr_settings.post_norm_feedback else feature
 
     def depth_logits(self, feature: torch.Tensor, depth: int | torch.Tensor) -> torch.Tensor:
         """Draft-vocab logits of features read out at reconsideration depth `depth` (the ONE readout

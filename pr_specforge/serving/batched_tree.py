@@ -238,7 +238,7 @@ class BatchedTreeBuilder(TreeShape):
     def _forward(self, x: _Batch, st: _Step, adv, rec, anc):
         """The step's rows of every request through `rows`; their readouts (and lambda with a pool)."""
         rows = slice(st.r0, st.r0 + self.per_step)
-        hidden = x.row_feat[x.bi, self.slot_row[adv]]
+        hidden = self.rt.feedback(x.row_feat[x.bi, self.slot_row[adv]])  # post-norm feedback when the drafter has it
         rec_feat = x.row_feat[x.bi, x.cur_row.gather(1, rec)] if self.m else None
         pos = anc.sum(-1) + (self.root_pos - 1)  # position = root's + depth
         visible = torch.matmul(anc.float(), self.src_onehot) + st.own > 0  # exact: sums of 0/1

@@ -191,6 +191,12 @@ class DrafterRuntime:
         return torch.log_softmax(d.lm_head(normed).float(), dim=-1, out=out), d.pr_halt_gate(normed)
 
     @torch.no_grad()
+    def feedback(self, feature: torch.Tensor) -> torch.Tensor:
+        """What a child draft step reads of its parent's feature in the hidden slot, as training
+        feeds the next TTT step: `norm(f)` with a PR drafter's `post_norm_feedback`, else `f`."""
+        return self.drafter.feedback(feature) if self.is_pr else feature
+
+    @torch.no_grad()
     def reconsideration_inputs(self, feature: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """The input slots of a reconsideration pass (Eq. 3), as training builds them."""
         return self.drafter.reconsideration_inputs(feature)

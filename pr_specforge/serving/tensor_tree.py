@@ -343,7 +343,7 @@ class TensorTreeBuilder(TreeShape):
     def _forward(self, st: _Step, adv: torch.Tensor, rec: Optional[torch.Tensor], anc: torch.Tensor):
         """ONE call of `M` over the step's frontier and reconsidered rows; their readouts (and lambda for PR)."""
         n, r0 = self.per_step, st.r0
-        hidden = self.row_feat[self.slot_row[adv]]
+        hidden = self.rt.feedback(self.row_feat[self.slot_row[adv]])  # post-norm feedback when the drafter has it
         rec_feat = self.row_feat[self.cur_row[rec]] if self.m else None
         pos = anc.sum(1) + (self.root_pos - 1)  # position = root's + depth; depth = ancestors-or-self - 1
         visible = torch.addmm(st.own, anc.float(), self.src_onehot)  # tree rows each row may see, and its own

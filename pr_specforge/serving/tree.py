@@ -302,7 +302,7 @@ class _Builder:
         for i in advance:
             node, parent = self.nodes[i], self.nodes[self.nodes[i].parent]
             emb.append(rt.embed(torch.tensor([node.token]))[0])
-            hidden.append(parent.recon_feature if node.via_recon else parent.feature)
+            hidden.append(rt.feedback(parent.recon_feature if node.via_recon else parent.feature))
             pos.append(self.root_pos + node.depth)
             visible.append(node.anc_rows)
         if recon:

@@ -436,7 +436,8 @@ class OnlinePRModel(OnlineEagle3Model):
         groups = []
         if call.one_pass_step is not None:
             s = call.one_pass_step
-            groups.append(_Group(inp.embs[s], one_pass.feature, s, list(one_pass.chain), one_pass.chain[0]))
+            groups.append(_Group(inp.embs[s], self.draft_model.feedback(one_pass.feature), s, list(one_pass.chain),
+                                 one_pass.chain[0]))
         if call.mixed is not None:
             groups.append(self._mixed_row(call.mixed, inp, rows, mixed))
         n_a = int(call.one_pass_step is not None)
@@ -458,8 +459,12 @@ class OnlinePRModel(OnlineEagle3Model):
             emb = rows.cut(inp.embs[stage.step])
             if self.pr.recon_grad == "isolated":  # the token embedding is a one-pass parameter too (frozen in SpecForge)
                 emb = emb.detach()
-            return continuation_row(emb, mixed.continuation, stage.step, mixed.chain, mixed.ctx)
-        return reconsideration_row(self.draft_model, mixed.depth_feats[stage.depth - 1], stage.step, mixed.chain, mixed.ctx)
+            with self._isolated():  # `post_norm_feedback`'s norm is a one-pass parameter
+                halted = self.draft_model.feedback(mixed.continuation)
+            return continuation_row(emb, halted, stage.step, mixed.chain, mixed.ctx)
+        with self._isolated():
+            return reconsideration_row(self.draft_model, mixed.depth_feats[stage.depth - 1], stage.step, mixed.chain,
+                                       mixed.ctx)
 
     def _advance_mixed(self, stage: MixedStage, feat: torch.Tensor, kv: KV, rows: _Rows, one_pass: _OnePass,
                        mixed: _Mixed, return_logits: bool) -> None:
