@@ -102,6 +102,18 @@ def check_resume(where: str, recorded: dict | None, current: dict, fix: str, err
                          f"{current[key]!r}{more}; {fix}")
 
 
+def read_json_file(path: str | os.PathLike) -> Any:
+    """A JSON file's content; a file that is not JSON is a `DataFormatError` naming it (json's own
+    message names only a line and column)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise DataFormatError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except UnicodeDecodeError:
+        raise DataFormatError(f"{path}: not a text file (expected JSON)") from None
+
+
 def resume_record_path(output: str | os.PathLike) -> Path:
     """Where a JSONL writer keeps the fingerprint of `output`."""
     return Path(f"{output}.resume.json")
@@ -142,6 +154,15 @@ def _jsonl_files(paths) -> list:
     return out
 
 
+def honour_umask(path: str | os.PathLike, directory: bool = False) -> None:
+    """Give a `tempfile.mkstemp` file (0600) or `mkdtemp` directory (0700) the mode an ordinary
+    `open` / `mkdir` would have: 0666 / 0777 less the umask (usually 0644 / 0755), so that what
+    the atomic writers rename into place is readable by whoever can read its neighbours."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, (0o777 if directory else 0o666) & ~mask)
+
+
 def _atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -151,6 +172,7 @@ def _atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: s
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        honour_umask(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

