@@ -114,6 +114,23 @@ def read_json_file(path: str | os.PathLike) -> Any:
         raise DataFormatError(f"{path}: not a text file (expected JSON)") from None
 
 
+class FewerRows(ValueError):
+    """A writer of kept results would replace a file holding more rows with one holding fewer."""
+
+
+def refuse_fewer_rows(path: str | os.PathLike, rows: int, count: Callable[[Any], int], flag: str) -> None:
+    """Before replacing the JSON file `path` (results others read, often committed) with one of `rows`
+    rows: refuse when it holds more (`count(its content)`), unless the caller passed `flag`, which
+    says so in so many words. A file that is absent, unreadable or not of that shape is not protected."""
+    try:
+        before = count(read_json_file(path))
+    except (OSError, DataFormatError, KeyError, TypeError, AttributeError):
+        return
+    if before > rows:
+        raise FewerRows(f"{path} holds {before} rows and this run has {rows}: not replaced (pass {flag} to replace "
+                        "it with fewer, or write to another path)")
+
+
 def resume_record_path(output: str | os.PathLike) -> Path:
     """Where a JSONL writer keeps the fingerprint of `output`."""
     return Path(f"{output}.resume.json")
