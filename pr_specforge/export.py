@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from pr_specforge.data.io import DataFormatError, honour_umask, read_json_file
+from pr_specforge.data.io import DataFormatError, honour_umask_tree, read_json_file
 from pr_specforge.training.backends.checkpoint import RECIPE_STATE_KEY  # the resolved recipe inside a checkpoint
 from pr_specforge.modeling.drafter import (
     EAGLE3_ARCHITECTURE,
@@ -312,7 +312,6 @@ def export_checkpoint(checkpoint: str, out_dir: str, to: str, *, draft_config: O
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out_dir)}.tmp-")
     try:
-        honour_umask(tmp, directory=True)  # mkdtemp's 0700 would keep the export from other users
         if to == "sglang":
             _write_sglang(tmp, model, weights, draft_cfg, resolve_capture_layers(draft_cfg, recipe, target), out_dtype,
                           target_context(target))
@@ -364,7 +363,9 @@ def _write_json(path: str, payload: Dict[str, Any]) -> None:
 
 
 def _replace_dir(tmp: str, out_dir: str) -> None:
-    """Move the finished temp dir into place; an existing `out_dir` is swapped out, then removed."""
+    """Move the finished temp dir into place; an existing `out_dir` is swapped out, then removed. Its
+    modes are an ordinary directory's (mkdtemp's 0700 and safetensors' 0600 would lock other users out)."""
+    honour_umask_tree(tmp)
     for root, _, files in os.walk(tmp):
         for name in files:
             with open(os.path.join(root, name), "rb") as f:

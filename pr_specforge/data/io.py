@@ -180,6 +180,17 @@ def honour_umask(path: str | os.PathLike, directory: bool = False) -> None:
     os.chmod(path, (0o777 if directory else 0o666) & ~mask)
 
 
+def honour_umask_tree(path: str | os.PathLike) -> None:
+    """`honour_umask` for a finished temp directory and everything under it (safetensors, which
+    `save_pretrained` uses, writes its files 0600)."""
+    honour_umask(path, directory=True)
+    for root, dirs, files in os.walk(path):
+        for name in dirs:
+            honour_umask(os.path.join(root, name), directory=True)
+        for name in files:
+            honour_umask(os.path.join(root, name))
+
+
 def _atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

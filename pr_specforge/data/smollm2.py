@@ -24,7 +24,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pr_specforge.data.io import honour_umask
+from pr_specforge.data.io import honour_umask_tree
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,6 @@ def convert_smollm2_gguf(
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
     try:
-        honour_umask(tmp, directory=True)  # mkdtemp's 0700 would keep the target from other users
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         write_index_json(tmp)
@@ -200,6 +199,7 @@ def convert_smollm2_gguf(
                 indent=2,
             )
         )
+        honour_umask_tree(tmp)  # mkdtemp's 0700 and safetensors' 0600 would lock other users out
         if output_dir.exists():
             shutil.rmtree(output_dir)
         os.replace(tmp, output_dir)

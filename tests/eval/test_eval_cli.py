@@ -347,3 +347,18 @@ def test_start_over_with_a_bad_baseline_from_refuses_before_touching_the_out_dir
     err = capsys.readouterr().err
     assert "--baseline-from" in err and "Traceback" not in err, err
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.suffix in (".jsonl", ".json")} == before
+
+
+def test_recovered_by_bucket_png_has_a_title(tmp_path, monkeypatch):
+    from pr_specforge.eval import report
+
+    saved = {}
+
+    def keep(fig, out_dir, name):
+        saved[name] = fig._suptitle.get_text() if fig._suptitle else ""
+        return name
+
+    monkeypatch.setattr(report, "_save", keep)
+    entry = {"draft": "pr", "recover": [[[4, 1], [2, 0], [0, 0]]] * 3}
+    report._plot_recovered([entry], ["pr"], str(tmp_path))
+    assert saved["recovered_by_bucket.png"] == report.RECOVERED_TITLE and "Table 7" in report.RECOVERED_TITLE
