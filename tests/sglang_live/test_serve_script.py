@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 from pr_specforge.sglang_cpu import child_env
@@ -45,5 +46,4 @@ def test_the_serve_script_serves_an_export_made_against_a_longer_context_target(
     for out, ref in zip(served, reference):
         meta = out["meta_info"]
         assert (meta["spec_verify_ct"], meta["spec_num_correct_drafts"]) == (ref.rounds, sum(ref.accept_lengths) - ref.rounds)
-    log = (tmp_path / "server.log").read_text()
-    assert "dtype=torch.float32" in log or "'float32'" in log or "float32" in log  # the verified default
+    assert re.search(r"[(, ]dtype='float32'", (tmp_path / "server.log").read_text())  # the verified default, not 'auto'
