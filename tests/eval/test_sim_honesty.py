@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.helpers import load_benchmark
+from tests.helpers import current_umask, load_benchmark
 
 
 @pytest.fixture(scope="module")
@@ -201,12 +201,4 @@ def test_replacing_a_report_with_fewer_points_needs_the_flag_that_says_so(sh, tm
     assert len(json.loads((tmp_path / "o.json").read_text())["points"]) == 2
     assert sh.main(args + ["--replace-with-fewer"]) == 0
     assert len(json.loads((tmp_path / "o.json").read_text())["points"]) == 1
-    assert oct((tmp_path / "o.json").stat().st_mode & 0o777) == oct(0o666 & ~_umask())  # readable by others
-
-
-def _umask():
-    import os
-
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    assert oct((tmp_path / "o.json").stat().st_mode & 0o777) == oct(0o666 & ~current_umask())  # readable by others

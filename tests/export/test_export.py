@@ -11,6 +11,7 @@ import torch
 
 from pr_specforge.export import ExportError, export_checkpoint, main
 from tests.export.conftest import ENV
+from tests.helpers import current_umask
 
 HERE = os.path.dirname(__file__)
 
@@ -200,12 +201,6 @@ def long_context_target(src, dst, context=8192):
     return dst
 
 
-def _umask():
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def test_sglang_export_carries_the_targets_context_length_and_is_readable_by_others(trained_pr_run, tmp_path):
     target = long_context_target(trained_pr_run / "target", tmp_path / "target")
     assert json.loads((trained_pr_run / "draft.json").read_text())["max_position_embeddings"] == 512  # as make run's 2048 < 8192
@@ -215,7 +210,7 @@ def test_sglang_export_carries_the_targets_context_length_and_is_readable_by_oth
     plain = tmp_path / "plain"  # a target no longer than the drafter: the draft config's value stays
     assert main([_ckpt(trained_pr_run), str(plain), "--to", "sglang", "--target", str(trained_pr_run / "target")]) == 0
     assert json.loads((plain / "config.json").read_text())["max_position_embeddings"] == 512
-    mask = _umask()
+    mask = current_umask()
     assert (out.stat().st_mode & 0o777) == 0o777 & ~mask
     for name in os.listdir(out):
         assert (os.stat(out / name).st_mode & 0o777) == 0o666 & ~mask, name
