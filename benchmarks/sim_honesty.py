@@ -50,13 +50,24 @@ def _named(pairs: Sequence[str], flag: str) -> Dict[str, Path]:
 
 def load_sim(path: Path) -> Dict[str, float]:
     """The `sim/` figures of one `pr-specforge diagnose --json` file."""
+    not_diag = f"{path}: not a `pr-specforge diagnose --json` output"
     try:
         sim = json.loads(path.read_text())["sim"]
     except FileNotFoundError:
         raise SimHonestyError(f"{path}: no such diagnose file") from None
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise SimHonestyError(f"{path}: not a `pr-specforge diagnose --json` output (no `sim` figures)") from None
-    out = {k.split("/", 1)[-1]: float(v) for k, v in sim.items()}
+    except IsADirectoryError:
+        raise SimHonestyError(f"{path}: a directory, not a diagnose file (give its --json output)") from None
+    except OSError as e:
+        raise SimHonestyError(f"{path}: cannot be read ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        raise SimHonestyError(f"{not_diag} (no `sim` figures)") from None
+    if not isinstance(sim, dict):
+        raise SimHonestyError(f"{not_diag}: its `sim` is {json.dumps(sim)}, not a table of figures")
+    out = {}
+    for k, v in sim.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise SimHonestyError(f"{path}: sim figure {k!r} is {json.dumps(v)}, not a finite number")
+        out[k.split("/", 1)[-1]] = float(v)
     if "acc_len_one_pass" not in out:
         raise SimHonestyError(f"{path}: its `sim` figures lack acc_len_one_pass")
     return out
@@ -137,10 +148,27 @@ def served_cell(eval_dirs: Sequence[Path], budget: int, temperature: float) -> D
     """draft -> prompt -> row for one cell, over the eval directories' results.jsonl (`eval.statistics.served_rows`)."""
     from pr_specforge.eval.statistics import served_rows
 
+    from pr_specforge.data.io import DataFormatError
+
     for d in eval_dirs:
-        if not (d / "results.jsonl").exists():
+        if not (d / "results.jsonl").is_file():
             raise SimHonestyError(f"{d}: no results.jsonl (not a `pr-specforge eval --out-dir` folder)")
-    return {draft: rows for (draft, b, t), rows in served_rows(eval_dirs).items() if (b, t) == (budget, float(temperature))}
+    try:
+        cells = served_rows(eval_dirs)
+    except DataFormatError as e:
+        raise SimHonestyError(str(e)) from None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise SimHonestyError(f"{', '.join(map(str, eval_dirs))}: a results.jsonl row is not an eval row "
+                              f"({type(e).__name__}: {e})") from None
+    out = {draft: rows for (draft, b, t), rows in cells.items() if (b, t) == (budget, float(temperature))}
+    for draft, rows in out.items():
+        for prompt, row in rows.items():
+            for field in ("accepted", "rounds"):
+                v = row.get(field)
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or (field == "rounds" and v <= 0):
+                    raise SimHonestyError(f"results.jsonl row {draft} {prompt} (B {budget}, T {temperature:g}): "
+                                          f"field {field!r} is {json.dumps(v)}, not a {'positive ' if field == 'rounds' else ''}number")
+    return out
 
 
 def render(report: dict) -> str:
@@ -182,33 +210,62 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--title", default="", help="a line saying what was served on which split")
     p.add_argument("--out", type=Path, required=True, help="output prefix: PREFIX.md and PREFIX.json")
     p.add_argument("--bootstrap", type=int, default=2000)
+    p.add_argument("--replace-with-fewer", action="store_true",
+                   help="replace an existing PREFIX.json that holds more points than this run makes (refused without it)")
     return p
+
+
+def check_names(baseline: str, variant_args: Sequence[str]) -> Dict[str, Path]:
+    """The variants by name; one named like the baseline, or two alike, would replace the other's figures."""
+    variants = _named(variant_args, "--variant")
+    if not variants:
+        raise SimHonestyError("give at least one --variant NAME=DIAGNOSE.json")
+    names = [a.partition("=")[0] for a in variant_args]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise SimHonestyError(f"--variant {twice[0]!r} given twice; each variant needs its own name")
+    if baseline in variants:
+        raise SimHonestyError(f"--variant {baseline!r} has the baseline's name: it would replace the baseline's figures; "
+                              "give the variant another name")
+    return variants
+
+
+def write_report(out: Path, report: dict, replace_with_fewer: bool) -> str:
+    """PREFIX.json and PREFIX.md, atomically; refused over a PREFIX.json of more points (`refuse_fewer_rows`)."""
+    from pr_specforge.data.io import FewerRows, atomic_write_json, atomic_write_text, refuse_fewer_rows
+
+    json_path = Path(f"{out}.json")
+    try:
+        if not replace_with_fewer:
+            refuse_fewer_rows(json_path, len(report["points"]), lambda old: len(old["points"]), "--replace-with-fewer")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(json_path, report)
+        text = render(report)
+        atomic_write_text(f"{out}.md", text)
+    except FewerRows as e:
+        raise SimHonestyError(str(e)) from None
+    except OSError as e:
+        raise SimHonestyError(f"--out {out}: cannot write there ({e.strerror}: {e.filename or out})") from None
+    return text
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    from pr_specforge.data.io import atomic_write_json, atomic_write_text
-
     try:
         (baseline, base_path), = _named([args.baseline], "--baseline").items()
-        variants = _named(args.variant, "--variant")
-        if not variants:
-            raise SimHonestyError("give at least one --variant NAME=DIAGNOSE.json")
+        variants = check_names(baseline, args.variant)
         sims = {baseline: load_sim(base_path), **{n: load_sim(p) for n, p in variants.items()}}
         rows = points(baseline, sims, served_cell(args.served, args.budget, args.temperature), n=args.bootstrap)
+        main_rows = [r for r in rows if r["part"] not in ALTERNATIVE_PARTS]
+        report = {"budget": args.budget, "temperature": args.temperature, "title": args.title, "baseline": baseline,
+                  "sims": sims, "points": rows, "summary": summarise(main_rows),
+                  "alternative": {p: summarise([r for r in rows if r["part"] == p]) for p in ALTERNATIVE_PARTS
+                                  if any(r["part"] == p for r in rows)},
+                  "served": [str(d) for d in args.served]}
+        text = write_report(args.out, report, args.replace_with_fewer)
     except SimHonestyError as e:
         print(f"sim_honesty: {e}", file=sys.stderr)
         return 2
-    main_rows = [r for r in rows if r["part"] not in ALTERNATIVE_PARTS]
-    report = {"budget": args.budget, "temperature": args.temperature, "title": args.title, "baseline": baseline,
-              "sims": sims, "points": rows, "summary": summarise(main_rows),
-              "alternative": {p: summarise([r for r in rows if r["part"] == p]) for p in ALTERNATIVE_PARTS
-                              if any(r["part"] == p for r in rows)},
-              "served": [str(d) for d in args.served]}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(f"{args.out}.json", report)
-    text = render(report)
-    atomic_write_text(f"{args.out}.md", text)
     print(text)
     return 0
 

@@ -37,6 +37,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from pr_specforge.data.io import DataFormatError, honour_umask_tree, read_json_file
 from pr_specforge.training.backends.checkpoint import RECIPE_STATE_KEY  # the resolved recipe inside a checkpoint
 from pr_specforge.modeling.drafter import (
     EAGLE3_ARCHITECTURE,
@@ -194,8 +195,55 @@ def resolve_capture_layers(draft_config: Dict[str, Any], recipe: Optional[Dict[s
     return [int(x) for x in eagle_capture_layers(draft_config, target_config, override)]
 
 
-def sglang_config(draft_config: Dict[str, Any], model, capture_layers: Optional[List[int]], dtype: torch.dtype) -> Dict[str, Any]:
+#: the config keys SGLang 0.5.14 takes a model's context length from, first found wins (its `get_context_length`)
+CONTEXT_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
+
+
+def declared_context(cfg: Dict[str, Any]) -> Optional[int]:
+    """The context length SGLang derives from a config dict: the first of `CONTEXT_KEYS`, times the rope
+    scaling factor unless the rope block carries its own `original_max_position_embeddings` (or is llama3's)."""
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}  # transformers 5 names it rope_parameters
+    factor = 1 if "original_max_position_embeddings" in rope or rope.get("rope_type") == "llama3" else rope.get("factor", 1)
+    for key in CONTEXT_KEYS:
+        if cfg.get(key) is not None:
+            return int(factor * cfg[key])
+    return None
+
+
+def target_context(target_dir: Optional[str]) -> Optional[int]:
+    """The target's context length as SGLang derives it (its text config), or None without a target."""
+    if not (target_dir and os.path.isfile(os.path.join(target_dir, "config.json"))):
+        return None
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(target_dir).get_text_config()
+    except (OSError, ValueError) as e:
+        raise ExportError(f"--target {target_dir}: its config.json does not load ({e})") from None
+    return declared_context(config.to_dict())
+
+
+def fit_context(cfg: Dict[str, Any], context: Optional[int]) -> None:
+    """SGLang serves a drafter only if its config's context is at least the target's (else a ValueError at
+    start-up); positions past the drafter's trained length change nothing in its default rope, and SGLang's
+    own override (`SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN`) writes the same field, so the export does."""
+    own = declared_context(cfg)
+    if context is None:
+        log.warning("no target found: the SGLang config keeps the draft config's context length %s; SGLang refuses "
+                    "a target with a longer one (pass --target)", own)
+    elif own is None or own < context:
+        cfg["max_position_embeddings"] = context
+        for key in CONTEXT_KEYS[:-1]:
+            cfg.pop(key, None)
+        if declared_context(cfg) < context:  # a rope factor below 1
+            raise ExportError(f"the draft config's rope scaling {cfg.get('rope_scaling')} leaves its context below the target's {context}")
+        log.info("SGLang config: max_position_embeddings %s -> %s (the target's context length)", own, context)
+
+
+def sglang_config(draft_config: Dict[str, Any], model, capture_layers: Optional[List[int]], dtype: torch.dtype,
+                  context: Optional[int] = None) -> Dict[str, Any]:
     cfg = {k: v for k, v in draft_config.items() if k != PR_CONFIG_KEY}
+    fit_context(cfg, context)
     cfg.update(architectures=[EAGLE3_ARCHITECTURE], model_type="llama", num_hidden_layers=1,
                torch_dtype=str(dtype).replace("torch.", ""))
     cfg["draft_vocab_size"] = int(draft_config.get("draft_vocab_size") or draft_config["vocab_size"])
@@ -239,8 +287,10 @@ def export_checkpoint(checkpoint: str, out_dir: str, to: str, *, draft_config: O
     model_section = (recipe or {}).get("model") or {}
     cfg_path = _pick("draft config", draft_config, [("stored recipe", model_section.get("draft_model_config")),
                                                      ("checkpoint provenance", _provenance_draft_config(state))], "--draft-config")
-    with open(cfg_path) as f:
-        draft_cfg = json.load(f)
+    try:
+        draft_cfg = read_json_file(cfg_path)
+    except DataFormatError as e:
+        raise ExportError(f"draft config {e}") from None
     if target is None and model_section.get("target_model_path") and os.path.isdir(model_section["target_model_path"]):
         target = model_section["target_model_path"]
     weights = {k: v for k, v in state["draft_state_dict"].items() if not _is_embedding(k)}
@@ -271,7 +321,8 @@ def export_checkpoint(checkpoint: str, out_dir: str, to: str, *, draft_config: O
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out_dir)}.tmp-")
     try:
         if to == "sglang":
-            _write_sglang(tmp, model, weights, draft_cfg, resolve_capture_layers(draft_cfg, recipe, target), out_dtype)
+            _write_sglang(tmp, model, weights, draft_cfg, resolve_capture_layers(draft_cfg, recipe, target), out_dtype,
+                          target_context(target))
         else:
             _write_hf(tmp, model, weights, target, out_dtype, recipe)
         _replace_dir(tmp, out_dir)
@@ -283,13 +334,13 @@ def export_checkpoint(checkpoint: str, out_dir: str, to: str, *, draft_config: O
 
 
 def _write_sglang(tmp: str, model, weights: Dict[str, torch.Tensor], draft_cfg: Dict[str, Any],
-                  capture_layers: Optional[List[int]], dtype: torch.dtype) -> None:
+                  capture_layers: Optional[List[int]], dtype: torch.dtype, context: Optional[int]) -> None:
     from safetensors.torch import save_file
 
     check_sglang_names(list(weights))
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in weights.items()}
     save_file(tensors, os.path.join(tmp, SAFETENSORS_NAME), metadata={"format": "pt"})
-    _write_json(os.path.join(tmp, "config.json"), sglang_config(draft_cfg, model, capture_layers, dtype))
+    _write_json(os.path.join(tmp, "config.json"), sglang_config(draft_cfg, model, capture_layers, dtype, context))
 
 
 def _write_hf(tmp: str, model, weights: Dict[str, torch.Tensor], target: Optional[str], dtype: torch.dtype,
@@ -320,7 +371,9 @@ def _write_json(path: str, payload: Dict[str, Any]) -> None:
 
 
 def _replace_dir(tmp: str, out_dir: str) -> None:
-    """Move the finished temp dir into place; an existing `out_dir` is swapped out, then removed."""
+    """Move the finished temp dir into place; an existing `out_dir` is swapped out, then removed. Its
+    modes are an ordinary directory's (mkdtemp's 0700 and safetensors' 0600 would lock other users out)."""
+    honour_umask_tree(tmp)
     for root, _, files in os.walk(tmp):
         for name in files:
             with open(os.path.join(root, name), "rb") as f:

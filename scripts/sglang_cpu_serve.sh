@@ -4,8 +4,12 @@
 #
 #   scripts/sglang_cpu_serve.sh TARGET_DIR DRAFT_DIR [PORT] [extra launch_server flags...]
 #
-# Defaults: chain drafting (3 steps, topk 1), greedy only (the CPU verify has no sampling path),
-# bound to 127.0.0.1, nice 19. Tree drafting: --speculative-num-steps 8 --speculative-eagle-topk 6
+# Defaults: chain drafting (3 steps, topk 1), greedy only (the CPU verify has no sampling path), float32
+# (what the live tests verify equal to plain greedy), bound to 127.0.0.1, nice 19.
+# bf16: add `--dtype bfloat16` after PORT: faster, but its rounding can flip a near-tie between the top two
+# tokens, so its output may differ from the float32 target's greedy decode after some tokens.
+# Before SGLang starts, `python -m pr_specforge.sglang_cpu.preflight` checks the directories (an
+# `export --to sglang` drafter, its tensors, its context length against the target's) and that PORT is free. Tree drafting: --speculative-num-steps 8 --speculative-eagle-topk 6
 # --speculative-num-draft-tokens 49 after PORT (later flags override). Speed: a correctness path, not a fast one
 # (see docs/export.md, "SGLang on a CPU").
 set -euo pipefail
@@ -15,16 +19,14 @@ if [ $# -lt 2 ]; then
 fi
 TARGET=$1 DRAFT=$2 PORT=${3:-30000}
 shift $(( $# < 3 ? $# : 3 ))
-for d in "$TARGET" "$DRAFT"; do
-    [ -f "$d/config.json" ] || { echo "$0: $d has no config.json" >&2; exit 2; }
-done
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 [ -x "$PY" ] || PY=python
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pr_specforge.sglang_cpu.preflight "$TARGET" "$DRAFT" "$PORT" || exit 2
 export PYTHONPATH="$ROOT/pr_specforge/sglang_cpu/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PR_SPECFORGE_SGLANG_CPU=1 SGLANG_USE_CPU_ENGINE=1 SGLANG_NATIVE_MOVE_KV_CACHE=1 TRITON_INTERPRET=1
 exec nice -n 19 "$PY" -m sglang.launch_server --model-path "$TARGET" \
-    --device cpu --attention-backend torch_native --disable-cuda-graph --disable-overlap-schedule \
+    --device cpu --attention-backend torch_native --disable-cuda-graph --disable-overlap-schedule --dtype float32 \
     --host 127.0.0.1 --port "$PORT" --max-total-tokens 4096 \
     --speculative-algorithm EAGLE3 --speculative-draft-model-path "$DRAFT" \
     --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 "$@"

@@ -165,3 +165,12 @@ def write_workspace(root, strategy="pr", steps=6, nproc=1, pr_section=None, n=8,
     with open(path, "w") as f:
         yaml.safe_dump(recipe, f)
     return path
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting and restoring it): what a file written with `open` loses."""
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

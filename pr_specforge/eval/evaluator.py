@@ -26,7 +26,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from pr_specforge.data.io import append_jsonl, check_resume, dir_fingerprint, read_jsonl_rows
+from pr_specforge.data.io import append_jsonl, check_resume, dir_fingerprint, read_json_file, read_jsonl_rows
 from pr_specforge.training.objective.metrics import CONFIDENCE_BANDS
 from pr_specforge.serving import TREE_BUILDERS, SpeculativeDecoder, TreeConfig, autoregressive_decode
 
@@ -425,13 +425,24 @@ def provenance(settings: EvalSettings, target: str, drafts: Dict[str, str], dtyp
               "tree_builder": settings.tree_builder, "decompose": settings.decompose}  # both change the timings
     if settings.batch_prompts > 1:  # so does batching (absent at 1: out-dirs of earlier versions stay resumable)
         shared["batch_prompts"] = settings.batch_prompts
-    return {"shared": shared, "drafters": {name: dir_fingerprint(path) for name, path in drafts.items()}}
+    return {"shared": shared, "drafters": {name: dir_fingerprint(path) for name, path in drafts.items()},
+            TARGET_CONTENT: dir_fingerprint(target)}
+
+
+#: the content hash of the target's weights (`dir_fingerprint`), kept beside `shared` (whose `target` hashes names
+#: and sizes only) so that out-dirs written before it was recorded still resume; `--baseline-from` requires it
+TARGET_CONTENT = "target_weights"
+
+
+def _check_target_content(where: str, recorded: Optional[str], current: str, fix: str) -> None:
+    if recorded is not None and recorded != current:
+        raise ValueError(f"{where}: made with a target of other weights (content {recorded}, this run's {current}; "
+                         f"the same file names and sizes); {fix}")
 
 
 def check_out_dir(out_dir: str, current: dict) -> None:
     """Rows in `out_dir` are reused only when made the same way: refuse other settings, another target,
     or changed files under a drafter name (`check_resume`); record the drafters this run adds."""
-    import json
     import logging
 
     from pr_specforge.data.io import atomic_write_json
@@ -445,42 +456,46 @@ def check_out_dir(out_dir: str, current: dict) -> None:
                 out_dir, PROVENANCE_FILE)
         atomic_write_json(path, current)
         return
-    with open(path) as f:
-        before = json.load(f)
+    before = read_json_file(path)
     fix = "its rows were made another way: rerun with --start-over to discard them, or use a new --out-dir"
     check_resume(f"--out-dir {out_dir}", before.get("shared", {}), current["shared"], fix)
+    _check_target_content(f"--out-dir {out_dir}", before.get(TARGET_CONTENT), current[TARGET_CONTENT], fix)
     drafters = dict(before.get("drafters", {}))
     for name, fp in current["drafters"].items():
         if drafters.get(name, fp) != fp:
             raise ValueError(f"--out-dir {out_dir}: drafter {name!r} there was made from other files; "
                              f"give this drafter another NAME, or rerun with --start-over to discard its rows")
         drafters[name] = fp
-    if drafters != before.get("drafters"):
-        atomic_write_json(path, {**before, "drafters": drafters})
+    if drafters != before.get("drafters") or before.get(TARGET_CONTENT) != current[TARGET_CONTENT]:
+        atomic_write_json(path, {**before, "drafters": drafters, TARGET_CONTENT: current[TARGET_CONTENT]})
 
 
 #: the provenance fields the target's own decode depends on besides its row's seed (what `--baseline-from` must share)
 BASELINE_FIELDS = ("target", "dtype", "max_new_tokens", "turns")
 
 
-def borrowed_baselines(dirs: Sequence[str], shared: dict) -> Dict[Tuple, dict]:
+def borrowed_baselines(dirs: Sequence[str], current: dict) -> Dict[Tuple, dict]:
     """The target's own decodes (`baseline.jsonl`) of other eval out-dirs, (set, prompt, temperature) -> row.
 
-    Refused in one line unless each dir was made with this run's target, dtype, max_new_tokens and turns.
+    `current` is this run's `provenance`. Refused in one line unless each dir was made with this run's
+    target (by the content of its weights: `TARGET_CONTENT`), dtype, max_new_tokens and turns.
     A row is then used only for the same prompt text and, at T > 0, the same sampling seed (`Evaluator._baseline`).
     """
-    import json
 
     lent: Dict[Tuple, dict] = {}
     for d in dirs:
         path = os.path.join(d, PROVENANCE_FILE)
         if not os.path.exists(path):
             raise ValueError(f"--baseline-from {d}: no {PROVENANCE_FILE} there (not a `pr-specforge eval` --out-dir)")
-        with open(path) as f:
-            theirs = json.load(f).get("shared", {})
+        record = read_json_file(path)
+        theirs, shared = record.get("shared", {}), current["shared"]
+        fix = "its target decodes were made another way: drop that --baseline-from"
         check_resume(f"--baseline-from {d}", {k: theirs[k] for k in BASELINE_FIELDS if k in theirs},
-                     {k: shared[k] for k in BASELINE_FIELDS},
-                     "its target decodes were made another way: drop that --baseline-from")
+                     {k: shared[k] for k in BASELINE_FIELDS}, fix)
+        if record.get(TARGET_CONTENT) is None:
+            raise ValueError(f"--baseline-from {d}: its {PROVENANCE_FILE} records no content hash of its target "
+                             f"(written by an older version); rerun its eval command once to record it, or {fix[fix.index('drop'):]}")
+        _check_target_content(f"--baseline-from {d}", record[TARGET_CONTENT], current[TARGET_CONTENT], fix)
         for r in read_jsonl_rows(os.path.join(d, "baseline.jsonl"), repair=False):
             lent.setdefault((r["set"], r["prompt"], float(r["temperature"])), r)
     return lent

@@ -235,6 +235,25 @@ def render_markdown(report: Dict[str, Any]) -> str:
     return markdown(report, PAPER)
 
 
+def check_k(k: int, raw: Dict[str, Any]) -> None:
+    """`--k` no larger than the drafter's vocabulary (its draft config's `draft_vocab_size`): a top k of
+    more tokens than the drafter has does not exist (torch.topk would fail deep in the forward)."""
+    from pr_specforge.config import ConfigError
+    from pr_specforge.data.io import DataFormatError, read_json_file
+
+    path = (raw.get("model") or {}).get("draft_model_config")
+    if not path or not os.path.isfile(path):
+        return  # the drafter's own checks name a missing config
+    try:
+        cfg = read_json_file(path)
+        vocab = int(cfg.get("draft_vocab_size") or cfg["vocab_size"])
+    except (DataFormatError, KeyError, TypeError, ValueError, AttributeError):
+        return
+    if k > vocab:
+        raise ConfigError(f"--k {k} is above the drafter's draft vocabulary of {vocab} tokens ({path}); "
+                          f"give --k {vocab} or less")
+
+
 def run_headroom(drafter: str, features: str, out: str, *, checkpoint: Optional[str] = None, target: Optional[str] = None,
                  k: int = 6, pr_tables: bool = False, limit: Optional[int] = None, seed: int = 0,
                  ttt_length: Optional[int] = None, progress: bool = True) -> Dict[str, Any]:
@@ -252,6 +271,7 @@ def run_headroom(drafter: str, features: str, out: str, *, checkpoint: Optional[
         raise ConfigError(f"{drafter}: --pr-tables needs a PR drafter with reconsidered depths; this one is "
                           f"{'an EAGLE-3 drafter' if strategy != 'pr' else 'a PR drafter with pr.max_depth=0'} "
                           "(Table 7 and the reconsidered rows of the second-guess split do not exist for it)")
+    check_k(k, source.raw)
     counts = Headroom(k)
     diag = diagnose(source, features, limit=limit, seed=seed, progress=progress, observers=[counts])
     report = {"drafter": source.label, "checkpoint": diag["checkpoint"], "features": str(features),

@@ -306,13 +306,12 @@ def load_drafter(path: str, device: str | torch.device = "cpu", dtype: torch.dty
 
     The class is chosen by `architectures[0]` of its config.json.
     """
-    import json
-
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{path}: no config.json; expected a drafter directory written by `pr-specforge export --to hf` or SpecForge")
-    with open(cfg_path) as f:
-        arch = (json.load(f).get("architectures") or [EAGLE3_ARCHITECTURE])[0]
+    from pr_specforge.data.io import read_json_file
+
+    arch = (read_json_file(cfg_path).get("architectures") or [EAGLE3_ARCHITECTURE])[0]
     from pr_specforge.modeling.two_layer import TWO_LAYER_ARCHITECTURE, LlamaForCausalLMEagle3TwoLayer
 
     classes = {PR_ARCHITECTURE: LlamaForCausalLMEagle3PR, EAGLE3_ARCHITECTURE: LlamaForCausalLMEagle3,

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import re
 import sys
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
@@ -226,21 +229,25 @@ def _progress_started(controller, bar):
 
 # ------------------------------------------------------------------------------ reading
 def read_metrics(run_dir: str) -> List[Dict[str, Any]]:
-    """Rows of `<run_dir>/metrics.jsonl` by step; a step logged twice (a resumed run) keeps its last row."""
+    """Rows of `<run_dir>/metrics.jsonl` by step, merged: a step's training and eval rows are two lines,
+    and a step logged again (a resumed run) overrides what it logs again. A line that is not a JSON
+    object with a step (one cut by a kill mid-write) is skipped with a warning naming file and line."""
     path = run_dir if run_dir.endswith(".jsonl") else os.path.join(run_dir, METRICS_FILE)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no metrics file; train with pr-specforge train (it writes {METRICS_FILE} in output_dir)")
     rows: Dict[int, Dict[str, Any]] = {}
     with open(path) as f:
-        for line in f:
+        for lineno, line in enumerate(f, 1):
             line = line.strip()
             if not line:
                 continue
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill mid-write
-            rows[int(row["step"])] = row
+                step = int(row["step"])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                log.warning("%s:%d: not a metrics row (a line cut by a kill mid-write?), skipped", path, lineno)
+                continue
+            rows.setdefault(step, {}).update(row)
     return [rows[s] for s in sorted(rows)]
 
 
@@ -272,8 +279,18 @@ PANELS = (
     ("simulated acceptance length (eval)", [r"eval/simulated_acc_len", r"sim/acc_len_\w+"], "tokens"),
     ("learning rate", [r"lr"], "lr"),
     ("grad norm (pre-clip)", [r"grad_norm"], "norm"),
-    ("throughput", [r"perf/global_tokens_per_second", r"perf/global_samples_per_second"], "per second"),
+    ("throughput: tokens", [r"perf/global_tokens_per_second"], "tokens/s"),
+    ("throughput: samples", [r"perf/global_samples_per_second"], "samples/s"),
 )
+
+
+def plotted_panels(rows: Sequence[Mapping[str, Any]]) -> List[Tuple[str, List[str], str, Dict[str, Tuple[List[int], List[float]]]]]:
+    """Each of `PANELS` with the series it draws (key -> steps, values); a panel without any is not drawn."""
+    out = []
+    for title, patterns, ylabel in PANELS:
+        series = {key: _series(rows, key) for pattern in patterns for key in _matching(rows, pattern)}
+        out.append((title, patterns, ylabel, {k: xy for k, xy in series.items() if xy[0]}))
+    return out
 
 
 def plot_run(run_dir: str, out_path: Optional[str] = None) -> str:
@@ -287,28 +304,24 @@ def plot_run(run_dir: str, out_path: Optional[str] = None) -> str:
     if not rows:
         raise ValueError(f"{run_dir}: {METRICS_FILE} holds no rows yet")
     out_path = out_path or os.path.join(run_dir if os.path.isdir(run_dir) else os.path.dirname(run_dir), PLOT_FILE)
+    panels = plotted_panels(rows)
+    drawn = [p for p in panels if p[3]]
     cols = 3
-    nrows = math.ceil(len(PANELS) / cols)
+    nrows = max(1, math.ceil(len(drawn) / cols))
     fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 3.4 * nrows), squeeze=False)
-    for ax, (title, patterns, ylabel) in zip(axes.flat, PANELS):
-        drawn = 0
-        for pattern in patterns:
-            for key in _matching(rows, pattern):
-                xs, ys = _series(rows, key)
-                if xs:
-                    ax.plot(xs, ys, label=key, linewidth=1.2)
-                    drawn += 1
+    for ax, (title, _, ylabel, series) in zip(axes.flat, drawn):
+        for key, (xs, ys) in series.items():
+            ax.plot(xs, ys, label=key, linewidth=1.2)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel(ylabel, fontsize=8)
         ax.tick_params(labelsize=7)
-        if drawn:
-            ax.legend(fontsize=6, loc="best")
-        else:
-            ax.text(0.5, 0.5, "not logged by this run", ha="center", va="center", transform=ax.transAxes, fontsize=8)
-    for ax in list(axes.flat)[len(PANELS):]:
+        ax.legend(fontsize=6, loc="best")
+    for ax in list(axes.flat)[len(drawn):]:
         ax.axis("off")
-    fig.suptitle(f"{os.path.abspath(run_dir)} — steps {rows[0]['step']}..{rows[-1]['step']}", fontsize=10)
+    missing = [p[0] for p in panels if not p[3]]
+    note = f"\nnot logged by this run: {'; '.join(missing)}" if missing else ""
+    fig.suptitle(f"{os.path.abspath(run_dir)} — steps {rows[0]['step']}..{rows[-1]['step']}{note}", fontsize=10)
     fig.tight_layout()
     tmp = out_path + ".tmp.png"
     fig.savefig(tmp, dpi=90)

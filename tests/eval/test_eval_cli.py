@@ -152,6 +152,27 @@ BAD_INPUTS = {
 }
 
 
+# issue 44: JSON errors name their file
+def _edit_out_dir_record_not_json(root, tmp, args):
+    (tmp / "o").mkdir(exist_ok=True)
+    (tmp / "o" / "eval_config.json").write_text("{not json")
+
+
+def _edit_drafter_config_not_json(root, tmp, args):
+    import shutil
+
+    shutil.copytree(root / "eagle", tmp / "broken")
+    (tmp / "broken" / "config.json").write_text("{not json")
+    args[args.index("--draft") + 1] = f"eagle3={tmp / 'broken'}"
+
+
+#: issue 44's rows of the bad-input table (JSON errors name their file)
+BAD_INPUTS.update({
+    "out-dir record that is not JSON": ([], _edit_out_dir_record_not_json, "eval_config.json: not valid JSON"),
+    "drafter config that is not JSON": ([], _edit_drafter_config_not_json, "config.json: not valid JSON"),
+})
+
+
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_input_is_one_clear_line(dirs, tmp_path, capsys, case):
     extra, edit, needle = BAD_INPUTS[case]
@@ -247,3 +268,97 @@ def test_baseline_from_lends_the_target_decodes_of_another_out_dir(dirs, tmp_pat
         err = capsys.readouterr().err
         assert "--baseline-from" in err and needle in err and "Traceback" not in err, err
         assert not (tmp_path / "d" / "eval_config.json").exists()  # a refused run records nothing
+
+
+# ---------------------------------------------------------------- issue 44: lossless reruns, --baseline-from, --start-over
+def _one_drafter(root, out, *extra):
+    """base_args with the EAGLE-3 drafter only, one prompt, B 4, T 0."""
+    argv = base_args(root, out)
+    i = argv.index(f"pr={root / 'pr'}")
+    return argv[:i - 1] + argv[i + 1:] + ["--limit", "1", "--budget", "4", "--temperature", "0", *extra]
+
+
+def test_a_stored_non_lossless_row_fails_every_rerun_that_reports_it(dirs, tmp_path, capsys):
+    out = tmp_path / "o"
+    args = _one_drafter(dirs, out)
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    rows[0]["lossless"] = False  # what a run that exited 3 leaves behind
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    for _ in range(2):  # the identical command reuses the row, reports it, and still fails
+        assert main(args) == 3
+        io = capsys.readouterr()
+        assert "| NO |" in io.out and "NOT LOSSLESS: eagle3 B=4 on prompts" in io.err and "Traceback" not in io.err
+
+
+def _scaled_target(root, dst):
+    """A copy of the target with one layer's weights x3: the same file names and sizes, other weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(root / "target", dst)
+    path = dst / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.0.mlp.down_proj.weight"] = tensors["model.layers.0.mlp.down_proj.weight"] * 3
+    save_file(tensors, path, metadata={"format": "pt"})
+    assert path.stat().st_size == (root / "target" / "model.safetensors").stat().st_size
+    return dst
+
+
+def test_baseline_from_refuses_a_target_of_other_weights_with_the_same_file_sizes(dirs, tmp_path, capsys):
+    lender, out = tmp_path / "a", tmp_path / "b"
+    assert main(_one_drafter(dirs, lender)) == 0
+    other = _scaled_target(dirs, tmp_path / "scaled")
+    args = _one_drafter(dirs, out, "--baseline-from", str(lender))
+    args[args.index("--target") + 1] = str(other)
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"--baseline-from {lender}: made with a target of other weights" in err and "Traceback" not in err, err
+    assert not out.exists() or not any(out.iterdir())  # refused before anything is written
+    # the same out-dir resumed with the scaled target is refused too (its rows decode another model)
+    assert main(_one_drafter(dirs, out)) == 0
+    resumed = _one_drafter(dirs, out)
+    resumed[resumed.index("--target") + 1] = str(other)
+    assert main(resumed) == 2 and "made with a target of other weights" in capsys.readouterr().err
+
+
+def test_baseline_from_an_out_dir_without_a_content_record_is_refused(dirs, tmp_path, capsys):
+    lender = tmp_path / "a"
+    assert main(_one_drafter(dirs, lender)) == 0
+    record = json.loads((lender / "eval_config.json").read_text())
+    del record["target_weights"]  # as an older version wrote it
+    (lender / "eval_config.json").write_text(json.dumps(record))
+    capsys.readouterr()
+    assert main(_one_drafter(dirs, tmp_path / "b", "--baseline-from", str(lender))) == 2
+    assert "records no content hash of its target" in capsys.readouterr().err
+    assert main(_one_drafter(dirs, lender)) == 0  # its own rerun records it (same names and sizes: trusted once)
+    assert main(_one_drafter(dirs, tmp_path / "b", "--baseline-from", str(lender))) == 0
+
+
+def test_start_over_with_a_bad_baseline_from_refuses_before_touching_the_out_dir(dirs, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert main(_one_drafter(dirs, out)) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.suffix in (".jsonl", ".json")}
+    capsys.readouterr()
+    assert main(_one_drafter(dirs, out, "--start-over", "--baseline-from", str(tmp_path / "nonexistent"))) == 2
+    err = capsys.readouterr().err
+    assert "--baseline-from" in err and "Traceback" not in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.suffix in (".jsonl", ".json")} == before
+
+
+def test_recovered_by_bucket_png_has_a_title(tmp_path, monkeypatch):
+    from pr_specforge.eval import report
+
+    saved = {}
+
+    def keep(fig, out_dir, name):
+        saved[name] = fig._suptitle.get_text() if fig._suptitle else ""
+        return name
+
+    monkeypatch.setattr(report, "_save", keep)
+    entry = {"draft": "pr", "recover": [[[4, 1], [2, 0], [0, 0]]] * 3}
+    report._plot_recovered([entry], ["pr"], str(tmp_path))
+    assert saved["recovered_by_bucket.png"] == report.RECOVERED_TITLE and "Table 7" in report.RECOVERED_TITLE

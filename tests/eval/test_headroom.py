@@ -152,3 +152,7 @@ def test_headroom_on_an_eagle3_drafter_omits_or_refuses_the_pr_tables(tmp_path):
     rc, out = _cli("headroom", str(run), "--features", str(held), "--pr-tables", "--out", str(tmp_path / "f"), cwd=tmp_path)
     _one_line_error(rc, out, "--pr-tables", "EAGLE-3")
     assert not (tmp_path / "f.json").exists()
+    # issue 44: a --k above the draft vocabulary (48 tokens here) is refused before any forward
+    rc, out = _cli("headroom", str(run), "--features", str(held), "--k", "49", "--out", str(tmp_path / "g"), cwd=tmp_path)
+    _one_line_error(rc, out, "--k 49 is above the drafter's draft vocabulary of 48 tokens")
+    assert not (tmp_path / "g.json").exists()

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.helpers import load_benchmark
+from tests.helpers import current_umask, load_benchmark
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +120,85 @@ def test_bad_input_is_one_line(sh, tmp_path, capsys, case, needle):
     rc = sh.main(["--baseline", baseline, "--variant", variant, "--served", str(served), "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and needle in err[0], err
+
+
+# ---------------------------------------------------------------- issue 44: more bad input, and no overwrite with less
+def _edit_diag_folder(tmp, a):
+    a["variant"] = f"pr={tmp}"
+
+
+def _edit_sim_null(tmp, a):
+    (tmp / "n.json").write_text(json.dumps({"sim": None}))
+    a["variant"] = f"pr={tmp / 'n.json'}"
+
+
+def _edit_sim_not_a_number(tmp, a):
+    a["variant"] = f"pr={_diag(tmp / 'n.json', acc_len_one_pass='high', acc_len_pr=1.0)}"
+
+
+def _edit_results_not_jsonl(tmp, a):
+    with open(tmp / "serve" / "results.jsonl", "a") as f:
+        f.write("{torn\n" + json.dumps({"draft": "pr", "budget": 48, "temperature": 0.0, "set": "s", "prompt": "q",
+                                         "accepted": 1, "rounds": 1}) + "\n")
+
+
+def _edit_row_without_accepted(tmp, a):
+    _eval_dir(tmp / "serve3", {"eagle3": {"screen/p0": {"rounds": 10}}, "pr": _rows([(22, 10)])})
+    a["served"] = str(tmp / "serve3")
+
+
+def _edit_unwritable_out(tmp, a):
+    (tmp / "afile").write_text("x")
+    a["out"] = str(tmp / "afile" / "o")
+
+
+def _edit_variant_named_as_baseline(tmp, a):
+    a["variant"] = a["variant"].replace("pr=", "eagle3=")
+
+
+def _edit_out_holding_more_points(tmp, a):
+    (tmp / "o.json").write_text(json.dumps({"points": [{}] * 5}))
+
+
+#: case -> (edit of the arguments/files, what the one line says)
+MORE_BAD = {
+    "diagnose file is a folder": (_edit_diag_folder, "a directory, not a diagnose file"),
+    "sim is null": (_edit_sim_null, "its `sim` is null"),
+    "sim figure not a number": (_edit_sim_not_a_number, "sim figure 'sim/acc_len_one_pass' is \"high\""),
+    "results.jsonl with a malformed line": (_edit_results_not_jsonl, "results.jsonl:5: malformed JSON"),
+    "served row without accepted": (_edit_row_without_accepted, "field 'accepted' is null"),
+    "unwritable --out": (_edit_unwritable_out, "cannot write there"),
+    "variant with the baseline's name": (_edit_variant_named_as_baseline, "has the baseline's name"),
+    "--out holding more points than this run": (_edit_out_holding_more_points, "holds 5 rows and this run has 1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MORE_BAD))
+def test_more_bad_input_is_one_line_and_writes_nothing(sh, tmp_path, capsys, case):
+    _eval_dir(tmp_path / "serve", {"eagle3": _rows([(20, 10)]), "pr": _rows([(22, 10)])})
+    a = {"baseline": f"eagle3={_diag(tmp_path / 'e.json', acc_len_one_pass=0.9)}",
+         "variant": f"pr={_diag(tmp_path / 'p.json', acc_len_one_pass=0.9, acc_len_pr=1.0)}",
+         "served": str(tmp_path / "serve"), "out": str(tmp_path / "o")}
+    edit, needle = MORE_BAD[case]
+    edit(tmp_path, a)
+    before = (tmp_path / "o.json").read_text() if (tmp_path / "o.json").exists() else None
+    rc = sh.main([x for k, v in a.items() for x in (f"--{k}", v)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and needle in err[0], err
+    assert ((tmp_path / "o.json").read_text() if (tmp_path / "o.json").exists() else None) == before
+    assert not (tmp_path / "o.md").exists()
+
+
+def test_replacing_a_report_with_fewer_points_needs_the_flag_that_says_so(sh, tmp_path):
+    _eval_dir(tmp_path / "serve", {"eagle3": _rows([(20, 10)]), "pr": _rows([(22, 10)]), "long": _rows([(21, 10)])})
+    args = ["--baseline", f"eagle3={_diag(tmp_path / 'e.json', acc_len_one_pass=0.9)}",
+            "--variant", f"pr={_diag(tmp_path / 'p.json', acc_len_one_pass=0.9, acc_len_pr=1.0)}",
+            "--served", str(tmp_path / "serve"), "--out", str(tmp_path / "o"), "--bootstrap", "50"]
+    long = ["--variant", f"long={_diag(tmp_path / 'l.json', acc_len_one_pass=0.95)}"]
+    assert sh.main(args + long) == 0 and len(json.loads((tmp_path / "o.json").read_text())["points"]) == 2
+    assert sh.main(args + long) == 0  # as many points: replaced
+    assert sh.main(args) == 2  # one variant fewer: refused
+    assert len(json.loads((tmp_path / "o.json").read_text())["points"]) == 2
+    assert sh.main(args + ["--replace-with-fewer"]) == 0
+    assert len(json.loads((tmp_path / "o.json").read_text())["points"]) == 1
+    assert oct((tmp_path / "o.json").stat().st_mode & 0o777) == oct(0o666 & ~current_umask())  # readable by others

@@ -11,6 +11,7 @@ import torch
 
 from pr_specforge.export import ExportError, export_checkpoint, main
 from tests.export.conftest import ENV
+from tests.helpers import current_umask
 
 HERE = os.path.dirname(__file__)
 
@@ -149,6 +150,15 @@ BAD_INPUTS = {
 }
 
 
+# issue 44: a draft config that is not JSON is named
+def _draft_config_not_json(run, tmp_path):
+    (tmp_path / "bad.json").write_text("{not json")
+    return _ckpt(run), {"draft_config": str(tmp_path / "bad.json")}
+
+
+BAD_INPUTS["draft config that is not JSON"] = (_draft_config_not_json, "bad.json: not valid JSON")
+
+
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_export_refuses_bad_input_in_one_line(trained_pr_run, tmp_path, capsys, case):
     from pr_specforge.export import main
@@ -179,3 +189,40 @@ def test_export_is_atomic_and_does_not_clobber_without_overwrite(trained_pr_run,
 def test_export_cli_answers_help():
     proc = subprocess.run([sys.executable, "-m", "pr_specforge.cli", "export", "--help"], env=ENV, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "--to" in proc.stdout
+
+
+# ---------------------------------------------------------------- issue 44: context length and file modes
+def long_context_target(src, dst, context=8192):
+    """A copy of the target dir `src` whose config declares SmolLM2's context (8192) instead of the drafter's."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["max_position_embeddings"] = context
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_sglang_export_carries_the_targets_context_length_and_is_readable_by_others(trained_pr_run, tmp_path):
+    target = long_context_target(trained_pr_run / "target", tmp_path / "target")
+    assert json.loads((trained_pr_run / "draft.json").read_text())["max_position_embeddings"] == 512  # as make run's 2048 < 8192
+    out = tmp_path / "sglang"
+    assert main([_ckpt(trained_pr_run), str(out), "--to", "sglang", "--target", str(target)]) == 0
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 8192
+    plain = tmp_path / "plain"  # a target no longer than the drafter: the draft config's value stays
+    assert main([_ckpt(trained_pr_run), str(plain), "--to", "sglang", "--target", str(trained_pr_run / "target")]) == 0
+    assert json.loads((plain / "config.json").read_text())["max_position_embeddings"] == 512
+    mask = current_umask()
+    assert (out.stat().st_mode & 0o777) == 0o777 & ~mask
+    for name in os.listdir(out):
+        assert (os.stat(out / name).st_mode & 0o777) == 0o666 & ~mask, name
+
+
+def test_declared_context_follows_sglangs_rule():
+    from pr_specforge.export import declared_context, fit_context
+
+    assert declared_context({"max_position_embeddings": 2048}) == 2048
+    assert declared_context({"max_position_embeddings": 2048, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}) == 8192
+    assert declared_context({"max_position_embeddings": 8192, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}) == 8192
+    assert declared_context({"seq_length": 1024, "max_position_embeddings": 4096}) == 1024  # the first key found wins
+    cfg = {"seq_length": 1024, "max_position_embeddings": 4096}
+    fit_context(cfg, 8192)
+    assert cfg == {"max_position_embeddings": 8192} and declared_context(cfg) == 8192

@@ -68,9 +68,15 @@ def sglang_server(model: str, log_path, *args: str, dtype: str = "float32", env=
     port = _free_port()
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--dtype", dtype,
            *SERVER_FLAGS, "--host", "127.0.0.1", "--port", str(port), "--max-total-tokens", "4096", *args]
+    with serving(cmd, port, log_path, child_env(dict(ENV, HF_HUB_OFFLINE="1", **(env or {})))):
+        yield port
+
+
+@contextlib.contextmanager
+def serving(cmd, port: int, log_path, env):
+    """Run the server command `cmd` (in its own process group) until it answers on `port`; stop it on exit."""
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, env=child_env(dict(ENV, HF_HUB_OFFLINE="1", **(env or {}))), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + START_TIMEOUT
         while True:
@@ -85,7 +91,7 @@ def sglang_server(model: str, log_path, *args: str, dtype: str = "float32", env=
             if time.time() > deadline:
                 raise ServerFailed(f"no answer after {START_TIMEOUT} s:\n" + open(log_path).read()[-6000:])
             time.sleep(2)
-        yield port
+        yield proc
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)

@@ -87,3 +87,28 @@ def test_plot_refuses_a_dir_without_metrics(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pr_specforge.cli", "plot", str(tmp_path)], env=ENV,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "no metrics file" in proc.stderr
+
+
+# ---------------------------------------------------------------- issue 44: plot's input and panels
+def test_plot_merges_a_steps_rows_warns_on_a_bad_line_and_keeps_samples_off_the_tokens_axis(tmp_path):
+    from pr_specforge.training.telemetry import plotted_panels
+
+    lines = [json.dumps({"step": 1, "loss": 3.0, "perf/global_tokens_per_second": 320.0, "perf/global_samples_per_second": 10.0}),
+             json.dumps({"step": 2, "loss": 2.5, "perf/global_tokens_per_second": 330.0, "perf/global_samples_per_second": 11.0}),
+             json.dumps({"step": 2, "eval/simulated_acc_len": 0.9, "sim/acc_len_one_pass": 0.9}),  # the eval row of step 2
+             '{"step": 3, "loss": 2.',  # cut by a kill
+             json.dumps({"loss": 2.0})]  # no step
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "pr_specforge.cli", "plot", str(tmp_path)], env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and (tmp_path / "metrics.png").is_file(), proc.stderr[-2000:]
+    for lineno in (4, 5):
+        assert f"metrics.jsonl:{lineno}: not a metrics row" in proc.stderr, proc.stderr[-2000:]
+    rows = read_metrics(str(tmp_path))
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["loss"] == 2.5 and rows[1]["sim/acc_len_one_pass"] == 0.9
+    panels = {title: series for title, _, _, series in plotted_panels(rows)}
+    assert set(panels["throughput: tokens"]) == {"perf/global_tokens_per_second"}
+    assert set(panels["throughput: samples"]) == {"perf/global_samples_per_second"}
+    assert panels["simulated acceptance length (eval)"]["sim/acc_len_one_pass"] == ([2], [0.9])
+    assert panels["loss terms"]["loss"] == ([1, 2], [3.0, 2.5])  # step 2's training row survives its eval row
+    assert panels["grad norm (pre-clip)"] == {}  # not drawn (named under the title instead)
