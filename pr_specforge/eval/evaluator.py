@@ -26,7 +26,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from pr_specforge.data.io import append_jsonl, check_resume, dir_fingerprint, read_jsonl_rows
+from pr_specforge.data.io import append_jsonl, check_resume, dir_fingerprint, read_json_object, read_jsonl_rows
 from pr_specforge.training.objective.metrics import CONFIDENCE_BANDS
 from pr_specforge.serving import TREE_BUILDERS, SpeculativeDecoder, TreeConfig, autoregressive_decode
 
@@ -54,6 +54,7 @@ class EvalSettings:
             raise ValueError("budgets must list at least one budget B")
         for b in self.budgets:
             self.tree(b)
+        check_beam_width(self.shape.bw, self.budgets)
         if any(t < 0 for t in self.temperatures) or not self.temperatures:
             raise ValueError(f"temperatures must be >= 0, got {list(self.temperatures)}")
         if self.max_new_tokens < 1:
@@ -66,6 +67,14 @@ class EvalSettings:
     def tree(self, budget: int, m: Optional[int] = None) -> TreeConfig:
         """The round's shape at `budget` (and `m` reconsideration rows per step, if given)."""
         return dataclasses.replace(self.shape, budget=budget, m=self.shape.m if m is None else m)
+
+
+def check_beam_width(bw: int, budgets: Sequence[int]) -> None:
+    """B_w <= B: the cut keeps the B highest-scoring nodes, and a step's (B + 1)-th best node is beaten by B nodes
+    of that step alone, so no cut of B keeps more than B of one step's frontier: forwarding more only costs rows."""
+    if bw > min(budgets):
+        raise ValueError(f"--bw {bw} exceeds the budget --budget {min(budgets)}: the cut keeps B nodes, so at most B "
+                         f"of one step's nodes can be verified; use --bw <= {min(budgets)}")
 
 
 @dataclass
@@ -238,9 +247,9 @@ class Evaluator:
                 raise ValueError(f"prompts {name!r}: no usable prompt")
         s = self.settings
         rows, base_rows = read_jsonl_rows(self.results_path), read_jsonl_rows(self.baseline_path)
+        base_done = {baseline_key(r, f"{self.baseline_path}, row {i}"): r for i, r in enumerate(base_rows, 1)}
         check_prompts(self.out_dir, prompt_sets, rows + base_rows)
         done = {(r["draft"], r["budget"], r["temperature"], r["set"], r["prompt"]) for r in rows}
-        base_done = {(r["set"], r["prompt"], r["temperature"]): r for r in base_rows}
         jobs = [
             (set_name, idx, prompt, float(t), entry, b)
             for set_name, prompts in prompt_sets.items()
@@ -376,7 +385,6 @@ def provenance(settings: EvalSettings, target: str, drafts: Dict[str, str], dtyp
 def check_out_dir(out_dir: str, current: dict) -> None:
     """Rows in `out_dir` are reused only when made the same way: refuse other settings, another target,
     or changed files under a drafter name (`check_resume`); record the drafters this run adds."""
-    import json
     import logging
 
     from pr_specforge.data.io import atomic_write_json
@@ -390,8 +398,7 @@ def check_out_dir(out_dir: str, current: dict) -> None:
                 out_dir, PROVENANCE_FILE)
         atomic_write_json(path, current)
         return
-    with open(path) as f:
-        before = json.load(f)
+    before = read_json_object(path, "--out-dir", error=ValueError)
     fix = "its rows were made another way: rerun with --start-over to discard them, or use a new --out-dir"
     check_resume(f"--out-dir {out_dir}", before.get("shared", {}), current["shared"], fix)
     drafters = dict(before.get("drafters", {}))
@@ -414,21 +421,34 @@ def borrowed_baselines(dirs: Sequence[str], shared: dict) -> Dict[Tuple, dict]:
     Refused in one line unless each dir was made with this run's target, dtype, max_new_tokens and turns.
     A row is then used only for the same prompt text and, at T > 0, the same sampling seed (`Evaluator._baseline`).
     """
-    import json
-
     lent: Dict[Tuple, dict] = {}
     for d in dirs:
         path = os.path.join(d, PROVENANCE_FILE)
         if not os.path.exists(path):
             raise ValueError(f"--baseline-from {d}: no {PROVENANCE_FILE} there (not a `pr-specforge eval` --out-dir)")
-        with open(path) as f:
-            theirs = json.load(f).get("shared", {})
+        theirs = read_json_object(path, "--baseline-from", error=ValueError).get("shared", {})
         check_resume(f"--baseline-from {d}", {k: theirs[k] for k in BASELINE_FIELDS if k in theirs},
                      {k: shared[k] for k in BASELINE_FIELDS},
                      "its target decodes were made another way: drop that --baseline-from")
-        for r in read_jsonl_rows(os.path.join(d, "baseline.jsonl"), repair=False):
-            lent.setdefault((r["set"], r["prompt"], float(r["temperature"])), r)
+        rows = os.path.join(d, "baseline.jsonl")
+        for lineno, r in enumerate(read_jsonl_rows(rows, repair=False), 1):
+            lent.setdefault(baseline_key(r, f"--baseline-from {rows}, row {lineno}"), r)
     return lent
+
+
+#: what identifies a target decode in baseline.jsonl (the row's set, prompt text and temperature)
+BASELINE_KEY = ("set", "prompt", "temperature")
+
+
+def baseline_key(row: dict, where: str) -> Tuple:
+    """`(set, prompt, temperature)` of a baseline row, or one line naming the row and the missing field."""
+    missing = [k for k in BASELINE_KEY if k not in row]
+    if missing:
+        raise ValueError(f"{where}: no field {missing[0]!r}; not a `pr-specforge eval` baseline row (the file is damaged)")
+    try:
+        return row["set"], row["prompt"], float(row["temperature"])
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: field 'temperature' is {row['temperature']!r}, not a number") from None
 
 
 #: what `eval` writes per prompt in its --out-dir, and the provenance of those rows (`--start-over` deletes them)

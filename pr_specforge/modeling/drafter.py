@@ -280,25 +280,40 @@ def build_pr_config(eagle3_config, settings: Optional[PRDraftSettings] = None):
     return cfg
 
 
-def load_drafter(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """Load an EAGLE-3 or PR drafter directory (HF layout) with RoPE rebuilt.
-
-    The class is chosen by `architectures[0]` of its config.json.
-    """
+def drafter_architecture(path: str) -> str:
+    """`architectures[0]` of a drafter directory's config.json, checked to be one `load_drafter` builds
+    (FileNotFoundError without config.json; ValueError, naming the file, for anything else)."""
     import json
+
+    from pr_specforge.modeling.two_layer import TWO_LAYER_ARCHITECTURE
 
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{path}: no config.json; expected a drafter directory written by `pr-specforge export --to hf` or SpecForge")
-    with open(cfg_path) as f:
-        arch = (json.load(f).get("architectures") or [EAGLE3_ARCHITECTURE])[0]
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{cfg_path}: not valid JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_path}: expected a JSON object, got a {type(cfg).__name__}")
+    arch = (cfg.get("architectures") or [EAGLE3_ARCHITECTURE])[0]
+    known = (PR_ARCHITECTURE, EAGLE3_ARCHITECTURE, TWO_LAYER_ARCHITECTURE)
+    if arch not in known:
+        raise ValueError(f"{cfg_path}: architectures[0] = {arch!r} is not an EAGLE-3 drafter ({', '.join(known)})")
+    return arch
+
+
+def load_drafter(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """Load an EAGLE-3 or PR drafter directory (HF layout) with RoPE rebuilt.
+
+    The class is chosen by `architectures[0]` of its config.json (`drafter_architecture`).
+    """
     from pr_specforge.modeling.two_layer import TWO_LAYER_ARCHITECTURE, LlamaForCausalLMEagle3TwoLayer
 
     classes = {PR_ARCHITECTURE: LlamaForCausalLMEagle3PR, EAGLE3_ARCHITECTURE: LlamaForCausalLMEagle3,
                TWO_LAYER_ARCHITECTURE: LlamaForCausalLMEagle3TwoLayer}
-    if arch not in classes:
-        raise ValueError(f"{cfg_path}: architectures[0] = {arch!r} is not an EAGLE-3 drafter ({', '.join(classes)})")
-    cls = classes[arch]
+    cls = classes[drafter_architecture(path)]
     model = cls.from_pretrained(path, torch_dtype=dtype)
     rebuild_rope(model)
     return model.to(device).eval()
