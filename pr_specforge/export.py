@@ -76,7 +76,7 @@ def read_checkpoint(path: str) -> Dict[str, Any]:
     except Exception as e:  # truncated or not a torch file: torch's error does not name it
         from pr_specforge.data.io import brief
 
-        raise ExportError(f"{path}: the training state does not load ({brief(e)}); it is damaged, export an "
+        raise ExportError(f"{path}: the training state does not load ({brief(e)}); it is damaged, use an "
                           "earlier checkpoint (the run directory holds one per training.save_interval)") from None
 
 
@@ -319,12 +319,13 @@ def export_checkpoint(checkpoint: str, out_dir: str, to: str, *, draft_config: O
     parent = os.path.dirname(os.path.abspath(out_dir)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out_dir)}.tmp-")
+    capture_layers = resolve_capture_layers(draft_cfg, recipe, target)
+    record = _target_record(target, capture_layers)
     try:
         if to == "sglang":
-            _write_sglang(tmp, model, weights, draft_cfg, resolve_capture_layers(draft_cfg, recipe, target), out_dtype,
-                          target_context(target))
+            _write_sglang(tmp, model, weights, draft_cfg, capture_layers, out_dtype, target_context(target), record)
         else:
-            _write_hf(tmp, model, weights, target, out_dtype, recipe)
+            _write_hf(tmp, model, weights, target, out_dtype, recipe, record)
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -333,18 +334,41 @@ def export_checkpoint(checkpoint: str, out_dir: str, to: str, *, draft_config: O
     return out_dir
 
 
+def _target_record(target: Optional[str], capture_layers: Optional[List[int]]) -> Optional[Dict[str, Any]]:
+    """The target's fingerprint (`data.hidden_states.target_record`), recorded in the export's config.json under
+    `TARGET_RECORD_KEY` so `headroom` / `diagnose` can refuse features of another target; None when unknown."""
+    if not (target and os.path.isfile(os.path.join(target, "config.json"))):
+        return None
+    from pr_specforge.data.hidden_states import target_record
+
+    try:
+        return target_record(target, capture_layers)
+    except (OSError, ValueError) as e:
+        raise ExportError(f"--target {target}: its config.json does not load ({type(e).__name__})") from None
+
+
 def _write_sglang(tmp: str, model, weights: Dict[str, torch.Tensor], draft_cfg: Dict[str, Any],
-                  capture_layers: Optional[List[int]], dtype: torch.dtype, context: Optional[int]) -> None:
+                  capture_layers: Optional[List[int]], dtype: torch.dtype, context: Optional[int],
+                  record: Optional[Dict[str, Any]]) -> None:
     from safetensors.torch import save_file
+
+    from pr_specforge.data.hidden_states import TARGET_RECORD_KEY
 
     check_sglang_names(list(weights))
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in weights.items()}
     save_file(tensors, os.path.join(tmp, SAFETENSORS_NAME), metadata={"format": "pt"})
-    _write_json(os.path.join(tmp, "config.json"), sglang_config(draft_cfg, model, capture_layers, dtype, context))
+    cfg = sglang_config(draft_cfg, model, capture_layers, dtype, context)
+    if record:
+        cfg[TARGET_RECORD_KEY] = record
+    _write_json(os.path.join(tmp, "config.json"), cfg)
 
 
 def _write_hf(tmp: str, model, weights: Dict[str, torch.Tensor], target: Optional[str], dtype: torch.dtype,
-              recipe: Optional[Dict[str, Any]]) -> None:
+              recipe: Optional[Dict[str, Any]], record: Optional[Dict[str, Any]]) -> None:
+    from pr_specforge.data.hidden_states import TARGET_RECORD_KEY
+
+    if record:
+        setattr(model.config, TARGET_RECORD_KEY, record)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     assert not unexpected and all(_is_embedding(k) for k in missing), (missing, unexpected)
     state = dict(model.state_dict())

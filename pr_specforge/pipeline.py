@@ -117,6 +117,15 @@ SUMMARY_KEYS = ("pr/loss_total", "ploss_0", "acc_0", "acc_1", "pr/acc_depth_0", 
                 "pr/depth_marginal_2", "pr/halt_past_0", "pr/recovered_share", "perf/optimizer_step_time_s")
 
 
+def _readings(metrics: Dict, rows: List[Dict]) -> List[Optional[str]]:
+    """What the speedup and the gate means say (`eval.explain`), a line each."""
+    from pr_specforge.eval.explain import gate_line, paired_taus, speedup_line
+
+    pair = paired_taus(rows)
+    main = pair[0] if pair else (rows[0] if rows else None)
+    return [speedup_line(main) if main else None, gate_line(metrics, rows)]
+
+
 def summary(work: Path, run_dir: Path, export_sglang: Path, export_hf: Path, eval_dir: Path, timings: Dict[str, float]) -> str:
     lines = ["", "=" * 72, "pr-specforge run: summary", "=" * 72]
     lines.append(f"target          {work / 'target'}")
@@ -138,9 +147,11 @@ def summary(work: Path, run_dir: Path, export_sglang: Path, export_hf: Path, eva
     summary_json = eval_dir / "summary.json"
     if summary_json.exists():
         lines.append(f"evaluation      {summary_json}  (report: {eval_dir / 'report.md'})")
-        for row in json.loads(summary_json.read_text()).get("results", []):
+        rows = json.loads(summary_json.read_text()).get("results", [])
+        for row in rows:
             lines.append("  {draft:<14} {set:<10} B={budget:<3} T={temperature:<4} tau={tau:.3f} speedup={speedup:.2f}x "
                          "lossless={lossless}".format(**{k: row.get(k) for k in ("draft", "set", "budget", "temperature", "tau", "speedup", "lossless")}))
+        lines.extend(f"  {line}" for line in _readings(metrics, rows) if line)
     lines.append("stage times     " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()))
     lines.append("=" * 72)
     return "\n".join(lines)

@@ -174,3 +174,86 @@ def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+# ---- issue 43's audit: drafters of a SmolLM2-layout target and the bad inputs `headroom` / `diagnose` share
+def smollm2_layout_run(root, cli):
+    """A 2-step PR run on a tied target whose weight index has no `lm_head.weight` (the layout `data
+    smollm2-target` writes for SmolLM2), its held-out features, and its two exports (HF, SGLang; each
+    records its target). `cli(*args, cwd=...)` runs `pr-specforge`; returns the paths by name."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    root = Path(root)
+    recipe = write_workspace(str(root), strategy="pr", steps=2, pr_section={"max_depth": 2}, target={"tie": True},
+                             extra={"model": {"lm_head_key": "model.embed_tokens.weight"}})
+    target = root / "target"
+    state = load_file(str(target / "model.safetensors"))
+    state.pop("lm_head.weight")
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    (target / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {k: "model.safetensors" for k in state}}))
+    held = root / "heldout"
+    write_features(AutoModelForCausalLM.from_pretrained(str(target)), str(held), n=3, seed=11)
+    paths = {"root": root, "run": root / "out", "held": held, "target": target}
+    for argv in (["train", "-c", recipe, "training.save_interval=2"],
+                 ["export", str(root / "out"), str(root / "hf"), "--to", "hf", "--target", str(target)],
+                 ["export", str(root / "out"), str(root / "sglang"), "--to", "sglang"]):
+        rc, out = cli(*argv, cwd=root)
+        assert rc == 0, out[-3000:]
+    paths.update(hf=root / "hf", sglang=root / "sglang")
+    return paths
+
+
+def write_manifest_of(features, target_dir, aux_layers=(1, 1, 0)):
+    """A features manifest.json recording `target_dir` as `data hidden-states` records its target."""
+    import json
+    import os
+
+    from pr_specforge.data.hidden_states import target_record
+
+    with open(os.path.join(features, "manifest.json"), "w") as f:
+        json.dump({"status": "complete", "target": target_record(str(target_dir), list(aux_layers))}, f)
+
+
+def drafter_bad_inputs(p):
+    """Every audited bad input of a DRAFTER + --features command: name -> (argv, needles of its one line)."""
+    import shutil
+
+    root, run, held = p["root"], p["run"], p["held"]
+    bad = root / "bad"
+    bad.mkdir(exist_ok=True)
+    truncated = bad / "truncated-ckpt"
+    shutil.copytree(next(run.glob("*-step2")), truncated)
+    state = truncated / "training_state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    broken_run = bad / "broken-run"
+    broken_run.mkdir()
+    (broken_run / "resolved_recipe.yaml").write_text("model: [\n  a: b\n")
+    listed = bad / "listed-features"
+    shutil.copytree(held, listed)
+    (listed / "manifest.json").write_text("[1, 2]")
+    # another target of the same hidden width (and vocab): only its identity differs
+    same_width = bad / "same-width-features"
+    shutil.copytree(held, same_width)
+    make_tiny_target(str(bad / "same-width-target"), seed=5)
+    write_manifest_of(same_width, bad / "same-width-target")
+    other_vocab = bad / "other-vocab-features"
+    shutil.copytree(held, other_vocab)
+    make_tiny_target(str(bad / "other-vocab-target"), vocab=101, seed=6)
+    write_manifest_of(other_vocab, bad / "other-vocab-target")
+    f = "--features"
+    return {
+        "the target model directory as the drafter": ([str(p["target"]), f, str(held)], ("not an EAGLE-3 drafter", "not the target")),
+        "a truncated training_state.pt": ([str(truncated), f, str(held)], ("does not load", "damaged")),
+        "a run whose resolved_recipe.yaml is malformed": ([str(broken_run), f, str(held)], ("resolved_recipe.yaml", "not valid YAML", "line 3")),
+        "a features manifest.json that is a JSON list": ([str(run), f, str(listed)], ("manifest.json", "expected a JSON object, got a list")),
+        "features of another target of the same width": ([str(run), f, str(same_width)], ("another target", "target.path")),
+        "an export on features of another target": ([str(p["hf"]), f, str(same_width)], ("another target", "target.path")),
+        "an SGLang export on features of another target": ([str(p["sglang"]), f, str(same_width)], ("another target",)),
+        "features of another vocabulary": ([str(run), f, str(other_vocab)], ("another target", "vocab_size")),
+        "--limit 0": ([str(run), f, str(held), "--limit", "0"], ("--limit", "at least 1")),
+        "a negative --limit": ([str(run), f, str(held), "--limit", "-2"], ("--limit", "at least 1")),
+    }

@@ -34,7 +34,7 @@ def _layers(text: str) -> list[int]:
     return layers
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -58,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ultrachat | sharegpt | sharegpt-package | a .jsonl/.json/.parquet file | a hub dataset id (repeatable)")
     c.add_argument("--output", required=True)
     c.add_argument("--split", default=None, help="hub split (default: train_sft for ultrachat, train otherwise)")
-    c.add_argument("--limit", type=_positive, default=None, help="max rows in the output")
-    c.add_argument("--max-turns", type=_positive, default=None, help="max user turns kept per conversation")
+    c.add_argument("--limit", type=positive_int, default=None, help="max rows in the output")
+    c.add_argument("--max-turns", type=positive_int, default=None, help="max user turns kept per conversation")
     c.add_argument("--holdout-prompts", action="append", default=[],
                    help="mtbench | gsm8k | humaneval | prompts .jsonl: drop conversations whose first user prompt is in it")
     c.add_argument("--exclude-ids", action="append", default=[], metavar="JSONL",
@@ -74,19 +74,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target", help="HF model directory (in-process transformers backend)")
     g.add_argument("--server", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:30000")
     r.add_argument("--model", default="default", help="model name sent to the server")
-    r.add_argument("--concurrency", type=_positive, default=8)
+    r.add_argument("--concurrency", type=positive_int, default=8)
     r.add_argument("--timeout", type=float, default=120.0)
     r.add_argument("--max-retries", type=int, default=5)
     r.add_argument("--turns", choices=["first", "all"], default="first")
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--top-p", type=float, default=1.0)
-    r.add_argument("--max-new-tokens", type=_positive, default=512)
-    r.add_argument("--batch-size", type=_positive, default=8)
+    r.add_argument("--max-new-tokens", type=positive_int, default=512)
+    r.add_argument("--batch-size", type=positive_int, default=8)
     r.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",
                    help="compute dtype; auto: bf16 on CUDA or on a CPU with native bf16 (AMX/AVX512-BF16), else fp32")
     r.add_argument("--device", default="cpu")
-    r.add_argument("--limit", type=_positive, default=None)
-    r.add_argument("--max-prompt-chars", type=_positive, default=None,
+    r.add_argument("--limit", type=positive_int, default=None)
+    r.add_argument("--max-prompt-chars", type=positive_int, default=None,
                    help="skip (and count) conversations whose user turns are longer than this")
     r.add_argument("--start-over", action="store_true", help=START_OVER_HELP)
 
@@ -98,15 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SpecForge template name (default: from pr_specforge_target.json, e.g. smollm2)")
     h.add_argument("--backend", choices=["transformers", "sglang"], default="transformers")
     h.add_argument("--aux-layers", type=_layers, default=None, help="3 layer indices (outputs), default 1,L//2-1,L-4")
-    h.add_argument("--max-length", type=_positive, default=2048)
-    h.add_argument("--draft-vocab-size", type=_positive, default=32000)
-    h.add_argument("--batch-size", type=_positive, default=8)
-    h.add_argument("--max-batch-tokens", type=_positive, default=16384)
+    h.add_argument("--max-length", type=positive_int, default=2048)
+    h.add_argument("--draft-vocab-size", type=positive_int, default=32000)
+    h.add_argument("--batch-size", type=positive_int, default=8)
+    h.add_argument("--max-batch-tokens", type=positive_int, default=16384)
     h.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",
                    help="compute (and stored) dtype of the target's hidden states; auto: bf16 on CUDA or on a CPU "
                         "with native bf16 (AMX/AVX512-BF16), else fp32")
     h.add_argument("--device", default="cpu")
-    h.add_argument("--limit", type=_positive, default=None)
+    h.add_argument("--limit", type=positive_int, default=None)
     h.add_argument("--start-over", action="store_true", help=START_OVER_HELP)
 
     s = sub.add_parser("smollm2-target", help="convert the packaged SmolLM2-135M-Instruct GGUF into an HF target")
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="check a features directory")
     v.add_argument("features")
     v.add_argument("--target", default=None, help="HF model directory to check shapes against (default: manifest)")
-    v.add_argument("--max-files", type=_positive, default=None)
+    v.add_argument("--max-files", type=positive_int, default=None)
     return p
 
 

@@ -86,6 +86,21 @@ def target_fingerprint(config, aux_layers: list[int], target_path: str) -> dict:
     return fp
 
 
+#: the key under which an export's config.json records its target (`target_record`)
+TARGET_RECORD_KEY = "pr_specforge_target"
+
+
+def target_record(target_path: str, aux_layers: list[int] | None = None) -> dict:
+    """`target_fingerprint` of a target model directory (`aux_layers` left out when unknown): what a drafter's
+    export records about its target and what its features' manifest is compared with."""
+    from transformers import AutoConfig
+
+    record = target_fingerprint(AutoConfig.from_pretrained(target_path), list(aux_layers or []), target_path)
+    if not aux_layers:
+        record.pop("aux_layers")
+    return record
+
+
 def check_output_dir(out_dir: str | os.PathLike, target: dict, resume: dict | None = None) -> None:
     """Refuse to resume features made from another target, input or settings in one directory.
 

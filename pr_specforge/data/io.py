@@ -44,6 +44,24 @@ class DataFormatError(ValueError):
     """Input data that cannot be parsed; the message names the file and line."""
 
 
+def read_json_object(path: str | os.PathLike, what: str = "", error: type = None) -> dict:
+    """A JSON file that must hold one object (a manifest, a config, a provenance record): its mapping,
+    or one `error` line (default `DataFormatError`) naming the file when it is not JSON or not an object."""
+    error = error or DataFormatError
+    where = f"{what} {path}" if what else str(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{where}: not valid JSON ({brief(e)})") from None
+    except OSError as e:
+        raise error(f"{where}: cannot be read ({e.strerror or brief(e)})") from None
+    if not isinstance(value, dict):
+        raise error(f"{where}: expected a JSON object, got a {type(value).__name__}; the file is damaged or not "
+                    "the one this command reads")
+    return value
+
+
 class ResumeMismatch(ValueError):
     """An output holds work made from other inputs or settings than this run's; the message names
     the first field that differs and how to start over."""
@@ -214,6 +232,18 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     _atomic_write(path, lambda f: f.write(data), "wb")
+
+
+def check_writable_file(flag: str, path: str | os.PathLike) -> None:
+    """Refuse, before any work, an output file path that is a directory or lies under a file (one line)."""
+    path = Path(path)
+    if path.is_dir():
+        raise DataFormatError(f"{flag} {path}: is a directory; name a file")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise DataFormatError(f"{flag} {path}: {parent} is a file, not a directory")
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:

@@ -26,7 +26,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from pr_specforge.data.io import append_jsonl, check_resume, dir_fingerprint, read_json_file, read_jsonl_rows
+from pr_specforge.data.io import append_jsonl, check_resume, dir_fingerprint, read_json_object, read_jsonl_rows
 from pr_specforge.training.objective.metrics import CONFIDENCE_BANDS
 from pr_specforge.serving import TREE_BUILDERS, SpeculativeDecoder, TreeConfig, autoregressive_decode
 
@@ -55,6 +55,7 @@ class EvalSettings:
             raise ValueError("budgets must list at least one budget B")
         for b in self.budgets:
             self.tree(b)
+        check_beam_width(self.shape.bw, self.budgets)
         if any(t < 0 for t in self.temperatures) or not self.temperatures:
             raise ValueError(f"temperatures must be >= 0, got {list(self.temperatures)}")
         if self.max_new_tokens < 1:
@@ -72,6 +73,14 @@ class EvalSettings:
     def tree(self, budget: int, m: Optional[int] = None) -> TreeConfig:
         """The round's shape at `budget` (and `m` reconsideration rows per step, if given)."""
         return dataclasses.replace(self.shape, budget=budget, m=self.shape.m if m is None else m)
+
+
+def check_beam_width(bw: int, budgets: Sequence[int]) -> None:
+    """B_w <= B: the cut keeps the B highest-scoring nodes, and a step's (B + 1)-th best node is beaten by B nodes
+    of that step alone, so no cut of B keeps more than B of one step's frontier: forwarding more only costs rows."""
+    if bw > min(budgets):
+        raise ValueError(f"--bw {bw} exceeds the budget --budget {min(budgets)}: the cut keeps B nodes, so at most B "
+                         f"of one step's nodes can be verified; use --bw <= {min(budgets)}")
 
 
 @dataclass
@@ -274,9 +283,9 @@ class Evaluator:
                 raise ValueError(f"prompts {name!r}: no usable prompt")
         s = self.settings
         rows, base_rows = read_jsonl_rows(self.results_path), read_jsonl_rows(self.baseline_path)
+        base_done = {baseline_key(r, f"{self.baseline_path}, row {i}"): r for i, r in enumerate(base_rows, 1)}
         check_prompts(self.out_dir, prompt_sets, rows + base_rows)
         done = {(r["draft"], r["budget"], r["temperature"], r["set"], r["prompt"]) for r in rows}
-        base_done = {(r["set"], r["prompt"], r["temperature"]): r for r in base_rows}
         jobs = [
             (set_name, idx, prompt, float(t), entry, b)
             for set_name, prompts in prompt_sets.items()
@@ -456,7 +465,7 @@ def check_out_dir(out_dir: str, current: dict) -> None:
                 out_dir, PROVENANCE_FILE)
         atomic_write_json(path, current)
         return
-    before = read_json_file(path)
+    before = read_json_object(path, "--out-dir", error=ValueError)
     fix = "its rows were made another way: rerun with --start-over to discard them, or use a new --out-dir"
     check_resume(f"--out-dir {out_dir}", before.get("shared", {}), current["shared"], fix)
     _check_target_content(f"--out-dir {out_dir}", before.get(TARGET_CONTENT), current[TARGET_CONTENT], fix)
@@ -481,13 +490,12 @@ def borrowed_baselines(dirs: Sequence[str], current: dict) -> Dict[Tuple, dict]:
     target (by the content of its weights: `TARGET_CONTENT`), dtype, max_new_tokens and turns.
     A row is then used only for the same prompt text and, at T > 0, the same sampling seed (`Evaluator._baseline`).
     """
-
     lent: Dict[Tuple, dict] = {}
     for d in dirs:
         path = os.path.join(d, PROVENANCE_FILE)
         if not os.path.exists(path):
             raise ValueError(f"--baseline-from {d}: no {PROVENANCE_FILE} there (not a `pr-specforge eval` --out-dir)")
-        record = read_json_file(path)
+        record = read_json_object(path, "--baseline-from", error=ValueError)
         theirs, shared = record.get("shared", {}), current["shared"]
         fix = "its target decodes were made another way: drop that --baseline-from"
         check_resume(f"--baseline-from {d}", {k: theirs[k] for k in BASELINE_FIELDS if k in theirs},
@@ -496,9 +504,25 @@ def borrowed_baselines(dirs: Sequence[str], current: dict) -> Dict[Tuple, dict]:
             raise ValueError(f"--baseline-from {d}: its {PROVENANCE_FILE} records no content hash of its target "
                              f"(written by an older version); rerun its eval command once to record it, or {fix[fix.index('drop'):]}")
         _check_target_content(f"--baseline-from {d}", record[TARGET_CONTENT], current[TARGET_CONTENT], fix)
-        for r in read_jsonl_rows(os.path.join(d, "baseline.jsonl"), repair=False):
-            lent.setdefault((r["set"], r["prompt"], float(r["temperature"])), r)
+        rows = os.path.join(d, "baseline.jsonl")
+        for lineno, r in enumerate(read_jsonl_rows(rows, repair=False), 1):
+            lent.setdefault(baseline_key(r, f"--baseline-from {rows}, row {lineno}"), r)
     return lent
+
+
+#: what identifies a target decode in baseline.jsonl (the row's set, prompt text and temperature)
+BASELINE_KEY = ("set", "prompt", "temperature")
+
+
+def baseline_key(row: dict, where: str) -> Tuple:
+    """`(set, prompt, temperature)` of a baseline row, or one line naming the row and the missing field."""
+    missing = [k for k in BASELINE_KEY if k not in row]
+    if missing:
+        raise ValueError(f"{where}: no field {missing[0]!r}; not a `pr-specforge eval` baseline row (the file is damaged)")
+    try:
+        return row["set"], row["prompt"], float(row["temperature"])
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: field 'temperature' is {row['temperature']!r}, not a number") from None
 
 
 #: what `eval` writes per prompt in its --out-dir, and the provenance of those rows (`--start-over` deletes them)

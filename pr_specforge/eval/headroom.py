@@ -3,8 +3,9 @@ and App. D.5 / Table 7, measured on held-out features.
 
     pr-specforge headroom DRAFTER --features HELDOUT_FEATURES --out PREFIX [--k 6] [--pr-tables]
 
-DRAFTER is a training run directory (newest checkpoint), a checkpoint directory, or an HF export
-(`pr-specforge export --to hf`; with --target, or the target the features' manifest names). The
+DRAFTER is a training run directory (newest checkpoint), a checkpoint directory, or an export
+(`pr-specforge export --to hf`; with --target, or the target the features' manifest names). An
+SGLang export (`--to sglang`) is measured as SGLang serves it: the plain EAGLE-3 drafter. The
 drafter is rebuilt exactly as `pr-specforge diagnose` rebuilds it and run teacher-forced over the
 one-pass TTT chain (every position p, every TTT step j: the drafter drafts token p + j + 1 from the
 true tokens). What is compared: the drafter's top-1 (argmax of depth 0's logits over the draft
@@ -34,7 +35,9 @@ The reconsidered depths are the mixed-cache rollout's (training's rollout B; see
 has no reconsidered depths: its PR-only tables are omitted with a note, and `--pr-tables` refuses it.
 
 Writes PREFIX.md (the paper's numbers beside ours), PREFIX.json, PREFIX-acceptance.png (the
-acceptance-by-confidence curve) and PREFIX-reject-pool.png (the 3x3 heat map), each atomically.
+acceptance-by-confidence curve) and PREFIX-reject-pool.png (the 3x3 heat map), each atomically
+(`--out DIR`, a directory: DIR/headroom.md and so on). Features made from another target than the
+drafter's (their manifest's target fingerprint differs) are refused, as a features resume refuses them.
 
 Owns: the counts (`Headroom`, a chain observer of `training.simulate`), the report, its markdown
 and plots, and the paper's quoted figures (`PAPER`). Does not own the drafter's rebuild or the
@@ -254,15 +257,28 @@ def check_k(k: int, raw: Dict[str, Any]) -> None:
                           f"give --k {vocab} or less")
 
 
+#: the file name `--out DIR` (an existing directory, or a path ending in a separator) writes under DIR
+DIR_PREFIX = "headroom"
+
+
+def output_prefix(out: str) -> str:
+    """`--out` as the prefix written: a directory gets `DIR/headroom` (never hidden `DIR/.md` files)."""
+    if out.endswith(("/", os.sep)) or os.path.isdir(out):
+        return os.path.join(out, DIR_PREFIX)
+    return out
+
+
 def run_headroom(drafter: str, features: str, out: str, *, checkpoint: Optional[str] = None, target: Optional[str] = None,
                  k: int = 6, pr_tables: bool = False, limit: Optional[int] = None, seed: int = 0,
                  ttt_length: Optional[int] = None, progress: bool = True) -> Dict[str, Any]:
     """Measure, then write PREFIX.{md,json} and the two PNGs; returns the report."""
     from pr_specforge.config import ConfigError
-    from pr_specforge.data.io import atomic_write_json, atomic_write_text
+    from pr_specforge.data.io import atomic_write_json, atomic_write_text, check_writable_file
     from pr_specforge.eval.headroom_report import plot
     from pr_specforge.training.diagnose import diagnose, drafter_source, source_kind
 
+    out = output_prefix(out)
+    check_writable_file("--out", out + ".md")
     source_kind(drafter)
     source = drafter_source(drafter, checkpoint, features, target, ttt_length)
     strategy = (source.raw.get("training") or {}).get("strategy")
@@ -289,19 +305,22 @@ def run_headroom(drafter: str, features: str, out: str, *, checkpoint: Optional[
 
 def main(argv: Optional[List[str]] = None) -> int:
     from pr_specforge.config import ConfigError
+    from pr_specforge.data.cli import positive_int
+    from pr_specforge.data.io import DataFormatError
     from pr_specforge.export import ExportError
 
     p = argparse.ArgumentParser(prog="pr-specforge headroom", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("drafter", help="a training run directory, a checkpoint directory, or an HF export")
+    p.add_argument("drafter", help="a training run directory, a checkpoint directory, or an export (--to hf or --to sglang)")
     p.add_argument("--features", required=True, help="held-out feature directory (`pr-specforge data hidden-states`)")
-    p.add_argument("--out", required=True, help="output prefix: writes PREFIX.md, PREFIX.json, PREFIX-*.png")
+    p.add_argument("--out", required=True, help="output prefix: writes PREFIX.md, PREFIX.json, PREFIX-*.png "
+                   f"(a directory: DIR/{DIR_PREFIX}.md, ...)")
     p.add_argument("--checkpoint", default=None, help="with a run directory: this checkpoint instead of the newest")
     p.add_argument("--target", default=None, help="with an HF export: the target model directory (default: the features' manifest)")
     p.add_argument("--k", type=int, default=6, help="the tree's k: a miss outside depth 0's top k is one a served tree lacks")
     p.add_argument("--pr-tables", action="store_true", help="require Table 7 and the reconsidered rows (refuses an EAGLE-3 drafter)")
-    p.add_argument("--ttt-length", type=int, default=None, help="with an HF export: TTT steps of the chain (default: SpecForge's)")
-    p.add_argument("--limit", type=int, default=None, help="at most this many batches")
+    p.add_argument("--ttt-length", type=positive_int, default=None, help="with an export: TTT steps of the chain (default: SpecForge's)")
+    p.add_argument("--limit", type=positive_int, default=None, help="at most this many batches")
     p.add_argument("--seed", type=int, default=0, help="seed of the mixed rollout's halt-depth sampling")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -309,12 +328,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         report = run_headroom(args.drafter, args.features, args.out, checkpoint=args.checkpoint, target=args.target,
                               k=args.k, pr_tables=args.pr_tables, limit=args.limit, seed=args.seed,
                               ttt_length=args.ttt_length, progress=not args.no_progress)
-    except (ConfigError, FileNotFoundError, ExportError) as e:
+    except (ConfigError, FileNotFoundError, ExportError, DataFormatError) as e:
         print(f"pr-specforge headroom: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("pr-specforge headroom: interrupted; nothing was written (rerun the same command)", file=sys.stderr)
+        return 130
     pooled = report["pooled"]
     sg = pooled["second_guess"]
-    print(f"{args.out}.md: {pooled['scored']:.0f} positions, acceptance {_pct(pooled['acceptance'])}; misses: "
+    print(f"{output_prefix(args.out)}.md: {pooled['scored']:.0f} positions, acceptance {_pct(pooled['acceptance'])}; misses: "
           f"rank 2 {_pct(sg['rank2'])}, reconsidered top-1 {_pct(sg['recon_top1'])}, only reconsidered {_pct(sg['recon_only'])}")
     return 0
 

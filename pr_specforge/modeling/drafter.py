@@ -301,24 +301,33 @@ def pr_draft_config(draft_config, pr: PRDraftSettings):
     return build_pr_config(draft_config, pr.draft_settings())
 
 
-def load_drafter(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """Load an EAGLE-3 or PR drafter directory (HF layout) with RoPE rebuilt.
+def drafter_architecture(path: str) -> str:
+    """`architectures[0]` of a drafter directory's config.json, checked to be one `load_drafter` builds
+    (FileNotFoundError without config.json; ValueError, naming the file, for anything else)."""
+    from pr_specforge.data.io import read_json_object
+    from pr_specforge.modeling.two_layer import TWO_LAYER_ARCHITECTURE
 
-    The class is chosen by `architectures[0]` of its config.json.
-    """
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{path}: no config.json; expected a drafter directory written by `pr-specforge export --to hf` or SpecForge")
-    from pr_specforge.data.io import read_json_file
+    cfg = read_json_object(cfg_path, error=ValueError)
+    arch = (cfg.get("architectures") or [EAGLE3_ARCHITECTURE])[0]
+    known = (PR_ARCHITECTURE, EAGLE3_ARCHITECTURE, TWO_LAYER_ARCHITECTURE)
+    if arch not in known:
+        raise ValueError(f"{cfg_path}: architectures[0] = {arch!r} is not an EAGLE-3 drafter ({', '.join(known)})")
+    return arch
 
-    arch = (read_json_file(cfg_path).get("architectures") or [EAGLE3_ARCHITECTURE])[0]
+
+def load_drafter(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """Load an EAGLE-3 or PR drafter directory (HF layout) with RoPE rebuilt.
+
+    The class is chosen by `architectures[0]` of its config.json (`drafter_architecture`).
+    """
     from pr_specforge.modeling.two_layer import TWO_LAYER_ARCHITECTURE, LlamaForCausalLMEagle3TwoLayer
 
     classes = {PR_ARCHITECTURE: LlamaForCausalLMEagle3PR, EAGLE3_ARCHITECTURE: LlamaForCausalLMEagle3,
                TWO_LAYER_ARCHITECTURE: LlamaForCausalLMEagle3TwoLayer}
-    if arch not in classes:
-        raise ValueError(f"{cfg_path}: architectures[0] = {arch!r} is not an EAGLE-3 drafter ({', '.join(classes)})")
-    cls = classes[arch]
+    cls = classes[drafter_architecture(path)]
     model = cls.from_pretrained(path, torch_dtype=dtype)
     rebuild_rope(model)
     return model.to(device).eval()

@@ -1,6 +1,6 @@
 """`pr-specforge diagnose`: a trained checkpoint's objective telemetry on held-out features.
 
-    pr-specforge diagnose RUN_DIR --features HELDOUT_FEATURES [--checkpoint CKPT] [--json OUT]
+    pr-specforge diagnose DRAFTER --features HELDOUT_FEATURES [--checkpoint CKPT] [--target DIR] [--json OUT]
 
 Answers, on features the drafter never trained on: does the gate open (halt past depth 0,
 per depth-0 confidence band)? Do reconsidered depths out-predict depth 0 (top-1 accuracy per
@@ -15,10 +15,14 @@ checkpoint's draft weights are loaded, and the strategy's `forward_loss` runs ov
 batch under `no_grad` in eval mode. PR's telemetry comes out as (numerator, denominator)
 sums; they are summed over the whole set before dividing.
 
-The drafter may be a run directory, a checkpoint directory or an HF export (`drafter_source`;
-`pr-specforge headroom` rebuilds drafters the same way, with its own chain observer).
+The drafter may be a run directory, a checkpoint directory, an HF export or an SGLang export
+(`drafter_source`; an export's weights are read by the evaluator's loader, `modeling.load_drafter`, so
+an SGLang export is the plain EAGLE-3 drafter SGLang serves; a tied target such as SmolLM2 is read
+through its embedding, `target_lm_head_key`). `pr-specforge headroom` rebuilds drafters the same way,
+with its own chain observer. Features made from another target than the drafter's are refused
+(`check_same_target`: the features' manifest fingerprint, as a features resume checks it).
 
-Owns: the aggregation and the table, `drafter_source`, `check_features_fit`. Does not own the metrics' definitions
+Owns: the aggregation and the table, `drafter_source`, `check_features_fit`, `check_same_target`. Does not own the metrics' definitions
 (`pr_specforge.training.objective.ttt`) or the data pipeline (SpecForge's).
 """
 
@@ -55,30 +59,55 @@ class DrafterSource:
     label: str  # the run / checkpoint / export path, for the report
     checkpoint: str  # a SpecForge checkpoint dir, or an HF export dir (`hf` is True)
     hf: bool = False
+    weights: Optional[Dict] = None  # a checkpoint's draft state dict, read (and so checked) before the run is assembled
 
 
 def drafter_source(path: str, checkpoint: Optional[str] = None, features: Optional[str] = None,
                    target: Optional[str] = None, ttt_length: Optional[int] = None) -> DrafterSource:
     """A training run directory (its newest checkpoint, or `checkpoint`), a checkpoint directory (the
     recipe stored in it), or an HF export (`pr-specforge export --to hf`; needs the target: `target`,
-    else the one the features' manifest names)."""
-    import yaml
+    else the one the export records, else the one the features' manifest names; an SGLang export likewise)."""
+    from pr_specforge.export import read_checkpoint, stored_recipe
 
     p = Path(path)
     kind = source_kind(path)
     if kind == "run":
-        raw = yaml.safe_load((p / "resolved_recipe.yaml").read_text()) or {}
-        return DrafterSource(raw, str(p), _resolve_checkpoint(p, checkpoint))
+        raw = _run_recipe(p / "resolved_recipe.yaml")
+        ckpt = _resolve_checkpoint(p, checkpoint)
+        return DrafterSource(raw, str(p), ckpt, weights=_draft_weights(read_checkpoint(ckpt), ckpt))
     if checkpoint:
         raise ConfigError(f"--checkpoint needs a run directory; {path} holds no resolved_recipe.yaml")
     if kind == "checkpoint":
-        from pr_specforge.export import read_checkpoint, stored_recipe
-
-        raw = stored_recipe(read_checkpoint(str(p)), str(p))
+        state = read_checkpoint(str(p))
+        raw = stored_recipe(state, str(p))
         if raw is None:
             raise ConfigError(f"{path}: the checkpoint carries no recipe and no resolved_recipe.yaml is beside it")
-        return DrafterSource(raw, str(p), str(p if p.is_dir() else p.parent))
+        return DrafterSource(raw, str(p), str(p if p.is_dir() else p.parent), weights=_draft_weights(state, str(p)))
     return DrafterSource(_export_recipe(p, features, target, ttt_length), str(p), str(p), hf=True)
+
+
+def _run_recipe(path: Path) -> Dict:
+    """A run's resolved_recipe.yaml as a mapping, or one line naming it."""
+    import yaml
+
+    from pr_specforge.training.recipe import yaml_problem
+
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({yaml_problem(e)}); the run directory is damaged") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot be read ({type(e).__name__})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a recipe mapping, got a {type(raw).__name__}; the run directory is damaged")
+    return raw
+
+
+def _draft_weights(state: Dict, checkpoint: str) -> Dict:
+    weights = state.get("draft_state_dict") if isinstance(state, dict) else None
+    if not isinstance(weights, dict) or not weights:
+        raise ConfigError(f"{checkpoint}: the training state holds no draft_state_dict; not a SpecForge drafter checkpoint")
+    return weights
 
 
 def source_kind(path: str) -> str:
@@ -95,23 +124,33 @@ def source_kind(path: str) -> str:
 
 
 def _export_recipe(export: Path, features: Optional[str], target: Optional[str], ttt_length: Optional[int]) -> Dict:
-    """The recipe an HF export is rebuilt with: its config as the draft config, the features' vocab map."""
-    import json
-
+    """The recipe an HF (or SGLang) export is rebuilt with: its config as the draft config, the features' vocab
+    map, the target's lm_head key (`target_lm_head_key`)."""
     from pr_specforge.config import PR_CONFIG_KEY
     from pr_specforge.modeling.drafter import PR_ARCHITECTURE
 
-    cfg = json.loads((export / "config.json").read_text())
-    manifest = Path(features or "") / "manifest.json"
-    recorded = json.loads(manifest.read_text()) if features and manifest.is_file() else {}
-    target = target or (recorded.get("target") or {}).get("path")
+    from pr_specforge.data.io import read_json_object
+    from pr_specforge.modeling.drafter import drafter_architecture
+
+    try:
+        arch = drafter_architecture(str(export))
+    except ValueError as e:
+        raise ConfigError(f"{e}; DRAFTER must be a `pr-specforge train` run, a checkpoint or an export "
+                          "(`pr-specforge export`), not the target model") from None
+    from pr_specforge.data.hidden_states import TARGET_RECORD_KEY
+
+    cfg = read_json_object(export / "config.json", error=ConfigError)
+    recorded = _manifest(features)
+    own = (cfg.get(TARGET_RECORD_KEY) or {}).get("path")  # the target `export` recorded, where it still is
+    target = target or (own if own and Path(own).is_dir() else None) or (recorded.get("target") or {}).get("path")
     if not target or not Path(target).is_dir():
-        raise ConfigError(f"{export} is an HF export: pass --target TARGET_DIR (the target model the features come from)")
+        raise ConfigError(f"{export} is an export: pass --target TARGET_DIR (the target model the features come from)")
     vocab = Path(features or "") / (recorded.get("vocab_mapping") or "vocab_mapping/vocab_mapping.pt")
-    pr = (cfg.get("architectures") or [None])[0] == PR_ARCHITECTURE
+    pr = arch == PR_ARCHITECTURE
     raw = {
         "model": {"target_model_path": str(target), "draft_model_config": str(export / "config.json"),
                   "vocab_mapping_path": str(vocab) if vocab.is_file() else "",
+                  "lm_head_key": target_lm_head_key(Path(target)),
                   "torch_dtype": str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")},  # as exported (as trained)
         "data": {"hidden_states_path": str(features), "max_length": int(recorded.get("max_length") or 2048),
                  "dataloader_num_workers": 0},
@@ -121,6 +160,91 @@ def _export_recipe(export: Path, features: Optional[str], target: Optional[str],
     if pr:
         raw["pr"] = dict(cfg.get(PR_CONFIG_KEY) or {})
     return raw
+
+
+def _manifest(features: Optional[str]) -> Dict:
+    """The features' manifest.json (`data hidden-states` writes it), {} when there is none."""
+    from pr_specforge.data.hidden_states import MANIFEST
+    from pr_specforge.data.io import read_json_object
+
+    path = Path(features or "") / MANIFEST
+    return read_json_object(path, "--features", error=ConfigError) if features and path.is_file() else {}
+
+
+#: SpecForge's default name of a target's output head (`model.lm_head_key`)
+LM_HEAD_KEY = "lm_head.weight"
+
+
+def target_lm_head_key(target: Path) -> str:
+    """Where the target's output head is stored: what `data smollm2-target` recorded, else the input embedding
+    for a tied target whose weight index has no `lm_head.weight` (SmolLM2), else SpecForge's default."""
+    from pr_specforge.data.io import read_json_object
+
+    meta = target / "pr_specforge_target.json"
+    if meta.is_file():
+        key = read_json_object(meta, error=ConfigError).get("lm_head_key")
+        if isinstance(key, str) and key:
+            return key
+    indexes = sorted(target.glob("*.index.json"))
+    if not indexes:
+        return LM_HEAD_KEY
+    weights = read_json_object(indexes[0], error=ConfigError).get("weight_map") or {}
+    config = read_json_object(target / "config.json", error=ConfigError) if (target / "config.json").is_file() else {}
+    tied = "model.embed_tokens.weight"
+    if LM_HEAD_KEY not in weights and tied in weights and config.get("tie_word_embeddings"):
+        return tied
+    return LM_HEAD_KEY
+
+
+def check_same_target(features: str, source: DrafterSource) -> None:
+    """Refuse features whose manifest's target fingerprint (`data.hidden_states.target_fingerprint`, what a
+    features resume is checked against) differs from the drafter's target: measured on another target's hidden
+    states, every acceptance would read as a measurement and be noise. The drafter's target is its training
+    features' record (a run or checkpoint), else the fingerprint of its `model.target_model_path`."""
+    from pr_specforge.data.hidden_states import TARGET_FIELDS
+
+    theirs = _manifest(features).get("target")
+    mine = _drafter_target(source)
+    if not isinstance(theirs, dict) or mine is None:
+        return  # features or a drafter that record no target: nothing to compare
+    where, ours = mine
+    for field in TARGET_FIELDS:
+        if field in theirs and field in ours and theirs[field] != ours[field]:
+            raise ConfigError(f"--features {features}: made from another target: its manifest.json records "
+                              f"target.{field} {theirs[field]!r}, the drafter's target ({where}) has {ours[field]!r}; "
+                              "measure on held-out features of the drafter's own target")
+
+
+def _drafter_target(source: DrafterSource):
+    """`(where, record)` of the drafter's target, or None when nothing says which target it is: an export's
+    own record (`export` writes it), a run's training features' manifest, else its `model.target_model_path`."""
+    from pr_specforge.data.hidden_states import TARGET_RECORD_KEY, target_record
+
+    raw = source.raw
+    model = raw.get("model") or {}
+    data = raw.get("data") or {}
+    draft_path = model.get("draft_model_config")
+    draft = _json_or_empty(draft_path)
+    if source.hf and isinstance(draft.get(TARGET_RECORD_KEY), dict):
+        return f"recorded in {draft_path}", draft[TARGET_RECORD_KEY]
+    if not source.hf and data.get("hidden_states_path") and not data.get("online"):
+        record = _manifest(data["hidden_states_path"]).get("target")
+        if isinstance(record, dict):
+            return f"recorded in {Path(data['hidden_states_path']) / 'manifest.json'}", record
+    target = model.get("target_model_path")
+    if not target or not (Path(target) / "config.json").is_file():
+        return None
+    aux = (draft.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    try:
+        return f"model.target_model_path {target}", target_record(target, aux)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.target_model_path {target}: its config.json does not load ({type(e).__name__})") from None
+
+
+def _json_or_empty(path: Optional[str]) -> Dict:
+    from pr_specforge.data.io import read_json_object
+
+    return read_json_object(path, error=ConfigError) if path and os.path.isfile(path) else {}
 
 
 def diagnose(run_dir: str, features: str, checkpoint: Optional[str] = None, limit: Optional[int] = None,
@@ -143,6 +267,10 @@ def diagnose(run_dir: str, features: str, checkpoint: Optional[str] = None, limi
         source = drafter_source(run_dir, checkpoint, features, target, ttt_length)
     raw = source.raw
     check_features_fit(features, sample, raw)
+    check_same_target(features, source)
+    if source.hf and (raw.get("training") or {}).get("strategy") != "pr" and "hidden_state" in sample:
+        # SpecForge's eagle3 step feeds the features to the drafter uncast: rebuild an EAGLE-3 export in their dtype
+        raw["model"]["torch_dtype"] = str(sample["hidden_state"].dtype).replace("torch.", "")
     if (raw.get("training") or {}).get("strategy") != "pr":
         raw.pop("pr", None)  # eagle3 runs trained before c2ad539 wrote a pr: section, which load_recipe refuses
     data = raw.get("data") or {}
@@ -158,12 +286,10 @@ def diagnose(run_dir: str, features: str, checkpoint: Optional[str] = None, limi
 def check_features_fit(features: str, sample: Dict, raw: Dict) -> None:
     """The features (`sample`: their first file) were captured from the drafter's target: hidden widths
     and vocab, each checked against the recipe's draft config (one line naming the field)."""
-    import json
-
     path = (raw.get("model") or {}).get("draft_model_config")
     if not path or not os.path.isfile(path):
         return
-    draft = json.loads(Path(path).read_text())
+    draft = _json_or_empty(path)
     hidden = int(draft.get("target_hidden_size") or draft.get("hidden_size"))
     first = "the first feature file"
     for key, width in (("hidden_state", hidden), ("aux_hidden_state", 3 * hidden)):
@@ -172,7 +298,7 @@ def check_features_fit(features: str, sample: Dict, raw: Dict) -> None:
             raise ConfigError(f"--features {features}: {first} has {key} width {got}, the drafter ({path}) expects "
                               f"{width} (target_hidden_size {hidden}); the features come from another target")
     manifest = Path(features) / "manifest.json"
-    vocab = (json.loads(manifest.read_text()).get("target") or {}).get("vocab_size") if manifest.is_file() else None
+    vocab = (_manifest(features).get("target") or {}).get("vocab_size")
     if vocab is not None and int(vocab) != int(draft.get("vocab_size", vocab)):
         raise ConfigError(f"--features {features}: {manifest} records target vocab_size {vocab}, the drafter ({path}) "
                           f"has vocab_size {draft['vocab_size']}; the features come from another target")
@@ -226,20 +352,11 @@ def _diagnose(recipe_path: Path, scratch: str, source: DrafterSource, features: 
 
 def _load_draft_weights(strategy, source: DrafterSource) -> None:
     """The checkpoint's (or HF export's) draft weights into the assembled run's drafter (eval mode)."""
-    from pr_specforge import _specforge as sf
     from pr_specforge.training.registration import _unwrap
 
     module = strategy.trainable_module()
     ckpt = source.checkpoint
-    if source.hf:
-        from safetensors.torch import load_file
-
-        files = sorted(Path(ckpt).glob("*.safetensors"))
-        if not files:
-            raise ConfigError(f"{ckpt}: no *.safetensors weights in the HF export")
-        state = {k: v for f in files for k, v in load_file(str(f)).items()}
-    else:
-        state = sf.CheckpointManager.read_resume_state(ckpt, require_full_state=False)["draft_state_dict"]
+    state = _export_weights(ckpt) if source.hf else source.weights
     draft = _unwrap(module).draft_model
     dtypes = {k: v.dtype for k, v in draft.state_dict().items()}
     state = {k: (v.to(dtypes[k]) if k in dtypes and v.is_floating_point() else v) for k, v in state.items()}
@@ -249,6 +366,30 @@ def _load_draft_weights(strategy, source: DrafterSource) -> None:
         raise ConfigError(f"{ckpt}: draft weights do not fit the run's drafter (unexpected "
                           f"{sorted(result.unexpected_keys)[:5]}, missing {missing[:5]})")
     module.eval()
+
+
+def _export_weights(export: str) -> Dict:
+    """An export's draft weights as the evaluator loads them (`modeling.load_drafter`: the class its config
+    names, so an SGLang export is the plain EAGLE-3 drafter SGLang serves, its `pr_*` tensors skipped), less
+    what the files do not hold (an export without --target has no embedding: the target's is kept)."""
+    from safetensors import safe_open
+
+    from pr_specforge.modeling import load_drafter
+
+    files = sorted(Path(export).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{export}: no *.safetensors weights in the export")
+    stored = set()
+    try:
+        for f in files:
+            with safe_open(str(f), framework="pt") as handle:
+                stored.update(handle.keys())
+        model = load_drafter(export)
+    except Exception as e:  # a truncated or foreign weight file: the loader's error does not name it
+        from pr_specforge.data.io import brief
+
+        raise ConfigError(f"{export}: the export's weights do not load ({brief(e)}); export it again") from None
+    return {k: v for k, v in model.state_dict().items() if k in stored}
 
 
 def _sums(strategy, loader, limit: Optional[int], progress: bool):
@@ -314,21 +455,34 @@ def render(report: Dict) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="pr-specforge diagnose", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", help="a `pr-specforge train` output directory (holds resolved_recipe.yaml)")
+    from pr_specforge.data.cli import positive_int
+
+    p.add_argument("run_dir", help="a `pr-specforge train` output directory (holds resolved_recipe.yaml), a checkpoint "
+                   "directory, or an export (`pr-specforge export --to hf` or `--to sglang`)")
     p.add_argument("--features", required=True, help="held-out feature directory (`pr-specforge data hidden-states`)")
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the run's newest step)")
-    p.add_argument("--limit", type=int, default=None, help="at most this many batches")
+    p.add_argument("--target", default=None, help="with an export: the target model directory (default: the features' manifest)")
+    p.add_argument("--ttt-length", type=positive_int, default=None, help="with an export: TTT steps of the chain (default: SpecForge's)")
+    p.add_argument("--limit", type=positive_int, default=None, help="at most this many batches")
     p.add_argument("--seed", type=int, default=0, help="seed of the halt-depth sampling")
     p.add_argument("--json", default=None, help="write the metrics here (atomically)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     from pr_specforge.export import ExportError
 
+    from pr_specforge.data.io import DataFormatError, check_writable_file
+
     try:
-        report = diagnose(args.run_dir, args.features, args.checkpoint, args.limit, args.seed, not args.no_progress)
-    except (ConfigError, FileNotFoundError, ExportError) as e:
+        if args.json:
+            check_writable_file("--json", args.json)
+        report = diagnose(args.run_dir, args.features, args.checkpoint, args.limit, args.seed, not args.no_progress,
+                          target=args.target, ttt_length=args.ttt_length)
+    except (ConfigError, FileNotFoundError, ExportError, DataFormatError) as e:
         print(f"pr-specforge diagnose: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("pr-specforge diagnose: interrupted; nothing was written (rerun the same command)", file=sys.stderr)
+        return 130
     if args.json:
         from pr_specforge.data.io import atomic_write_json
 

@@ -277,16 +277,12 @@ def check_online_inputs(settings) -> None:
 
 
 def _check_manifest_status(field: str, feats: str) -> None:
-    import json
+    from pr_specforge.data.io import read_json_object
 
     path = os.path.join(feats, "manifest.json")
     if not os.path.isfile(path):
         return
-    try:
-        with open(path) as f:
-            status = json.load(f).get("status", "complete")
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{field}: {path} is not valid JSON ({e})") from None
+    status = read_json_object(path, field, error=ConfigError).get("status", "complete")
     if status != "complete":
         raise ConfigError(f"{field}: {path} has status {status!r}: the `pr-specforge data hidden-states` run writing "
                           f"{feats} did not finish; rerun the same command to complete it")

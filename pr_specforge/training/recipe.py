@@ -176,6 +176,13 @@ def _resolve_recipe_paths(raw: Dict[str, Any], recipe_dir: str) -> None:
             mapping[key] = os.path.abspath(candidate)
 
 
+def yaml_problem(error: Exception) -> str:
+    """A YAML parse error in one line: `line L, column C: problem`."""
+    mark = getattr(error, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + str(getattr(error, "problem", None) or error).strip().split("\n")[0]
+
+
 def read_recipe_mapping(path: str, _chain: Tuple[str, ...] = ()) -> Dict[str, Any]:
     """The recipe's raw mapping with its `extends:` chain resolved (later files win, mappings merge)."""
     if not os.path.isfile(path):
@@ -185,7 +192,7 @@ def read_recipe_mapping(path: str, _chain: Tuple[str, ...] = ()) -> Dict[str, An
         try:
             raw = yaml.safe_load(f) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"recipe {path}: not valid YAML: {e}") from None
+            raise ConfigError(f"recipe {path}: not valid YAML ({yaml_problem(e)})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"recipe {path}: expected a mapping at the top level")
     _resolve_recipe_paths(raw, os.path.dirname(path))

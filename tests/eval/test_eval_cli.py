@@ -66,7 +66,7 @@ def base_args(root, out):
 
 def test_eval_end_to_end_lossless_json_report_and_resume(dirs, tmp_path, capsys):
     out = tmp_path / "out"
-    args = base_args(dirs, out) + ["--budget", "4", "12", "--temperature", "0", "1", "--turns", "all", "--json", str(out / "s.json")]
+    args = base_args(dirs, out) + ["--budget", "4", "12", "--bw", "4", "--temperature", "0", "1", "--turns", "all", "--json", str(out / "s.json")]
     assert main(args) == 0
     summary = json.loads((out / "s.json").read_text())
     entries = summary["results"]
@@ -130,9 +130,9 @@ def _edit_prompt_after_its_rows(root, tmp, args):
     prompts = tmp / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "the cat sat on the mat"}) + "\n")
     args[args.index("--prompts") + 1] = str(prompts)
-    assert main([*args, "--limit", "1", "--budget", "4"]) == 0
+    assert main([*args, "--limit", "1", "--budget", "4", "--bw", "4"]) == 0
     prompts.write_text(json.dumps({"prompt": "the dog sat on the mat"}) + "\n")
-    args += ["--limit", "1", "--budget", "4"]
+    args += ["--limit", "1", "--budget", "4", "--bw", "4"]
 
 
 #: every class of bad `eval` input: (extra args, edit of the arguments/files, what the one-line error says)
@@ -172,6 +172,41 @@ BAD_INPUTS.update({
     "drafter config that is not JSON": ([], _edit_drafter_config_not_json, "config.json: not valid JSON"),
 })
 
+
+# ---- issue 43's audit rows (one block, for merging)
+def _edit_out_dir_config_a_list(root, tmp, args):
+    (tmp / "o").mkdir(exist_ok=True)
+    (tmp / "o" / "eval_config.json").write_text("[]")
+
+
+def _lender(root, tmp, args, config=None, row=None):
+    """A --baseline-from dir made with base_args' settings, with `config` as its eval_config.json or `row` in it."""
+    from pr_specforge.eval.evaluator import EvalSettings, provenance
+    from pr_specforge.serving import TreeConfig
+
+    lender = tmp / "lender"
+    lender.mkdir()
+    settings = EvalSettings(max_new_tokens=16, shape=TreeConfig(k=6, bw=6, gamma=4, m=3))  # base_args' settings
+    shared = provenance(settings, str(root / "target"), {}, "float32")["shared"]
+    (lender / "eval_config.json").write_text(config if config is not None else json.dumps({"shared": shared, "drafters": {}}))
+    (lender / "baseline.jsonl").write_text(json.dumps(row or {}) + "\n")
+    args += ["--baseline-from", str(lender)]
+
+
+def _edit_baseline_row_without_set(root, tmp, args):
+    _lender(root, tmp, args, row={"prompt": "p0", "temperature": 0.0, "outputs": [[1]], "tokens": 1, "seconds": 0.1})
+
+
+def _edit_baseline_config_a_list(root, tmp, args):
+    _lender(root, tmp, args, config="[1, 2]")
+
+
+BAD_INPUTS.update({
+    "B_w above the budget": (["--budget", "4", "--bw", "5"], None, "--bw 5 exceeds the budget --budget 4"),
+    "out-dir whose eval_config.json is a JSON list": ([], _edit_out_dir_config_a_list, "expected a JSON object, got a list"),
+    "baseline-from row without set": ([], _edit_baseline_row_without_set, "row 1: no field 'set'"),
+    "baseline-from eval_config.json a JSON list": ([], _edit_baseline_config_a_list, "expected a JSON object, got a list"),
+})
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_input_is_one_clear_line(dirs, tmp_path, capsys, case):
@@ -246,7 +281,7 @@ def test_baseline_from_lends_the_target_decodes_of_another_out_dir(dirs, tmp_pat
         return argv[:i - 1] + argv[i + 1:] + ["--limit", "1", *extra]
 
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    assert main(args(a, "--budget", "4", "--temperature", "0", "1")) == 0
+    assert main(args(a, "--budget", "4", "--bw", "4", "--temperature", "0", "1")) == 0
     lent = lines(a, "baseline.jsonl")
     assert {r["seed"] for r in lent} == {0}  # prompt i samples with seed + i
     # another budget and B_w: every decode is a's (its timing too), copied, and T = 0 is still checked against it
@@ -257,14 +292,14 @@ def test_baseline_from_lends_the_target_decodes_of_another_out_dir(dirs, tmp_pat
     assert len(rows) == 2 and {r["ar_s"] for r in rows} <= {r["seconds"] for r in lent}
     assert all(r["lossless"] for r in rows if r["temperature"] == 0)
     # another --seed: the T = 0 decodes are lent, the T = 1 ones (other samples) are decoded anew
-    assert main(args(c, "--budget", "4", "--seed", "5", "--temperature", "0", "1", "--baseline-from", str(a))) == 0
+    assert main(args(c, "--budget", "4", "--bw", "4", "--seed", "5", "--temperature", "0", "1", "--baseline-from", str(a))) == 0
     mine = {key(r): r for r in lines(c, "baseline.jsonl")}
     assert all(mine[key(r)] == r for r in lent if r["temperature"] == 0)
     assert {r["seed"] for r in mine.values() if r["temperature"] == 1} == {5}
     # refused in one line: a dir of another --max-new-tokens, and one that is no eval out-dir
     for extra, needle in ((["--max-new-tokens", "8", "--baseline-from", str(a)], "field 'max_new_tokens' is 16"),
                           (["--baseline-from", str(tmp_path)], "no eval_config.json there")):
-        assert main(args(tmp_path / "d", "--budget", "4", *extra)) == 2
+        assert main(args(tmp_path / "d", "--budget", "4", "--bw", "4", *extra)) == 2
         err = capsys.readouterr().err
         assert "--baseline-from" in err and needle in err and "Traceback" not in err, err
         assert not (tmp_path / "d" / "eval_config.json").exists()  # a refused run records nothing

@@ -121,7 +121,13 @@ def test_headroom_command_on_a_run_a_checkpoint_and_an_export(tmp_path):
     assert hf["pooled"]["fig1a"] == pooled["fig1a"] and hf["pooled"]["fig1b"] == pooled["fig1b"]
 
     # bad input: one line each
-    rc, out = _cli("headroom", str(tmp_path / "hf"), "--features", str(held), "--out", str(tmp_path / "x"), cwd=tmp_path)
+    # an export records its target: no --target needed; one that records none (an older export) needs it
+    legacy = tmp_path / "hf-legacy"
+    shutil.copytree(tmp_path / "hf", legacy)
+    cfg = json.loads((legacy / "config.json").read_text())
+    cfg.pop("pr_specforge_target")
+    (legacy / "config.json").write_text(json.dumps(cfg))
+    rc, out = _cli("headroom", str(legacy), "--features", str(held), "--out", str(tmp_path / "x"), cwd=tmp_path)
     _one_line_error(rc, out, "--target")
     bare = tmp_path / "bare"
     bare.mkdir()
@@ -156,3 +162,51 @@ def test_headroom_on_an_eagle3_drafter_omits_or_refuses_the_pr_tables(tmp_path):
     rc, out = _cli("headroom", str(run), "--features", str(held), "--k", "49", "--out", str(tmp_path / "g"), cwd=tmp_path)
     _one_line_error(rc, out, "--k 49 is above the drafter's draft vocabulary of 48 tokens")
     assert not (tmp_path / "g.json").exists()
+
+
+
+# ---- issue 43's audit rows (one block, for merging)
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    from tests.helpers import smollm2_layout_run
+
+    return smollm2_layout_run(tmp_path_factory.mktemp("tied"), _cli)
+
+
+def test_headroom_measures_every_drafter_kind_of_a_tied_target(tied, tmp_path):
+    """A run, its HF export (with --target) and its SGLang export (the target it records) of a SmolLM2-layout target
+    (no lm_head.weight in its index: SpecForge reads the tied embedding) are all measured."""
+    held, target = str(tied["held"]), str(tied["target"])
+    reports = {}
+    for name, extra in (("run", []), ("hf", ["--target", target, "--ttt-length", "3"]),
+                        ("sglang", ["--ttt-length", "3"])):  # the target the export records
+        out = tmp_path / name  # an existing directory: written as DIR/headroom.*, never hidden DIR/.md
+        out.mkdir()
+        rc, log = _cli("headroom", str(tied[name]), "--features", held, "--out", f"{out}{os.sep}", "--no-progress",
+                       *extra, cwd=tmp_path)
+        assert rc == 0, log[-3000:]
+        assert not (out / ".md").exists() and f"{out / 'headroom.md'}:" in log
+        reports[name] = json.loads((out / "headroom.json").read_text())
+    run, hf, sg = reports["run"], reports["hf"], reports["sglang"]
+    assert run["pooled"]["scored"] > 0 and hf["pooled"]["fig1a"] == run["pooled"]["fig1a"]
+    assert hf["pooled"]["table7"] is not None  # the HF export is the PR drafter
+    # the SGLang export is what SGLang serves, plain EAGLE-3: the same positions, no reconsidered depths
+    assert sg["strategy"] == "eagle3" and sg["pooled"]["table7"] is None
+    assert sg["pooled"]["scored"] == run["pooled"]["scored"]
+
+
+def test_headroom_audit_bad_inputs_answer_in_one_line(tied, tmp_path, capsys):
+    from pr_specforge.eval.headroom import main
+    from tests.helpers import drafter_bad_inputs
+
+    for case, (argv, needles) in drafter_bad_inputs(tied).items():  # in process: an uncaught error fails the test
+        try:
+            rc = main([*argv, "--out", str(tmp_path / "x"), "--no-progress"])
+        except SystemExit as e:  # argparse's refusals
+            rc = e.code
+        err = capsys.readouterr().err
+        try:
+            _one_line_error(rc, err, *needles)
+        except AssertionError:
+            raise AssertionError(f"{case}: {err[-1500:]}") from None
+    assert not list(tmp_path.glob("x*"))  # a refused run writes nothing

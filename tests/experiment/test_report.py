@@ -104,3 +104,62 @@ def test_a_pr_drafter_served_at_m0_splits_each_cell_into_one_pass_and_mechanism(
     (d / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (cell,) = comparisons([d], n=50, seed=0)
     assert "one_pass" not in cell and "Where the gain comes from" not in render_markdown({**report, "comparisons": [cell]})
+
+
+# ---- issue 43 item 7: the last screen of `pr-specforge run` says what its speedup and gate means mean
+def _row(draft, tau, **kw):
+    row = {"draft": draft, "set": "mtbench", "budget": 24, "temperature": 0.0, "tau": tau, "speedup": 0.43,
+           "lossless": True, "ar_tokens_per_s": 20.0, "draft_s_per_round": 0.030, "verify_s_per_round": 0.120,
+           "tokens_per_s": 8.6}
+    return {**row, **kw}
+
+
+def _metrics(q, lam=0.98, step=300):
+    return {"step": step, "pr/gate_mean_depth_0": lam, **{f"pr/depth_marginal_{r}": v for r, v in enumerate(q)}}
+
+
+def test_the_speedup_line_is_derived_from_the_rows_own_timings():
+    from pr_specforge.eval.explain import speedup_line
+
+    slow = speedup_line(_row("pr", 1.406))  # one step 50 ms; a round 150 ms = 3 steps for 1.4 tokens
+    assert "3.0 target decode steps" in slow and "draft 30 ms + verify 120 ms, one step 50 ms" in slow
+    assert "below 1x because tau < 3.0" in slow and "verifying the tree costs 2.4 steps" in slow
+    fast = speedup_line(_row("pr", 4.0, speedup=1.3, verify_s_per_round=0.040))
+    assert "1.4 target decode steps" in fast and "above 1x" in fast and "below" not in fast
+    assert speedup_line(_row("pr", 1.0, ar_tokens_per_s=0.0)) is None
+
+
+def test_the_gate_line_wording_follows_the_named_thresholds():
+    from pr_specforge.eval import explain
+    from pr_specforge.eval.explain import gate_line
+
+    same = [_row("pr", 1.406), _row("pr/one-pass", 1.406)]
+    closed = gate_line(_metrics([0.97, 0.03, 0.00]), same)
+    assert "0.98" in closed and "q = 0.97/0.03/0.00 (step 300)" in closed
+    assert "halts at depth 0 at 97% of positions" in closed and "reconsideration changed nothing" in closed
+    at_threshold = gate_line(_metrics([explain.HALTS_AT_ZERO, 1 - explain.HALTS_AT_ZERO]), same)
+    assert "halts at depth 0" in at_threshold
+    partly = gate_line(_metrics([(explain.HALTS_AT_ZERO + explain.RECONSIDERS) / 2, 0.2, 0.1]), same)
+    assert "partly at work" in partly
+    gained = gate_line(_metrics([explain.RECONSIDERS, 0.3, 0.2]), [_row("pr", 1.55), _row("pr/one-pass", 1.406)])
+    assert "50% of positions are reconsidered" in gained and "the mechanism is at work" in gained
+    assert "tau +10.2% from reconsideration" in gained
+    assert gate_line({"step": 3, "acc_0": 0.5}) is None  # an EAGLE-3 run logs no halt depths
+
+
+def test_run_summary_ends_with_a_speedup_line_and_a_gate_line(tmp_path):
+    import json
+
+    from pr_specforge.pipeline import summary
+
+    run, evald = tmp_path / "runs" / "pr", tmp_path / "eval"
+    run.mkdir(parents=True)
+    evald.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps(_metrics([0.97, 0.03, 0.0])) + "\n")
+    (evald / "summary.json").write_text(json.dumps({"results": [_row("pr", 1.406), _row("pr/one-pass", 1.406)]}))
+    text = summary(tmp_path, run, tmp_path / "sg", tmp_path / "hf", evald, {"train": 1.0})
+    lines = text.splitlines()
+    speed = [x for x in lines if x.strip().startswith("speedup 0.43x (pr, B=24)")]
+    gate = [x for x in lines if x.strip().startswith("gate: mean halt probability at depth 0 0.98")]
+    assert len(speed) == 1 and len(gate) == 1 and "changed nothing" in gate[0]
+    assert lines.index(speed[0]) > max(i for i, x in enumerate(lines) if "tau=1.406" in x)

@@ -71,3 +71,47 @@ def test_diagnose_names_a_missing_run_or_feature_directory(tmp_path):
     rc, out = _run([sys.executable, "-m", "pr_specforge.cli", "diagnose", str(tmp_path / "run"),
                     "--features", str(tmp_path / "nofeatures")], tmp_path)
     assert rc == 2 and "--features" in out and "not a directory" in out and "Traceback" not in out
+
+
+# ---- issue 43's audit rows (one block, for merging)
+def _cli(*args, cwd):
+    return _run([sys.executable, "-m", "pr_specforge.cli", *args], cwd)
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    from tests.helpers import smollm2_layout_run
+
+    return smollm2_layout_run(tmp_path_factory.mktemp("tied"), _cli)
+
+
+def test_diagnose_on_the_exports_of_a_tied_target_matches_the_run(tied, tmp_path):
+    """HF and SGLang exports of a SmolLM2-layout target (no lm_head.weight in its index) are diagnosed; the HF
+    export (the same PR drafter) gives the run's numbers; the SGLang one is the EAGLE-3 drafter SGLang serves."""
+    held = str(tied["held"])
+    got = {}
+    for name, extra in (("run", []), ("hf", ["--ttt-length", "3"]), ("sglang", ["--target", str(tied["target"]), "--ttt-length", "3"])):
+        rc, out = _cli("diagnose", str(tied[name]), "--features", held, "--json", str(tmp_path / f"{name}.json"),
+                       "--no-progress", *extra, cwd=tmp_path)
+        assert rc == 0, out[-3000:]
+        got[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert got["hf"]["one_pass_acc"] == pytest.approx(got["run"]["one_pass_acc"], abs=1e-9)
+    # the export carries the drafter's settings, not the run's objective settings: the same PR metrics, measured
+    assert set(got["hf"]["pr"]) == set(got["run"]["pr"]) and sum(got["hf"]["pr"][f"pr/depth_marginal_{r}"] for r in range(3)) == pytest.approx(1.0)
+    assert got["sglang"]["strategy"] == "eagle3" and got["sglang"]["pr"] == {}
+    assert got["sglang"]["positions"] == got["run"]["positions"]
+
+
+def test_diagnose_audit_bad_inputs_answer_in_one_line(tied, capsys):
+    from pr_specforge.training.diagnose import main
+    from tests.helpers import drafter_bad_inputs
+
+    for case, (argv, needles) in drafter_bad_inputs(tied).items():  # in process: an uncaught error fails the test
+        try:
+            rc = main([*argv, "--no-progress"])
+        except SystemExit as e:  # argparse's refusals
+            rc = e.code
+        out = capsys.readouterr().err
+        lines = [x for x in out.splitlines() if x.startswith("pr-specforge diagnose:")]
+        assert rc == 2 and "Traceback" not in out and len(lines) == 1, f"{case}: {out[-1500:]}"
+        assert all(n in lines[0] for n in needles), f"{case}: {lines[0]}"
