@@ -44,18 +44,22 @@ class DataFormatError(ValueError):
     """Input data that cannot be parsed; the message names the file and line."""
 
 
+def _load_json(path: str | os.PathLike, where: str, error: type) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{where}: not valid JSON ({brief(e)})") from None
+    except OSError as e:
+        raise error(f"{where}: cannot be read ({e.strerror or brief(e)})") from None
+
+
 def read_json_object(path: str | os.PathLike, what: str = "", error: type = None) -> dict:
     """A JSON file that must hold one object (a manifest, a config, a provenance record): its mapping,
     or one `error` line (default `DataFormatError`) naming the file when it is not JSON or not an object."""
     error = error or DataFormatError
     where = f"{what} {path}" if what else str(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise error(f"{where}: not valid JSON ({brief(e)})") from None
-    except OSError as e:
-        raise error(f"{where}: cannot be read ({e.strerror or brief(e)})") from None
+    value = _load_json(path, where, error)
     if not isinstance(value, dict):
         raise error(f"{where}: expected a JSON object, got a {type(value).__name__}; the file is damaged or not "
                     "the one this command reads")
@@ -121,15 +125,9 @@ def check_resume(where: str, recorded: dict | None, current: dict, fix: str, err
 
 
 def read_json_file(path: str | os.PathLike) -> Any:
-    """A JSON file's content; a file that is not JSON is a `DataFormatError` naming it (json's own
-    message names only a line and column)."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise DataFormatError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
-    except UnicodeDecodeError:
-        raise DataFormatError(f"{path}: not a text file (expected JSON)") from None
+    """A JSON file's content, of any shape; a file that is not JSON is a `DataFormatError` naming it (json's
+    own message names only a line and column). `read_json_object` when it must hold one object."""
+    return _load_json(path, str(path), DataFormatError)
 
 
 class FewerRows(ValueError):

@@ -187,8 +187,8 @@ def _lender(root, tmp, args, config=None, row=None):
     lender = tmp / "lender"
     lender.mkdir()
     settings = EvalSettings(max_new_tokens=16, shape=TreeConfig(k=6, bw=6, gamma=4, m=3))  # base_args' settings
-    shared = provenance(settings, str(root / "target"), {}, "float32")["shared"]
-    (lender / "eval_config.json").write_text(config if config is not None else json.dumps({"shared": shared, "drafters": {}}))
+    record = provenance(settings, str(root / "target"), {}, "float32")  # with the target's content hash
+    (lender / "eval_config.json").write_text(config if config is not None else json.dumps(record))
     (lender / "baseline.jsonl").write_text(json.dumps(row or {}) + "\n")
     args += ["--baseline-from", str(lender)]
 
@@ -307,10 +307,10 @@ def test_baseline_from_lends_the_target_decodes_of_another_out_dir(dirs, tmp_pat
 
 # ---------------------------------------------------------------- issue 44: lossless reruns, --baseline-from, --start-over
 def _one_drafter(root, out, *extra):
-    """base_args with the EAGLE-3 drafter only, one prompt, B 4, T 0."""
+    """base_args with the EAGLE-3 drafter only, one prompt, B 4 (B_w 4: at most B), T 0."""
     argv = base_args(root, out)
     i = argv.index(f"pr={root / 'pr'}")
-    return argv[:i - 1] + argv[i + 1:] + ["--limit", "1", "--budget", "4", "--temperature", "0", *extra]
+    return argv[:i - 1] + argv[i + 1:] + ["--limit", "1", "--budget", "4", "--bw", "4", "--temperature", "0", *extra]
 
 
 def test_a_stored_non_lossless_row_fails_every_rerun_that_reports_it(dirs, tmp_path, capsys):
