@@ -24,7 +24,8 @@ RESTORE = (*DATA, "stage_times.json", "commands.log", "seed*/screen-b48*/*.json"
 #: what `save` keeps of a workdir (relative globs): the served rows, the regenerated training text and the small
 #: records, never a model or a feature
 KEEP = ("data_settings.json", "splits/splits.json", "features/manifest.json",
-        "screen/features/manifest.json", "heldout/features/manifest.json", "seed*/settings.json", "seed*/headroom/*.json", "seed*/diagnose/*.json", *RESTORE)
+        "screen/features/manifest.json", "heldout/features/manifest.json", "seed*/settings.json", "seed*/headroom/*.json", "seed*/diagnose/*.json",
+        "seed*/measures/*.json", *RESTORE)
 
 
 def _copy_tree(src: Path, dst: Path, globs: Sequence[str], overwrite: bool) -> List[Path]:
