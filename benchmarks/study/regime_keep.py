@@ -123,3 +123,25 @@ def restore_rows(src: Path, work: Path) -> List[Path]:
         raise FileNotFoundError(f"{src}: not a saved regime folder (no data_settings.json)")
     work.mkdir(parents=True, exist_ok=True)
     return _copy_tree(src, work, RESTORE, overwrite=False)
+
+
+def kept_fingerprint_check(seed_dir: Path, name: str, export: Path, out: Path) -> None:
+    """Before any serve: `name`'s export (`export`) against the fingerprint every eval folder of `seed_dir` recorded for
+    the drafter of that name that served its kept rows (`eval_config.json`). Writes `out` when each one matches (or no
+    folder names it); refuses in one line otherwise, before hours of training and serving on top of it are spent
+    (the serve itself would refuse the folder)."""
+    from pr_specforge.data.io import atomic_write_json, dir_fingerprint
+    from pr_specforge.stages import StageFailed
+
+    fp = dir_fingerprint(str(export))
+    kept = {}
+    for cfg in sorted(seed_dir.glob("*/eval_config.json")):
+        if (want := (json.loads(cfg.read_text()).get("drafters") or {}).get(name)) is not None:
+            kept[cfg.parent.name] = want
+    if bad := {folder: want for folder, want in kept.items() if want != fp}:
+        folder, want = next(iter(bad.items()))
+        raise StageFailed(f"{export}: drafter {name!r} rebuilt with fingerprint {fp}, but {seed_dir / folder}'s kept rows "
+                          f"were served by {want}: rebuild it at the thread count it was trained with "
+                          "(docs/results/regimes.md), or serve those folders again (eval --start-over)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out, {"drafter": name, "fingerprint": fp, "kept": kept})

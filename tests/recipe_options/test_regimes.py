@@ -72,8 +72,43 @@ def test_the_paper_drafters_train_paper_pr_yamls_options_matched_to_eagle3_and_e
     assert set(regimes.PR_VARIANTS) == set(regimes.BASELINE) and set(regimes.PR_VARIANTS) <= set(regimes.DRAFTERS)
     names = [s.name for s in _regime(regimes, tmp_path, "--drafters", "pr-paper-warm", "eagle3-long", "pr-paper", "eagle3")
              .drafter_stages(0)]
-    assert [n.split(":")[0] for n in names[::5]] == ["seed0 pr-paper", "seed0 eagle3", "seed0 pr-paper-warm", "seed0 eagle3-long"]
-    assert names[:5] == [f"seed0 pr-paper: {s}" for s in ("train", "diagnose", "export", "headroom", "held-out measures")]
+    assert [n.split(":")[0] for n in names[::6]] == ["seed0 pr-paper", "seed0 eagle3", "seed0 pr-paper-warm", "seed0 eagle3-long"]
+    assert names[:6] == [f"seed0 pr-paper: {s}" for s in ("train", "diagnose", "export", "kept fingerprint", "headroom",
+                                                           "held-out measures")]
+
+
+def test_a_rebuilt_drafter_is_checked_against_the_fingerprint_that_served_its_kept_rows(regimes, tmp_path):
+    from study.regime_keep import kept_fingerprint_check
+
+    from pr_specforge.data.io import dir_fingerprint
+    from pr_specforge.stages import StageFailed
+
+    sd, export = tmp_path / "seed1", tmp_path / "seed1" / "export" / "eagle3"
+    export.mkdir(parents=True)
+    (export / "config.json").write_text("{}")
+    (export / "model.safetensors").write_bytes(b"weights")
+    fp = dir_fingerprint(str(export))
+    for folder, drafters in (("report-b48", {"eagle3": fp, "pr-warm": "0123"}), ("report-b48-2layer", {"eagle3-2layer": "x"})):
+        (sd / folder).mkdir()
+        (sd / folder / "eval_config.json").write_text(json.dumps({"drafters": drafters}))
+    kept_fingerprint_check(sd, "eagle3", export, sd / "fingerprints" / "eagle3.json")
+    assert json.loads((sd / "fingerprints" / "eagle3.json").read_text()) == {"drafter": "eagle3", "fingerprint": fp,
+                                                                            "kept": {"report-b48": fp}}
+    kept_fingerprint_check(sd, "pr-paper", export, sd / "fingerprints" / "pr-paper.json")  # a new drafter: nothing kept
+    (export / "model.safetensors").write_bytes(b"other weights")  # rebuilt on another thread count
+    with pytest.raises(StageFailed, match="rebuilt with fingerprint .*report-b48's kept rows were served by"):
+        kept_fingerprint_check(sd, "eagle3", export, sd / "fingerprints" / "again.json")
+    assert not (sd / "fingerprints" / "again.json").exists()
+
+
+def test_the_paper_sittings_script_runs_the_documented_flags_and_drafters(regimes):
+    script = (regimes.REPO_ROOT / "benchmarks" / "study" / "regime_paper.sh").read_text()
+    doc = (regimes.REPO_ROOT / "docs" / "results" / "regimes.md").read_text()
+    flags = next(line for line in script.splitlines() if line.startswith('G="'))[3:-1].replace("$WORK", "work/regime-gsm8k")
+    assert f'G="{flags}"' in doc  # the committed study's flags
+    drafters = next(line for line in script.splitlines() if line.startswith('D="'))[3:-1].split()[1:]
+    assert drafters == ["eagle3", "pr-paper", "pr-paper-warm", "eagle3-long"] and set(drafters) <= set(regimes.DRAFTERS)
+    assert "git status --porcelain" in script and "sittings.jsonl" in script and "benchmarks/study/regime_paper.sh 1 train" in doc
 
 
 def test_the_held_out_measures_record_the_curve_and_what_the_depths_compute(regimes, tmp_path):
