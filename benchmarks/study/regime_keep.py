@@ -16,11 +16,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 #: the 12-16 min regenerate stages are skipped on a new machine (the features manifest's `input` fingerprint names the
 #: file it read)
 DATA = ("regenerated.*", "screen/regenerated.*", "heldout/regenerated.*")
-#: what `restore` puts back: the regenerated text, the eval folders, and the stage times and command log (a rebuilt
+#: what `restore` puts back: the regenerated text, the eval folders, and the stage times, command log and the sittings'
+#: provenance (`study/regime_paper.sh`: commit, date, machine, threads, command per sitting) (a rebuilt
 #: workdir goes on adding to them, so the next `save` keeps the earlier runs' entries); the features, trainings,
 #: diagnose and headroom stages rerun. A serve resumed from restored rows refuses a rebuilt drafter whose weights
 #: differ (`eval`'s own drafter fingerprint)
-RESTORE = (*DATA, "stage_times.json", "commands.log", "seed*/screen-b48*/*.json", "seed*/screen-b48*/*.jsonl", "seed*/report-*/*.json", "seed*/report-*/*.jsonl")
+RESTORE = (*DATA, "stage_times.json", "commands.log", "sittings.jsonl", "seed*/screen-b48*/*.json", "seed*/screen-b48*/*.jsonl", "seed*/report-*/*.json", "seed*/report-*/*.jsonl")
 #: what `save` keeps of a workdir (relative globs): the served rows, the regenerated training text and the small
 #: records, never a model or a feature
 KEEP = ("data_settings.json", "splits/splits.json", "features/manifest.json",

@@ -387,7 +387,8 @@ def test_save_keeps_rows_and_records_only_and_restore_puts_back_the_eval_folders
              "seed0/export/eagle3/model.safetensors": "x", "seed0/export/eagle3/config.json": "{}",
              "seed0/report-b48/results.jsonl": "row", "seed0/report-b48/eval_config.json": "{}",
              "seed0/screen-b48/summary.json": "{}", "regenerated.jsonl": "{}\n", "regenerated.done": "ok\n",
-             "screen/regenerated.jsonl": "{}\n", "stage_times.json": "{}", "commands.log": "pr-specforge data x\n"}
+             "screen/regenerated.jsonl": "{}\n", "stage_times.json": "{}", "commands.log": "pr-specforge data x\n",
+             "sittings.jsonl": '{"commit": "abc1234"}\n'}
     for rel, text in files.items():
         (work / rel).parent.mkdir(parents=True, exist_ok=True)
         (work / rel).write_text(text)
@@ -396,7 +397,7 @@ def test_save_keeps_rows_and_records_only_and_restore_puts_back_the_eval_folders
                      "seed0/measures/pr-paper.json",
                      "seed0/runs/eagle3/heldout.jsonl", "seed0/runs/eagle3-long/heldout.jsonl", "seed0/report-b48/results.jsonl",
                      "seed0/report-b48/eval_config.json", "seed0/screen-b48/summary.json", "regenerated.jsonl",
-                     "regenerated.done", "screen/regenerated.jsonl", "stage_times.json", "commands.log"}
+                     "regenerated.done", "screen/regenerated.jsonl", "stage_times.json", "commands.log", "sittings.jsonl"}
     assert not list(kept.rglob("*.safetensors")) and not list(kept.rglob("*.pt"))
     # the loss curve of SpecForge's eval loop, not every step's row
     assert [json.loads(line) for line in (kept / "seed0/runs/eagle3/heldout.jsonl").read_text().splitlines()] == [
@@ -420,7 +421,7 @@ def test_save_keeps_rows_and_records_only_and_restore_puts_back_the_eval_folders
     # the regenerated text (a rerun skips regenerating what has its `.done`, resumes the rest), the eval folders, and
     # the stage times and command log the rebuilt workdir goes on adding to; the features and drafters rerun
     assert restored == {"seed0/report-b48/eval_config.json", "seed0/screen-b48/summary.json", "regenerated.jsonl",
-                        "regenerated.done", "screen/regenerated.jsonl", "stage_times.json", "commands.log"}
+                        "regenerated.done", "screen/regenerated.jsonl", "stage_times.json", "commands.log", "sittings.jsonl"}
     assert (fresh / "seed0" / "report-b48" / "results.jsonl").read_text() == "newer"  # never overwritten
     with pytest.raises(FileNotFoundError, match="not a saved regime folder"):
         regimes.restore_rows(tmp_path / "nothing", fresh)
