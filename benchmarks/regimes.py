@@ -24,7 +24,8 @@ Problems 0..39 are what `--prompts gsm8k` serves elsewhere in the project; they 
 
 Stages (each skipped once its output exists; trainings resume from their newest checkpoint):
   target, splits, regenerate, features, screen-regenerate, screen-features    (shared by every seed)
-  per seed and drafter: train, diagnose (screen features), export (HF), headroom (screen features), held-out
+  per seed and drafter: train, export (HF; a rebuild checked against the fingerprint that served its kept rows),
+            diagnose (screen features), headroom (screen features), held-out
             measures (`study/regime_measures.py`: the held-out curve and whether it flattened; a PR drafter's
             ||f^r - f^0|| / ||f^0||, depth r's top-1 agreement with depth 0's and the recoverable share)
   per seed: screen-serve  (B 48, T 0 on the screen split; every drafter; PR also at m = 0)

@@ -1,7 +1,7 @@
 """The stages of a regime over one workdir (`benchmarks/regimes.py gsm8k|sharegpt`): the data stages of each
-regime, then per seed and drafter train, diagnose and headroom on the regime's held-out features, export and the
-held-out measures (`regime_measures`: the held-out curve, and what a PR drafter's depths compute), and a rebuilt
-drafter's export checked against the fingerprint that served its kept rows (`regime_keep`), then the screening
+regime, then per seed and drafter train, export (checked against the fingerprint that served the drafter's kept rows,
+`regime_keep`), diagnose and headroom on the regime's held-out features and the held-out measures (`regime_measures`:
+the held-out curve, and what a PR drafter's depths compute), then the screening
 and report serves (`regime_serves`). Each stage is skipped once its output exists; trainings resume
 from their newest checkpoint.
 
@@ -92,12 +92,13 @@ class Regime(ReportServes):
             stages += [
                 build.train_stage(f"seed{seed} {name}: train", str(RECIPES / DRAFTERS[name][0]), run,
                                   lambda name=name: self.train_overrides(seed, name)),
-                Stage(f"seed{seed} {name}: diagnose", diag,
-                      lambda run=run, diag=diag: (diag.parent.mkdir(parents=True, exist_ok=True),
-                                                  build.diagnose(run, self.heldout, diag, seed))),
+                # exported and checked against the kept rows' fingerprint first: a rebuild that differs stops here
                 Stage(f"seed{seed} {name}: export", export / "config.json", lambda run=run, export=export: build.export(run, export, "hf")),
                 Stage(f"seed{seed} {name}: kept fingerprint", sd / "fingerprints" / f"{name}.json",
                       lambda export=export, name=name: kept_fingerprint_check(sd, name, export, sd / "fingerprints" / f"{name}.json")),
+                Stage(f"seed{seed} {name}: diagnose", diag,
+                      lambda run=run, diag=diag: (diag.parent.mkdir(parents=True, exist_ok=True),
+                                                  build.diagnose(run, self.heldout, diag, seed))),
                 Stage(f"seed{seed} {name}: headroom", head, lambda run=run, name=name: self.headroom(run, sd / "headroom" / name, seed)),
                 Stage(f"seed{seed} {name}: held-out measures", sd / "measures" / f"{name}.json",
                       lambda run=run, diag=diag, head=head, name=name: write_measures(run, diag, head, sd / "measures" / f"{name}.json")),

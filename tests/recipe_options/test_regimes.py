@@ -73,7 +73,7 @@ def test_the_paper_drafters_train_paper_pr_yamls_options_matched_to_eagle3_and_e
     names = [s.name for s in _regime(regimes, tmp_path, "--drafters", "pr-paper-warm", "eagle3-long", "pr-paper", "eagle3")
              .drafter_stages(0)]
     assert [n.split(":")[0] for n in names[::6]] == ["seed0 pr-paper", "seed0 eagle3", "seed0 pr-paper-warm", "seed0 eagle3-long"]
-    assert names[:6] == [f"seed0 pr-paper: {s}" for s in ("train", "diagnose", "export", "kept fingerprint", "headroom",
+    assert names[:6] == [f"seed0 pr-paper: {s}" for s in ("train", "export", "kept fingerprint", "diagnose", "headroom",
                                                            "held-out measures")]
 
 
