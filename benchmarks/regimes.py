@@ -24,7 +24,10 @@ Problems 0..39 are what `--prompts gsm8k` serves elsewhere in the project; they 
 
 Stages (each skipped once its output exists; trainings resume from their newest checkpoint):
   target, splits, regenerate, features, screen-regenerate, screen-features    (shared by every seed)
-  per seed and drafter: train, diagnose (screen features), export (HF), headroom (screen features)
+  per seed and drafter: train, export (HF; a rebuild checked against the fingerprint that served its kept rows),
+            diagnose (screen features), headroom (screen features), held-out
+            measures (`study/regime_measures.py`: the held-out curve and whether it flattened; a PR drafter's
+            ||f^r - f^0|| / ||f^0||, depth r's top-1 agreement with depth 0's and the recoverable share)
   per seed: screen-serve  (B 48, T 0 on the screen split; every drafter; PR also at m = 0)
   per seed: report serves (`REPORT_DIRS`, on the report split): every PR drafter at m = 3 and m = 0
             and its matched baseline at B 48 (T 0 and 1) and B 24 (T 0); EAGLE-3 beside them at B 48;
@@ -35,7 +38,11 @@ Drafters (`DRAFTERS`): `eagle3` (the CPU recipe), `eagle3-2layer` (Table 3's con
 ordinary decoder layer after M; `recipes/drafters/smollm2-135m-eagle3-2layer.json`), `pr` (the
 default PR recipe, from scratch) and `pr-warm` (the pilots' best variant: the EAGLE-3 drafter's
 weights, `pr.recon_grad=isolated`, the second head and a rank-16 adapter, trained `--warm-steps`
-more; its matched baseline is `eagle3-long`, the same EAGLE-3 checkpoint trained as many steps more).
+more; its matched baseline is `eagle3-long`, the same EAGLE-3 checkpoint trained as many steps more);
+`pr-paper` (recipes/_base/paper-pr.yaml's options from scratch, against `eagle3`) and `pr-paper-warm` (the same
+options, full gradients, on this seed's EAGLE-3, against `eagle3-long`). `PR_VARIANTS` names every PR drafter;
+one more variant is one more line there. A drafter added to a folder served before is served there (a serve is done
+once its folder's summary counts its own cells), and each drafter is read up to its own finished rounds.
 
 The ShareGPT chat regime (`sharegpt`) is the pilots' scale rebuilt (docs/results/pilots.md, "Pilots at reduced
 scale"): the 672 shortest usable prompts of 1,000 ShareGPT first turns (the conversations a regeneration stopped
@@ -69,9 +76,10 @@ from study.common import RECIPES, REPO_ROOT  # noqa: E402,F401
 from study.regime_keep import FewerRows, restore_rows, save_rows  # noqa: E402,F401
 from study.regime_provenance import read_provenance  # noqa: E402,F401
 from study.regime_render import render, write_regimes_report  # noqa: E402,F401
-from study.regime_serves import finished_prompts, summary_prompts  # noqa: E402,F401
+from study.regime_serves import finished_by_drafter, finished_prompts, served_cells, summary_prompts  # noqa: E402,F401
 from study.regime_settings import (  # noqa: E402,F401
-    BASELINE, DRAFTERS, REPORT_DIRS, REPORT_FOLDERS, SPLITS, STAGE_GROUPS, gsm8k_problems, keep_shortest, report_rounds,
+    BASELINE, DRAFTERS, PAPER_OPTIONS, PR_VARIANTS, REPORT_DIRS, REPORT_FOLDERS, SPLITS, STAGE_GROUPS, gsm8k_problems,
+    keep_shortest, paper_options, report_rounds,
     write_splits)
 from study.regime_stages import GSM8KRegime, ShareGPTRegime  # noqa: E402,F401
 from study.regime_verdict import (  # noqa: E402,F401

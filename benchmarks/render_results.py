@@ -143,19 +143,26 @@ def best(file: str) -> str:
     return _table(["seed", "set", "B", "T", "tau EAGLE-3", "tau PR", "gain [95% CI]", "one-pass part", "mechanism part"], rows)
 
 
-def regime(file: str, name: str, seed: str, split: str = "report") -> str:
-    """One regime's seed, served: EAGLE-3's tau, each control over it, and `pr-warm` over `eagle3-long`."""
+def regime(file: str, name: str, seed: str, split: str = "report", drafter: str = "pr-warm") -> str:
+    """One regime's seed, served: EAGLE-3's tau, each control over it, and a PR `drafter` (default `pr-warm`) over its
+    matched baseline (`BASELINE`)."""
     found = next(r for r in _load(file)["regimes"] if r["regime"] == name)
     cells = (found["seeds"] if split == "report" else found["screening"])[seed]["cells"]
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/study
+    from study.regime_settings import BASELINE
+
+    if drafter not in BASELINE:
+        raise ValueError(f"drafter={drafter}: not a PR drafter of the regime study (one of {', '.join(BASELINE)})")
+    base = BASELINE[drafter]
     rows = []
     for c in sorted(cells, key=lambda c: CELLS.index((c["budget"], float(c["temperature"])))):
         tau = c.get("tau") or {}
         rows.append([f"B {c['budget']}, T {c['temperature']:g}", _f(tau.get("eagle3")),
-                     (c.get("prompts") or {}).get("pr-warm", "-"), format_gain(c.get("eagle3-2layer")),
-                     format_gain(c.get("eagle3@bw9")), format_gain(c.get("eagle3-long")), format_gain(c.get("pr-warm")),
-                     format_gain(c.get("pr-warm/one-pass")), format_gain(c.get("pr-warm/mechanism"))])
+                     (c.get("prompts") or {}).get(drafter, "-"), format_gain(c.get("eagle3-2layer")),
+                     format_gain(c.get("eagle3@bw9")), format_gain(c.get("eagle3-long")), format_gain(c.get(drafter)),
+                     format_gain(c.get(f"{drafter}/one-pass")), format_gain(c.get(f"{drafter}/mechanism"))])
     return _table(["cell", "`eagle3` tau", "problems", "`eagle3-2layer` over it", "`eagle3@bw9` over it",
-                   "`eagle3-long` over it", "`pr-warm` over `eagle3-long`", "one-pass part", "mechanism"], rows)
+                   "`eagle3-long` over it", f"`{drafter}` over `{base}`", "one-pass part", "mechanism"], rows)
 
 
 RENDERERS: Dict[str, Callable[..., str]] = {

@@ -70,6 +70,16 @@ def test_an_unknown_table_is_refused_in_one_line_naming_the_page():
         render.render_page("<!-- render: served file=missing.json seed=0 -->\n<!-- end render -->", "p.md")
 
 
+def test_a_regime_table_shows_the_pr_drafter_asked_for_over_its_matched_baseline():
+    render = _renderer()
+    spec = "regime file=regimes.json name=gsm8k-domain seed=0 drafter={}"
+    paper = render.render_page(f"<!-- render: {spec.format('pr-paper')} -->\n<!-- end render -->", "p.md")
+    assert "`pr-paper` over `eagle3` |" in paper and "`pr-paper-warm`" not in paper
+    assert "`pr-warm` over `eagle3-long`" in render.render_page(f"<!-- render: {spec.format('pr-warm')} -->\n<!-- end render -->")
+    with pytest.raises(ValueError, match=r"^p\.md: table .* cannot be rendered: ValueError: drafter=eagle3: not a PR drafter"):
+        render.render_page(f"<!-- render: {spec.format('eagle3')} -->\n<!-- end render -->", "p.md")
+
+
 def test_the_readme_is_a_short_guide():
     assert len((ROOT / "README.md").read_text().encode()) <= 12_000
 

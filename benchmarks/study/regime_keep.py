@@ -16,15 +16,17 @@ from typing import Dict, List, Optional, Sequence, Tuple
 #: the 12-16 min regenerate stages are skipped on a new machine (the features manifest's `input` fingerprint names the
 #: file it read)
 DATA = ("regenerated.*", "screen/regenerated.*", "heldout/regenerated.*")
-#: what `restore` puts back: the regenerated text, the eval folders, and the stage times and command log (a rebuilt
+#: what `restore` puts back: the regenerated text, the eval folders, and the stage times, command log and the sittings'
+#: provenance (`study/regime_paper.sh`: commit, date, machine, threads, command per sitting) (a rebuilt
 #: workdir goes on adding to them, so the next `save` keeps the earlier runs' entries); the features, trainings,
 #: diagnose and headroom stages rerun. A serve resumed from restored rows refuses a rebuilt drafter whose weights
 #: differ (`eval`'s own drafter fingerprint)
-RESTORE = (*DATA, "stage_times.json", "commands.log", "seed*/screen-b48*/*.json", "seed*/screen-b48*/*.jsonl", "seed*/report-*/*.json", "seed*/report-*/*.jsonl")
+RESTORE = (*DATA, "stage_times.json", "commands.log", "sittings.jsonl", "seed*/screen-b48*/*.json", "seed*/screen-b48*/*.jsonl", "seed*/report-*/*.json", "seed*/report-*/*.jsonl")
 #: what `save` keeps of a workdir (relative globs): the served rows, the regenerated training text and the small
 #: records, never a model or a feature
 KEEP = ("data_settings.json", "splits/splits.json", "features/manifest.json",
-        "screen/features/manifest.json", "heldout/features/manifest.json", "seed*/settings.json", "seed*/headroom/*.json", "seed*/diagnose/*.json", *RESTORE)
+        "screen/features/manifest.json", "heldout/features/manifest.json", "seed*/settings.json", "seed*/headroom/*.json", "seed*/diagnose/*.json",
+        "seed*/measures/*.json", *RESTORE)
 
 
 def _copy_tree(src: Path, dst: Path, globs: Sequence[str], overwrite: bool) -> List[Path]:
@@ -122,3 +124,25 @@ def restore_rows(src: Path, work: Path) -> List[Path]:
         raise FileNotFoundError(f"{src}: not a saved regime folder (no data_settings.json)")
     work.mkdir(parents=True, exist_ok=True)
     return _copy_tree(src, work, RESTORE, overwrite=False)
+
+
+def kept_fingerprint_check(seed_dir: Path, name: str, export: Path, out: Path) -> None:
+    """Before any serve: `name`'s export (`export`) against the fingerprint every eval folder of `seed_dir` recorded for
+    the drafter of that name that served its kept rows (`eval_config.json`). Writes `out` when each one matches (or no
+    folder names it); refuses in one line otherwise, before hours of training and serving on top of it are spent
+    (the serve itself would refuse the folder)."""
+    from pr_specforge.data.io import atomic_write_json, dir_fingerprint
+    from pr_specforge.stages import StageFailed
+
+    fp = dir_fingerprint(str(export))
+    kept = {}
+    for cfg in sorted(seed_dir.glob("*/eval_config.json")):
+        if (want := (json.loads(cfg.read_text()).get("drafters") or {}).get(name)) is not None:
+            kept[cfg.parent.name] = want
+    if bad := {folder: want for folder, want in kept.items() if want != fp}:
+        folder, want = next(iter(bad.items()))
+        raise StageFailed(f"{export}: drafter {name!r} rebuilt with fingerprint {fp}, but {seed_dir / folder}'s kept rows "
+                          f"were served by {want}: rebuild it at the thread count it was trained with "
+                          "(docs/results/regimes.md), or serve those folders again (eval --start-over)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out, {"drafter": name, "fingerprint": fp, "kept": kept})

@@ -16,7 +16,8 @@ from pr_specforge.eval.experiment_report import format_gain
 
 from .regime_keep import FewerRows
 from .regime_provenance import collect, render_provenance
-from .regime_settings import DRAFTERS
+from .regime_measures import render_measures
+from .regime_settings import BASELINE, DRAFTERS
 from .regime_verdict import MISSING_SHARE, gsm8k_row, sharegpt_row
 
 
@@ -47,14 +48,13 @@ def _reason_lines(reasons: List[dict]) -> List[str]:
     return lines
 
 
-#: rows of a served cell's table: drafter -> the comparison key whose gain it shows (None: tau only)
+#: rows of a served cell's table: drafter -> the comparison key whose gain it shows (None: tau only); each PR drafter
+#: (`BASELINE`) with its one-pass tree after the controls
 TABLE_ROWS = (("eagle3", None), ("eagle3@bw9", "eagle3@bw9"), ("eagle3-2layer", "eagle3-2layer"),
-              ("eagle3-long", "eagle3-long"), ("pr", "pr"), ("pr/one-pass", None), ("pr-warm", "pr-warm"),
-              ("pr-warm/one-pass", None))
+              ("eagle3-long", "eagle3-long"), *((row, key) for name in BASELINE for row, key in ((name, name), (f"{name}/one-pass", None))))
 
 
-BASE_OF = {"eagle3@bw9": "eagle3", "eagle3-2layer": "eagle3", "eagle3-long": "eagle3", "pr": "eagle3",
-           "pr-warm": "eagle3-long"}
+BASE_OF = {"eagle3@bw9": "eagle3", "eagle3-2layer": "eagle3", "eagle3-long": "eagle3", **BASELINE}
 
 
 def render_cells(cells: List[dict]) -> List[str]:
@@ -67,8 +67,8 @@ def render_cells(cells: List[dict]) -> List[str]:
             if c["tau"].get(name) is None:
                 continue
             extra = ""
-            if name == "pr-warm" and c.get("pr-warm@eagle3"):
-                extra = f"; over eagle3: {format_gain(c['pr-warm@eagle3'])}"
+            if c.get(f"{name}@eagle3"):  # a warm start over the eagle3 it started from, too
+                extra = f"; over eagle3: {format_gain(c[f'{name}@eagle3'])}"
             lines.append(f"| {name} | {c['prompts'].get(name, '-')} | {c['tau'][name]:.3f} | {BASE_OF.get(name, '-') if key else '-'} | "
                          f"{format_gain(c.get(key)) if key else '-'}{extra} | {format_gain(c.get(f'{key}/one-pass')) if key else '-'} | "
                          f"{format_gain(c.get(f'{key}/mechanism')) if key else '-'} |")
@@ -148,6 +148,7 @@ def render(report: dict) -> str:
         if any((row.get("regime_verdict") or {}).values()):
             lines += ["", "The regime's verdict (part D's seeds and every rebuilt seed that has served each cell):", ""]
             lines += _verdict_lines(row["regime_verdict"])
+        lines += ([""] + render_measures(row["measures"])) if row.get("measures") else []
         if row.get("conditions"):
             lines += ["", "### The conditions the paper's gain relies on, measured here", "",
                       "| condition | measured | paper |", "|---|---|---|"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from pr_specforge.stages import Stage
 
@@ -58,26 +58,51 @@ class ReportServes:
                                                                     baseline_from=[] if sd / out == first or not lends else [first]))
                 for out, group, budget, temps, bw in REPORT_DIRS if who[group] and out in self.args.report_dirs]
 
+    def serve_stage(self, name: str, out: Path, settings: dict) -> Stage:
+        """`eval` of `settings` into `out`, done once the folder's summary counts `settings`' problems in every cell
+        this serve makes (`served_cells`): a drafter added to a folder served before is served, not skipped."""
+        stage = self.build.eval_stage(name, out, **settings)
+        stage.done = lambda: summary_prompts(out, served_cells(settings)) >= settings["limit"]
+        return stage
+
     def report_stages(self, seed: int) -> List[Stage]:
         """`report_serves` in rounds of `--report-step` problems (`report_rounds`): every folder reaches a round's
-        problems before any goes on. A round's stage is done once its folder's summary counts that many problems."""
-        stages = []
-        for limit in report_rounds(self.args.report_limit, self.args.report_step):
-            for name, out, settings in self.report_serves(seed, limit):
-                stage = self.build.eval_stage(name if limit == self.args.report_limit else f"{name} to {limit}", out, **settings)
-                stage.done = lambda out=out, limit=limit: summary_prompts(out) >= limit
-                stages.append(stage)
-        return stages
+        problems before any goes on. A round's stage is done once its folder's summary counts that many problems in
+        each of its cells."""
+        return [self.serve_stage(name if limit == self.args.report_limit else f"{name} to {limit}", out, settings)
+                for limit in report_rounds(self.args.report_limit, self.args.report_step)
+                for name, out, settings in self.report_serves(seed, limit)]
 
 
-def summary_prompts(eval_dir: Path) -> int:
-    """How many problems an eval folder's last finished run served in every one of its cells (its `summary.json`;
-    0 while none has finished)."""
+def served_cells(settings: dict) -> Set[Tuple[str, int, float]]:
+    """The (drafter, B, T) cells a serve of `serve_settings` makes: each drafter's, and a PR drafter's one-pass tree
+    too (`--also-one-pass`)."""
+    names = [*settings["drafts"], *(f"{n}/one-pass" for n in settings["drafts"] if n in BASELINE)]
+    return {(n, int(b), float(t)) for n in names for b in settings["budgets"] for t in settings["temperatures"]}
+
+
+def summary_prompts(eval_dir: Path, cells: Optional[Set[Tuple[str, int, float]]] = None) -> int:
+    """How many problems an eval folder's last finished run served in every one of its cells, or of the (drafter, B,
+    T) `cells` given (its `summary.json`; 0 while none has finished, or while one of `cells` has no entry)."""
     path = eval_dir / "summary.json"
     if not path.exists():
         return 0
     entries = json.loads(path.read_text()).get("results") or []
+    if cells is not None:
+        have = {(e["draft"], int(e["budget"]), float(e["temperature"])): e["prompts"] for e in entries}
+        return min((have.get(c, 0) for c in cells), default=0)
     return min((e["prompts"] for e in entries), default=0)
+
+
+def finished_by_drafter(eval_dir: Path) -> Dict[str, set]:
+    """drafter -> the "set/prompt" keys each of its cells had finished at the folder's last finished run (its
+    `summary.json`; {} when none has finished): a drafter added to a folder later is read up to its own rounds."""
+    path = eval_dir / "summary.json"
+    per: Dict[str, Dict[str, set]] = {}
+    for e in (json.loads(path.read_text()).get("results") or []) if path.exists() else []:
+        keys, sets = {f"{e['set']}/{p}" for p in e["per_prompt_tau"]}, per.setdefault(e["draft"], {})
+        sets[e["set"]] = keys if e["set"] not in sets else sets[e["set"]] & keys
+    return {d: set().union(*sets.values()) for d, sets in per.items()}
 
 
 def finished_prompts(eval_dirs: Sequence[Path]) -> Optional[set]:

@@ -10,24 +10,48 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
-from .common import ISOLATED_SEPARATE_ADAPTER16
+from .common import ISOLATED_SEPARATE_ADAPTER16, RECIPES
 
 #: GSM8K test-split indices of each disjoint set (half-open ranges)
 SPLITS: Dict[str, range] = {"train": range(40, 1040), "screen": range(1040, 1160), "report": range(1160, 1319)}
 #: `pr-warm`'s options: the pilots' best variant
 WARM_OPTIONS = list(ISOLATED_SEPARATE_ADAPTER16)
+#: paper-pr.yaml's options that only trade memory for compute (same gradients): left out of the CPU regime, whose
+#: 135M drafter fits without them; each would cost a further forward of M per call
+MEMORY_ONLY = ("gradient_checkpointing",)
+
+
+def paper_options(path: Path = RECIPES / "_base" / "paper-pr.yaml") -> List[str]:
+    """The paper's PR options (`recipes/_base/paper-pr.yaml`'s `pr:` section) as overrides of the SmolLM2 CPU recipe,
+    read from that file so the regime trains what the paper recipes do (less `MEMORY_ONLY`)."""
+    import yaml
+
+    pr = (yaml.safe_load(path.read_text()) or {}).get("pr") or {}
+    return [f"pr.{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in pr.items() if k not in MEMORY_ONLY]
+
+
+#: the PR drafters, by name: (overrides of the SmolLM2 CPU PR recipe, warm: starts on this seed's `eagle3`). A from-
+#: scratch drafter's matched baseline is `eagle3` (the same epochs), a warm start's `eagle3-long` (the same `eagle3`
+#: checkpoint trained as many epochs more). One more variant is one more line here (e.g. the positive control's
+#: favoured options, issue 40: `"pr-paper-mixed": ([*PAPER_OPTIONS, "pr.one_pass_loss_on_mixed=true"], False)`).
+PAPER_OPTIONS = paper_options()
+PR_VARIANTS: Dict[str, Tuple[List[str], bool]] = {
+    "pr": ([], False),                       # the default PR recipe
+    "pr-warm": (WARM_OPTIONS, True),         # the pilots' best: isolated, second head, rank-16 adapter
+    "pr-paper": (PAPER_OPTIONS, False),      # the paper's options (issue 40), from scratch
+    "pr-paper-warm": (PAPER_OPTIONS, True),  # the paper's options with full gradients, on this seed's eagle3
+}
 #: drafter -> (recipe, extra overrides, warm start: None | "pr" (pr.init_from) | "eagle3" (SpecForge's draft_checkpoint_path))
 DRAFTERS: Dict[str, tuple] = {
     "eagle3": ("smollm2-135m-cpu-eagle3.yaml", [], None),
     "eagle3-2layer": ("smollm2-135m-cpu-eagle3-2layer.yaml", [], None),
-    "pr": ("smollm2-135m-cpu.yaml", [], None),
-    "pr-warm": ("smollm2-135m-cpu.yaml", WARM_OPTIONS, "pr"),
+    **{name: ("smollm2-135m-cpu.yaml", list(options), "pr" if warm else None) for name, (options, warm) in PR_VARIANTS.items()},
     "eagle3-long": ("smollm2-135m-cpu-eagle3.yaml", [], "eagle3"),
 }
 #: PR drafter -> its matched EAGLE-3 baseline (trained as many total steps on the same data)
-BASELINE = {"pr": "eagle3", "pr-warm": "eagle3-long"}
+BASELINE = {name: "eagle3-long" if warm else "eagle3" for name, (_, warm) in PR_VARIANTS.items()}
 #: `--until`: the stage groups, in the order they run
 STAGE_GROUPS = ("data", "train", "screen", "report")
 #: the report serves: (folder, who (`GSM8KRegime.report_drafters`), B, temperatures, B_w), in the order they run

@@ -1,6 +1,8 @@
 """The stages of a regime over one workdir (`benchmarks/regimes.py gsm8k|sharegpt`): the data stages of each
-regime, then per seed and drafter train, diagnose and headroom on the regime's held-out features and export, then
-the screening and report serves (`regime_serves`). Each stage is skipped once its output exists; trainings resume
+regime, then per seed and drafter train, export (checked against the fingerprint that served the drafter's kept rows,
+`regime_keep`), diagnose and headroom on the regime's held-out features and the held-out measures (`regime_measures`:
+the held-out curve, and what a PR drafter's depths compute), then the screening
+and report serves (`regime_serves`). Each stage is skipped once its output exists; trainings resume
 from their newest checkpoint.
 
 Owns: the stages' order and settings. Does not own any stage's work (the `data`, `train`, `diagnose`, `export` and
@@ -17,6 +19,8 @@ from pr_specforge.stages import Stage, StageBuilder, check_settings, run_stages
 from pr_specforge.training.preflight import latest_checkpoint
 
 from .common import RECIPES, SETS, continue_from
+from .regime_keep import kept_fingerprint_check
+from .regime_measures import write_measures
 from .regime_serves import ReportServes
 from .regime_settings import DRAFTERS, SPLITS, STAGE_GROUPS, keep_shortest, write_splits
 
@@ -84,15 +88,20 @@ class Regime(ReportServes):
         stages = []
         for name in order:
             run, export, diag = sd / "runs" / name, sd / "export" / name, sd / "diagnose" / f"{name}.json"
+            head = sd / "headroom" / f"{name}.json"
             stages += [
                 build.train_stage(f"seed{seed} {name}: train", str(RECIPES / DRAFTERS[name][0]), run,
                                   lambda name=name: self.train_overrides(seed, name)),
+                # exported and checked against the kept rows' fingerprint first: a rebuild that differs stops here
+                Stage(f"seed{seed} {name}: export", export / "config.json", lambda run=run, export=export: build.export(run, export, "hf")),
+                Stage(f"seed{seed} {name}: kept fingerprint", sd / "fingerprints" / f"{name}.json",
+                      lambda export=export, name=name: kept_fingerprint_check(sd, name, export, sd / "fingerprints" / f"{name}.json")),
                 Stage(f"seed{seed} {name}: diagnose", diag,
                       lambda run=run, diag=diag: (diag.parent.mkdir(parents=True, exist_ok=True),
                                                   build.diagnose(run, self.heldout, diag, seed))),
-                Stage(f"seed{seed} {name}: export", export / "config.json", lambda run=run, export=export: build.export(run, export, "hf")),
-                Stage(f"seed{seed} {name}: headroom", sd / "headroom" / f"{name}.json",
-                      lambda run=run, name=name: self.headroom(run, sd / "headroom" / name, seed)),
+                Stage(f"seed{seed} {name}: headroom", head, lambda run=run, name=name: self.headroom(run, sd / "headroom" / name, seed)),
+                Stage(f"seed{seed} {name}: held-out measures", sd / "measures" / f"{name}.json",
+                      lambda run=run, diag=diag, head=head, name=name: write_measures(run, diag, head, sd / "measures" / f"{name}.json")),
             ]
         return stages
 
@@ -164,7 +173,7 @@ class GSM8KRegime(Regime):
 
     def screen_stages(self, seed: int) -> List[Stage]:
         sd = self.seed_dir(seed)
-        return [self.build.eval_stage(f"seed{seed} screen-serve", sd / "screen-b48", **self.serve_settings(
+        return [self.serve_stage(f"seed{seed} screen-serve", sd / "screen-b48", self.serve_settings(
             seed, [self.splits / "screen.jsonl"], self.args.screen_limit, [48], [0]))]
 
 

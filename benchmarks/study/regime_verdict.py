@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .common import REPO_ROOT, RESULTS
-from .regime_serves import finished_prompts
-from .regime_settings import CELLS, REPORT_DIRS, SCREEN_CELLS, SPLITS
+from .regime_serves import finished_by_drafter
+from .regime_measures import read_measures
+from .regime_settings import BASELINE, CELLS, REPORT_DIRS, SCREEN_CELLS, SPLITS
 
 
 #: a PR drafter wins a regime when, in every seed, its mean T = 0 gain is at least this and no T = 0 cell's CI is below 0
@@ -35,25 +36,26 @@ def seed_summary(sd: Path, n: int = 2000, split: str = "report") -> dict:
     from pr_specforge.eval.statistics import decompose_gain, served_rows
 
     if split == "report":
-        # each folder is read up to its own last finished round: a folder still behind (a control served later)
-        # shows fewer problems in its own cells without holding the others back; comparisons pair by shared prompts
+        # each folder, and each drafter in it, is read up to its own last finished round: a folder still behind (a
+        # control served later) or a drafter added to a folder later shows fewer problems in its own cells without
+        # holding the others back; comparisons pair by shared prompts
         rows, by_folder = {}, {}
         for out, *_, bw in REPORT_DIRS:
-            finished = finished_prompts([sd / out])
+            finished = finished_by_drafter(sd / out)
             if not finished:
                 continue  # nothing served, or no round finished yet: its rows belong to a round still running
-            by_folder[out] = len(finished)
-            for k, v in served_rows([sd / out], suffix="@bw9" if bw == 9 else "").items():
-                if kept := {p: r for p, r in v.items() if p in finished}:
+            by_folder[out] = min(len(v) for v in finished.values())
+            suffix = "@bw9" if bw == 9 else ""
+            for k, v in served_rows([sd / out], suffix=suffix).items():
+                done = finished.get(k[0][:len(k[0]) - len(suffix)], set())
+                if kept := {p: r for p, r in v.items() if p in done}:
                     rows[k] = kept
         cells_served = CELLS
     else:
         rows = served_rows(sorted(d for d in sd.glob("screen-b48*") if d.is_dir()))
         cells_served = SCREEN_CELLS
     # comparison -> (served drafter, baseline, one-pass tree or None): split by `decompose_gain`, the experiment report's rule
-    pairs = {"pr": ("pr", "eagle3", "pr/one-pass"), "pr-warm": ("pr-warm", "eagle3-long", "pr-warm/one-pass"),
-             "pr-warm@eagle3": ("pr-warm", "eagle3", "pr-warm/one-pass"), "eagle3-long": ("eagle3-long", "eagle3", None),
-             "eagle3-2layer": ("eagle3-2layer", "eagle3", None), "eagle3@bw9": ("eagle3@bw9", "eagle3", None)}
+    pairs = comparisons()
     cells = []
     for budget, temp in cells_served:
         cell: dict = {"budget": budget, "temperature": temp,
@@ -73,6 +75,18 @@ def seed_summary(sd: Path, n: int = 2000, split: str = "report") -> dict:
         out["problems_by_folder"] = by_folder  # each folder's finished problems (in every one of its cells)
         out["problems"] = min(by_folder.values(), default=0)  # the fewest: what every report cell holds at least
     return out
+
+
+def comparisons() -> Dict[str, Tuple[str, str, Optional[str]]]:
+    """comparison -> (served drafter, baseline, its one-pass tree or None): each PR drafter over its matched baseline
+    (`BASELINE`), a warm start also over `eagle3` (`NAME@eagle3`), and the controls over `eagle3`."""
+    out: Dict[str, Tuple[str, str, Optional[str]]] = {}
+    for name, base in BASELINE.items():
+        out[name] = (name, base, f"{name}/one-pass")
+        if base != "eagle3":
+            out[f"{name}@eagle3"] = (name, "eagle3", f"{name}/one-pass")
+    return {**out, "eagle3-long": ("eagle3-long", "eagle3", None), "eagle3-2layer": ("eagle3-2layer", "eagle3", None),
+            "eagle3@bw9": ("eagle3@bw9", "eagle3", None)}
 
 
 def verdict(seeds: Dict[int, dict], drafter: str, need: Optional[int] = None, t0_cells: Optional[int] = None) -> Optional[dict]:
@@ -133,8 +147,8 @@ def regime_row(work: Path, regime: str, report_limit: Optional[int] = None) -> d
     row = {"regime": regime, "workdir": str(work),
            "data": {k: v for k, v in (feats.get("counts") or feats).items() if k in ("samples", "tokens", "loss_tokens")},
            "seeds": seeds, "screening": {s: v for s, v in screening.items() if v["cells"]},
-           "verdict": {d: verdict(seeds, d, report_limit, t0_cells=sum(t == 0.0 for _, t in CELLS)) for d in ("pr", "pr-warm")},
-           "headroom": headroom}
+           "verdict": {d: verdict(seeds, d, report_limit, t0_cells=sum(t == 0.0 for _, t in CELLS)) for d in BASELINE},
+           "headroom": headroom, "measures": read_measures(work)}
     row["conditions"] = conditions(row)
     row["round_cost"] = round_cost()
     row["heldout"], row["last_step"] = training_logs(work)
@@ -238,8 +252,8 @@ def conditions(row: dict) -> dict:
         put("eagle3_tau", seed, source, c["tau"].get("eagle3"))
         put("two_layer_gain", seed, source, (c.get("eagle3-2layer") or {}).get("gain_rel"))
         put("bw9_gain", seed, source, (c.get("eagle3@bw9") or {}).get("gain_rel"))
-        mech = [c[k]["gain_rel"] for k in ("pr-warm/mechanism", "pr/mechanism") if k in c]
-        put("mechanism_gain", seed, source, max(mech) if mech else None)
+        for name in BASELINE:  # each PR drafter's own: keyed "N NAME" (the seed and the drafter)
+            put("mechanism_gain", f"{seed} {name}", source, (c.get(f"{name}/mechanism") or {}).get("gain_rel"))
     for name, per_seed in (row.get("headroom") or {}).items():
         for sd, pooled in per_seed.items():
             if not pooled:
@@ -248,10 +262,11 @@ def conditions(row: dict) -> dict:
             if name == "eagle3":
                 put("one_pass_acceptance", sd[4:], "headroom (held-out features)", pooled.get("acceptance"))
                 put("misses_outside_top6", sd[4:], "headroom of eagle3 (held-out features)", guess.get("outside_topk"))
-            if name == "pr-warm":
-                put("recon_only", sd[4:], "headroom of pr-warm (held-out features)", guess.get("recon_only"))
+            if name in BASELINE:
+                put("recon_only", f"{sd[4:]} {name}", f"headroom of {name} (held-out features)", guess.get("recon_only"))
                 if pooled.get("table7"):
-                    put("recovered_low_cd", sd[4:], "headroom of pr-warm (held-out features)", pooled["table7"]["recovered"][0][3])
+                    put("recovered_low_cd", f"{sd[4:]} {name}", f"headroom of {name} (held-out features)",
+                        pooled["table7"]["recovered"][0][3])
     return out
 #: a condition the paper relies on counts as missing when every seed measures under this share of the paper's figure
 MISSING_SHARE = 0.5

@@ -3,8 +3,9 @@
     pr-specforge diagnose DRAFTER --features HELDOUT_FEATURES [--checkpoint CKPT] [--target DIR] [--json OUT]
 
 Answers, on features the drafter never trained on: does the gate open (halt past depth 0,
-per depth-0 confidence band)? Do reconsidered depths out-predict depth 0 (top-1 accuracy per
-depth, and the share of depth-0 misses some depth recovers)? And the one-pass chain's
+per depth-0 confidence band)? Do reconsidered depths compute anything else than depth 0
+(`||f^r - f^0|| / ||f^0||`, and how often depth r's top-1 is depth 0's)? Do they out-predict
+depth 0 (top-1 accuracy per depth, and the share of depth-0 misses some depth recovers)? And the one-pass chain's
 per-TTT-step accuracy with SpecForge's simulated acceptance length, and the acceptance
 simulator's lengths (`training.simulate`: one-pass, width-2 control, PR), for EAGLE-3 runs too,
 so two drafters trained on the same data compare on the same held-out positions.
@@ -439,6 +440,10 @@ def render(report: Dict) -> str:
         lines.append("top-1 acc          | " + " | ".join(f"{pr[f'pr/acc_depth_{r}']:.3f}" for r in depths))
         lines.append("q_bar              | " + " | ".join(f"{pr[f'pr/depth_marginal_{r}']:.3f}" for r in depths))
         lines.append("halt share         | " + " | ".join(f"{pr[f'pr/halt_share_depth_{r}']:.3f}" for r in depths))
+        moved = [r for r in depths if pr.get(f"pr/feature_change_depth_{r}") is not None]
+        if moved:  # does a reconsidered depth compute anything else than depth 0?
+            lines.append("||f^r-f^0||/||f^0|| | " + " | ".join("-" if r not in moved else f"{pr[f'pr/feature_change_depth_{r}']:.3f}" for r in depths))
+            lines.append("argmax = depth 0's | " + " | ".join("-" if r not in moved else f"{pr[f'pr/argmax_agree_depth_{r}']:.3f}" for r in depths))
         lines.append(f"recovered share of depth-0 misses: {pr['pr/recovered_share']:.3f}")
         if pr.get("pr/recovered_outside_topk") is not None:
             lines.append(f"... of those outside depth 0's top-{RECOVER_TOPK} (a served one-pass miss): {pr['pr/recovered_outside_topk']:.3f}")

@@ -48,6 +48,8 @@ PANEL_ALIASES: Tuple[Tuple[str, str], ...] = (
     (r"pr/recovered_of_all", r"reconsideration/recovered_of_all"),
     (r"pr/recovered_outside_topk", r"reconsideration/recovered_outside_topk"),
     (r"pr/acc_depth_(\d+)", r"reconsideration/acc_depth_\1"),
+    (r"pr/feature_change_depth_(\d+)", r"reconsideration/feature_change_depth_\1"),
+    (r"pr/argmax_agree_depth_(\d+)", r"reconsideration/argmax_agree_depth_\1"),
     (r"pr/loss_depth_(\d+)", r"reconsideration/loss_depth_\1"),
     (r"pr/loss_(one_pass|reconsider|gate|balance|total)", r"loss_terms/\1"),
     (r"acc_(\d+)", r"accuracy/ttt_step_\1"),

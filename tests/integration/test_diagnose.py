@@ -58,6 +58,9 @@ def test_diagnose_matches_specforges_eval_loop_on_the_same_checkpoint(tmp_path, 
         assert sum(pr[f"pr/conf_share_{b}"] for b in ("conf_lt50", "conf_50to90", "conf_ge90")) == pytest.approx(1.0)
         assert 0.0 <= pr["pr/recovered_share"] <= 1.0
         assert "depth 2" in out and "recovered share" in out
+        # before serving: how far depth r's feature moved from depth 0's, and how often its top-1 is depth 0's
+        assert all(pr[f"pr/feature_change_depth_{r}"] > 0 and 0 <= pr[f"pr/argmax_agree_depth_{r}"] <= 1 for r in (1, 2))
+        assert "||f^r-f^0||/||f^0||" in out and "argmax = depth 0's" in out
     else:
         assert diag["pr"] == {}
 

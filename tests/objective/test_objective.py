@@ -389,6 +389,20 @@ def test_confidence_banded_telemetry_partitions_the_positions_and_matches_the_lo
     top = top + pr.d2t[top]
     miss = ~(top == torch.stack(ids)[..., None]).any(-1)
     assert outside == pytest.approx(float((miss.float() * torch.stack(masks)).sum()))
+    # depth r's top-1 agreeing with depth 0's, counted from the returned logits; features moved by depth >= 1
+    for r in (1, 2):
+        agree = torch.stack([(lg[r].argmax(-1) == lg[0].argmax(-1)).float() for lg in out.depth_logits])
+        assert rm[f"pr/argmax_agree_depth_{r}"] == pytest.approx((float((agree * torch.stack(masks)).sum()), rm["pr/acc_depth_0"][1]))
+        assert rm[f"pr/feature_change_depth_{r}"][0] > 0
+
+
+def test_feature_change_is_the_relative_distance_of_each_reconsidered_feature_from_depth_0():
+    from pr_specforge.training.objective.metrics import feature_change
+
+    f0 = torch.tensor([[3.0, 4.0], [1.0, 0.0]])
+    change = feature_change([f0, f0.clone(), 2 * f0, torch.zeros_like(f0)])
+    torch.testing.assert_close(change, torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 1.0]]))
+    assert torch.isfinite(feature_change([torch.zeros(2), torch.ones(2)])).all()  # a zero f^0 never divides by 0
 
 
 def record_call_widths(model):

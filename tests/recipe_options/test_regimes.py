@@ -52,6 +52,144 @@ def test_warm_drafters_continue_this_seeds_eagle3_and_controls_train_like_it(reg
     assert all(x.config.data.eval_hidden_states_path == str(r.screen / "features") for x in recipes.values())
 
 
+def test_the_paper_drafters_train_paper_pr_yamls_options_matched_to_eagle3_and_eagle3_long(regimes, tmp_path):
+    import yaml
+
+    r = _regime(regimes, tmp_path, "--epochs", "3", "--warm-epochs", "1")
+    paper = yaml.safe_load((regimes.RECIPES / "_base" / "paper-pr.yaml").read_text())["pr"]
+    default = load_recipe(str(regimes.RECIPES / "smollm2-135m-cpu.yaml")).pr
+    assert {k for k, v in paper.items() if getattr(default, k) != v} >= {"recon_head", "balance_norm"}  # what it changes
+    for name in ("pr-paper", "pr-paper-warm"):
+        x = load_recipe(str(regimes.RECIPES / regimes.DRAFTERS[name][0]), r.train_overrides(0, name))
+        for key, value in paper.items():  # every option of paper-pr.yaml but the memory-only one
+            assert getattr(x.pr, key) == (default.gradient_checkpointing if key == "gradient_checkpointing" else value), key
+        assert x.pr.recon_grad == "full" and x.config.training.strategy == "pr"
+    scratch, warm = (load_recipe(str(regimes.RECIPES / "smollm2-135m-cpu.yaml"), r.train_overrides(0, n)) for n in ("pr-paper", "pr-paper-warm"))
+    assert scratch.pr.init_from is None and scratch.config.training.num_epochs == 3  # eagle3's epochs
+    assert warm.pr.init_from == "<eagle3 checkpoint>" and warm.config.training.num_epochs == 1  # eagle3-long's
+    assert regimes.BASELINE["pr-paper"] == "eagle3" and regimes.BASELINE["pr-paper-warm"] == "eagle3-long"
+    # every PR variant is a drafter with its matched baseline; the warm ones train after the eagle3 they start from
+    assert set(regimes.PR_VARIANTS) == set(regimes.BASELINE) and set(regimes.PR_VARIANTS) <= set(regimes.DRAFTERS)
+    names = [s.name for s in _regime(regimes, tmp_path, "--drafters", "pr-paper-warm", "eagle3-long", "pr-paper", "eagle3")
+             .drafter_stages(0)]
+    assert [n.split(":")[0] for n in names[::6]] == ["seed0 pr-paper", "seed0 eagle3", "seed0 pr-paper-warm", "seed0 eagle3-long"]
+    assert names[:6] == [f"seed0 pr-paper: {s}" for s in ("train", "export", "kept fingerprint", "diagnose", "headroom",
+                                                           "held-out measures")]
+
+
+def test_a_rebuilt_drafter_is_checked_against_the_fingerprint_that_served_its_kept_rows(regimes, tmp_path):
+    from study.regime_keep import kept_fingerprint_check
+
+    from pr_specforge.data.io import dir_fingerprint
+    from pr_specforge.stages import StageFailed
+
+    sd, export = tmp_path / "seed1", tmp_path / "seed1" / "export" / "eagle3"
+    export.mkdir(parents=True)
+    (export / "config.json").write_text("{}")
+    (export / "model.safetensors").write_bytes(b"weights")
+    fp = dir_fingerprint(str(export))
+    for folder, drafters in (("report-b48", {"eagle3": fp, "pr-warm": "0123"}), ("report-b48-2layer", {"eagle3-2layer": "x"})):
+        (sd / folder).mkdir()
+        (sd / folder / "eval_config.json").write_text(json.dumps({"drafters": drafters}))
+    kept_fingerprint_check(sd, "eagle3", export, sd / "fingerprints" / "eagle3.json")
+    assert json.loads((sd / "fingerprints" / "eagle3.json").read_text()) == {"drafter": "eagle3", "fingerprint": fp,
+                                                                            "kept": {"report-b48": fp}}
+    kept_fingerprint_check(sd, "pr-paper", export, sd / "fingerprints" / "pr-paper.json")  # a new drafter: nothing kept
+    (export / "model.safetensors").write_bytes(b"other weights")  # rebuilt on another thread count
+    with pytest.raises(StageFailed, match="rebuilt with fingerprint .*report-b48's kept rows were served by"):
+        kept_fingerprint_check(sd, "eagle3", export, sd / "fingerprints" / "again.json")
+    assert not (sd / "fingerprints" / "again.json").exists()
+
+
+def test_the_paper_sittings_script_runs_the_documented_flags_and_drafters(regimes):
+    script = (regimes.REPO_ROOT / "benchmarks" / "study" / "regime_paper.sh").read_text()
+    doc = (regimes.REPO_ROOT / "docs" / "results" / "regimes.md").read_text()
+    flags = next(line for line in script.splitlines() if line.startswith('G="'))[3:-1].replace("$WORK", "work/regime-gsm8k")
+    assert f'G="{flags}"' in doc  # the committed study's flags
+    drafters = next(line for line in script.splitlines() if line.startswith('D="'))[3:-1].split()[1:]
+    assert drafters == ["eagle3", "pr-paper", "pr-paper-warm", "eagle3-long"] and set(drafters) <= set(regimes.DRAFTERS)
+    assert "git status --porcelain" in script and "sittings.jsonl" in script and "benchmarks/study/regime_paper.sh 1 train" in doc
+
+
+def test_the_held_out_measures_record_the_curve_and_what_the_depths_compute(regimes, tmp_path):
+    from study.regime_measures import FLAT_GAIN, measures, write_measures
+
+    run, sd = tmp_path / "seed0" / "runs" / "pr-paper", tmp_path / "seed0"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"step": 1, "loss": 9.0}, {"step": 250, "eval/avg_loss": 9.7, "eval/simulated_acc_len": 0.60},
+        {"step": 500, "eval/avg_loss": 8.6, "eval/simulated_acc_len": 0.74},
+        {"step": 750, "eval/avg_loss": 8.5, "eval/simulated_acc_len": 0.745})))
+    (sd / "diagnose").mkdir()
+    (sd / "diagnose" / "pr-paper.json").write_text(json.dumps({"pr": {
+        "pr/feature_change_depth_1": 0.31, "pr/feature_change_depth_2": 0.4, "pr/argmax_agree_depth_1": 0.9,
+        "pr/argmax_agree_depth_2": 0.85, "pr/recovered_share": 0.07}}))
+    (sd / "headroom").mkdir()
+    (sd / "headroom" / "pr-paper.json").write_text(json.dumps({"pooled": {"table7": {"recovered": [[0, 0, 0, 0.063]]}}}))
+    write_measures(run, sd / "diagnose" / "pr-paper.json", sd / "headroom" / "pr-paper.json", sd / "measures" / "pr-paper.json")
+    m = json.loads((sd / "measures" / "pr-paper.json").read_text())
+    assert m["curve"] == [[250, 9.7, 0.60], [500, 8.6, 0.74], [750, 8.5, 0.745]] and m["steps"] == 750
+    assert m["last_gain"] == pytest.approx(0.745 / 0.74 - 1) and m["last_gain"] < FLAT_GAIN and m["flattened"]
+    assert m["feature_change"] == {"1": 0.31, "2": 0.4} and m["argmax_agree"] == {"1": 0.9, "2": 0.85}
+    assert m["recovered_share"] == 0.07 and m["recovered_low_cd"] == 0.063
+    # an EAGLE-3 run: its curve only; a curve still rising has not flattened
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "metrics.jsonl").write_text('{"step": 250, "eval/avg_loss": 9, "eval/simulated_acc_len": 0.6}\n'
+                                                  '{"step": 500, "eval/avg_loss": 8, "eval/simulated_acc_len": 0.7}\n')
+    e = measures(tmp_path / "e", tmp_path / "none.json", tmp_path / "none.json")
+    assert e["flattened"] is False and e["feature_change"] == {} and e["recovered_share"] is None
+    assert measures(tmp_path / "nothing", tmp_path / "none.json", tmp_path / "none.json")["flattened"] is None
+    (tmp_path / "data_settings.json").write_text("{}")
+    row = regimes.gsm8k_row(tmp_path)
+    assert row["measures"] == {"seed0": {"pr-paper": m}}
+    text = regimes.render({"regimes": [row]})
+    assert "### Held-out measures before serving" in text
+    assert "| seed0 | pr-paper | 750 | +0.7% | yes | 0.310 / 0.400 | 90.0% / 85.0% | 7.0% | 6.3% |" in text
+
+
+def test_each_pr_drafter_is_read_up_to_its_own_rounds_and_judged_against_its_matched_baseline(regimes, tmp_path):
+    def serve(seed, paper_done, gain):
+        sd = tmp_path / f"seed{seed}"
+        kept = [(d, 48, t, f"r{i}", a, 10) for i in range(4) for t in (0.0, 1.0)
+                for d, a in (("eagle3", 30), ("eagle3-long", 31), ("pr-warm", 31), ("pr-warm/one-pass", 31))]
+        paper = [(d, 48, t, f"r{i}", a, 10) for i in range(paper_done + 1) for t in (0.0, 1.0)
+                 for d, a in (("pr-paper", 30 + gain), ("pr-paper/one-pass", 30), ("pr-paper-warm", 31 + gain),
+                              ("pr-paper-warm/one-pass", 31))]
+        _served(sd / "report-b48", kept + paper, finished={f"r{i}" for i in range(4)})
+        summary = json.loads((sd / "report-b48" / "summary.json").read_text())
+        for e in summary["results"]:  # the paper drafters' last finished round: their first `paper_done` problems
+            if e["draft"].startswith("pr-paper"):
+                e["per_prompt_tau"] = {p: v for p, v in e["per_prompt_tau"].items() if int(p[1:]) < paper_done}
+                e["prompts"] = len(e["per_prompt_tau"])
+        (sd / "report-b48" / "summary.json").write_text(json.dumps(summary))
+        _served(sd / "report-b24", [(d, 24, 0.0, f"r{i}", a, 10) for i in range(4)
+                                    for d, a in (("eagle3", 25), ("eagle3-long", 26), ("pr-warm", 26), ("pr-warm/one-pass", 26),
+                                                 ("pr-paper", 25 + gain), ("pr-paper/one-pass", 25),
+                                                 ("pr-paper-warm", 26 + gain), ("pr-paper-warm/one-pass", 26))])
+
+    serve(0, 2, 1)
+    serve(1, 4, 1)
+    row = regimes.gsm8k_row(tmp_path, report_limit=4)
+    b48 = row["seeds"][0]["cells"][0]
+    # the kept drafters keep their 4 problems while the paper drafters have finished 2 (and a third is running)
+    assert b48["prompts"]["eagle3"] == b48["prompts"]["pr-warm"] == 4 and b48["prompts"]["pr-paper"] == 2
+    assert b48["pr-paper"]["gain_rel"] == pytest.approx(31 / 30 - 1)  # over eagle3
+    assert b48["pr-paper-warm"]["gain_rel"] == pytest.approx(32 / 31 - 1)  # over eagle3-long
+    assert b48["pr-paper-warm@eagle3"]["gain_rel"] == pytest.approx(32 / 30 - 1)
+    assert b48["pr-paper/mechanism"]["gain_rel"] == pytest.approx(31 / 30 - 1) and b48["pr-paper/one-pass"]["gain_rel"] == 0
+    v = row["verdict"]
+    assert v["pr-warm"]["decided"] and not v["pr-warm"]["wins"]  # +0% over eagle3-long
+    assert not v["pr-paper"]["seeds"][0]["counts"] and not v["pr-paper"]["decided"]  # seed 0 holds 2 of 4 problems
+    serve(0, 4, 1)
+    v = regimes.gsm8k_row(tmp_path, report_limit=4)["verdict"]
+    assert v["pr-paper"]["decided"] and v["pr-paper"]["wins"] and v["pr-paper-warm"]["wins"]  # +3.3%/+4%, +3.2%/+3.8%
+    row = regimes.gsm8k_row(tmp_path, report_limit=4)
+    text = regimes.render({"regimes": [row]})
+    assert "- **pr-paper**: WINS" in text and "- **pr-paper-warm**: WINS" in text and "- **pr-warm**: does not win" in text
+    assert "| pr-paper | 4 | 3.100 | eagle3 | +3.3%" in text and "| pr-paper-warm | 4 | 3.200 | eagle3-long | +3.2%" in text
+    assert row["conditions"]["mechanism_gain"]["measured"]["seed1 pr-paper"]["value"] == pytest.approx(31 / 30 - 1)
+
+
 def test_screening_serves_the_screen_split_and_the_report_the_report_split_with_the_bw9_control(regimes, tmp_path):
     r = _regime(regimes, tmp_path, "--screen-limit", "30", "--report-limit", "120")
     screen = r.build.eval_argv(tmp_path / "s", **r.serve_settings(0, [r.splits / "screen.jsonl"], 30, [48], [0]))
@@ -72,8 +210,9 @@ def test_screening_serves_the_screen_split_and_the_report_the_report_split_with_
         j = next((j for j in range(i, len(argv)) if argv[j].startswith("--")), len(argv))
         return argv[i:j]
 
-    assert drafters(serves["report-b48"]) == ["eagle3", "pr", "pr-warm", "eagle3-long"]  # PR, their baselines, EAGLE-3
-    assert drafters(serves["report-b24"]) == ["eagle3", "pr", "pr-warm", "eagle3-long"]  # eagle3: pr's baseline
+    every = ["eagle3", "pr", "pr-warm", "pr-paper", "pr-paper-warm", "eagle3-long"]  # PR, their baselines, EAGLE-3
+    assert drafters(serves["report-b48"]) == every
+    assert drafters(serves["report-b24"]) == every  # eagle3: pr's and pr-paper's baseline
     assert drafters(serves["report-b48-2layer"]) == ["eagle3-2layer"] and drafters(serves["report-bw9-b48"]) == ["eagle3"]
     cells = {n: (values(a, "--budget"), values(a, "--temperature"), _value(a, "--bw")) for n, a in serves.items()}
     assert cells == {"report-b48": (["48"], ["0", "1"], "6"), "report-b24": (["24"], ["0"], "6"),
@@ -137,15 +276,15 @@ def test_the_report_shows_screening_apart_from_the_report_split_and_gives_no_ver
     c = row["conditions"]
     assert c["eagle3_tau"]["measured"] == {"seed0": {"value": 3.0, "from": "screening"}}
     assert c["two_layer_gain"]["measured"]["seed0"]["value"] == pytest.approx(0.05)
-    assert c["mechanism_gain"]["measured"]["seed0"]["value"] == pytest.approx(0.1)
+    assert c["mechanism_gain"]["measured"]["seed0 pr-warm"]["value"] == pytest.approx(0.1)  # each PR drafter's own
     assert c["one_pass_acceptance"]["measured"]["seed0"]["value"] == 0.465 and c["one_pass_acceptance"]["paper"] == 0.698
-    assert c["recovered_low_cd"]["measured"]["seed0"]["value"] == 0.074
+    assert c["recovered_low_cd"]["measured"]["seed0 pr-warm"]["value"] == 0.074
     assert c["misses_outside_top6"]["measured"]["seed0"]["value"] == 0.517 and c["recon_only"]["paper"] is None
-    assert c["recon_only"]["measured"]["seed0"]["value"] == 0.0003
+    assert c["recon_only"]["measured"]["seed0 pr-warm"]["value"] == 0.0003
     text = regimes.render({"regimes": [row]})
     assert "### seed 0: screening split (chooses variants; not a verdict)" in text and "no verdict for this regime yet" in text
     assert "| pr-warm | 4 | 3.300 | eagle3-long | +10.0%" in text
-    assert "| recon_only | seed0: 0.03% (headroom of pr-warm (held-out features)) | - (not reported;" in text
+    assert "| recon_only | seed0 pr-warm: 0.03% (headroom of pr-warm (held-out features)) | - (not reported;" in text
 
     # a report serve (B 48 at T 0 and T 1, B 24 at T 0) makes the seed's verdict cells; conditions then come from it
     _served(sd / "report-b48", [(d, 48, t, f"r{i}", a, 10) for i in range(3) for t in (0.0, 1.0)
@@ -177,10 +316,22 @@ def test_report_rounds_bring_every_folder_to_the_same_problems_before_any_goes_o
     # a round is done once its folder's last finished run served that many problems in every cell
     b48 = tmp_path / "seed0" / "report-b48"
     assert not any(s.done() for s in stages)
-    _served(b48, [(d, 48, t, f"r{i}", 30, 10) for i in range(45) for t in (0.0, 1.0) for d in ("eagle3", "pr-warm")],
+    served = ("eagle3", "pr-warm", "pr-warm/one-pass", "eagle3-long")  # report-b48's cells: its drafters at T 0 and 1
+    _served(b48, [(d, 48, t, f"r{i}", 30, 10) for i in range(45) for t in (0.0, 1.0) for d in served[:-1]],
             finished={f"r{i}" for i in range(40)})
     assert regimes.summary_prompts(b48) == 40
+    assert not any(s.done() for s in stages)  # eagle3-long's cells are not served yet
+    _served(b48, [(d, 48, t, f"r{i}", 30, 10) for i in range(45) for t in (0.0, 1.0) for d in served],
+            finished={f"r{i}" for i in range(40)})
     assert [s.done() for s in stages if "report-b48 " in s.name + " "] == [True, False, False]
+    # a drafter added to a folder served before (pr-paper beside the kept rows) is served, not skipped as done
+    more = _regime(regimes, tmp_path, "--report-limit", "100", "--report-step", "40", "--drafters", "eagle3", "pr-paper")
+    (first, *_), cells = more.report_stages(0), regimes.served_cells(more.report_serves(0, 40)[0][2])
+    assert first.name == "seed0 report-b48 to 40" and not first.done()
+    assert cells == {(d, 48, t) for d in ("eagle3", "pr-paper", "pr-paper/one-pass") for t in (0.0, 1.0)}
+    _served(b48, [(d, 48, t, f"r{i}", 30, 10) for i in range(40) for t in (0.0, 1.0)
+                  for d in (*served, "pr-paper", "pr-paper/one-pass")])
+    assert first.done() and regimes.summary_prompts(b48, cells) == 40
 
 
 def test_the_report_reads_finished_rounds_only_and_counts_a_seed_once_it_has_the_report_limit(regimes, tmp_path):
@@ -229,21 +380,24 @@ def test_save_keeps_rows_and_records_only_and_restore_puts_back_the_eval_folders
     work, kept, fresh = tmp_path / "work", tmp_path / "kept", tmp_path / "fresh"
     files = {"data_settings.json": "{}", "features/manifest.json": "{}", "features/hidden_0.pt": "x",
              "target/model.safetensors": "x", "seed0/settings.json": "{}", "seed0/headroom/eagle3.json": "{}",
+             "seed0/measures/pr-paper.json": "{}",
              "seed0/runs/eagle3/metrics.jsonl": '{"step": 1, "loss": 9.0}\n{"step": 250, "loss": 8.0, "eval/avg_loss": 7.5}\n',
              "seed0/runs/eagle3-long/metrics.jsonl": '{"step": 249, "eval/avg_loss": 7.0}\n{"step": 250, "loss": 7.1}\n',
              "seed0/runs/eagle3/eagle3-step500/model.safetensors": "x",
              "seed0/export/eagle3/model.safetensors": "x", "seed0/export/eagle3/config.json": "{}",
              "seed0/report-b48/results.jsonl": "row", "seed0/report-b48/eval_config.json": "{}",
              "seed0/screen-b48/summary.json": "{}", "regenerated.jsonl": "{}\n", "regenerated.done": "ok\n",
-             "screen/regenerated.jsonl": "{}\n", "stage_times.json": "{}", "commands.log": "pr-specforge data x\n"}
+             "screen/regenerated.jsonl": "{}\n", "stage_times.json": "{}", "commands.log": "pr-specforge data x\n",
+             "sittings.jsonl": '{"commit": "abc1234"}\n'}
     for rel, text in files.items():
         (work / rel).parent.mkdir(parents=True, exist_ok=True)
         (work / rel).write_text(text)
     saved = {str(p) for p in regimes.save_rows(work, kept)}
     assert saved == {"data_settings.json", "features/manifest.json", "seed0/settings.json", "seed0/headroom/eagle3.json",
+                     "seed0/measures/pr-paper.json",
                      "seed0/runs/eagle3/heldout.jsonl", "seed0/runs/eagle3-long/heldout.jsonl", "seed0/report-b48/results.jsonl",
                      "seed0/report-b48/eval_config.json", "seed0/screen-b48/summary.json", "regenerated.jsonl",
-                     "regenerated.done", "screen/regenerated.jsonl", "stage_times.json", "commands.log"}
+                     "regenerated.done", "screen/regenerated.jsonl", "stage_times.json", "commands.log", "sittings.jsonl"}
     assert not list(kept.rglob("*.safetensors")) and not list(kept.rglob("*.pt"))
     # the loss curve of SpecForge's eval loop, not every step's row
     assert [json.loads(line) for line in (kept / "seed0/runs/eagle3/heldout.jsonl").read_text().splitlines()] == [
@@ -267,7 +421,7 @@ def test_save_keeps_rows_and_records_only_and_restore_puts_back_the_eval_folders
     # the regenerated text (a rerun skips regenerating what has its `.done`, resumes the rest), the eval folders, and
     # the stage times and command log the rebuilt workdir goes on adding to; the features and drafters rerun
     assert restored == {"seed0/report-b48/eval_config.json", "seed0/screen-b48/summary.json", "regenerated.jsonl",
-                        "regenerated.done", "screen/regenerated.jsonl", "stage_times.json", "commands.log"}
+                        "regenerated.done", "screen/regenerated.jsonl", "stage_times.json", "commands.log", "sittings.jsonl"}
     assert (fresh / "seed0" / "report-b48" / "results.jsonl").read_text() == "newer"  # never overwritten
     with pytest.raises(FileNotFoundError, match="not a saved regime folder"):
         regimes.restore_rows(tmp_path / "nothing", fresh)

@@ -41,8 +41,9 @@ class MixedStep:
 
     q: `[.., R+1]` halting distribution (Eq. 4), with its graph; lambdas: `[.., R]` the gate (detached);
     halt_depth: the sampled `d`; losses: `[.., R+1]` `l^r` per depth, with their graphs;
-    position_mask, loss_mask: the step's masks (float); correct, confidence, in_topk: telemetry
-    (`objective.metrics.step_predictions`); logits: per depth, detached, only for `return_logits`.
+    position_mask, loss_mask: the step's masks (float); correct, confidence, in_topk, agree: telemetry
+    (`objective.metrics.step_predictions`); feature_change: `[.., R]` `||f^r - f^0|| / ||f^0||`
+    (`objective.metrics.feature_change`); logits: per depth, detached, only for `return_logits`.
     """
 
     q: torch.Tensor
@@ -54,6 +55,8 @@ class MixedStep:
     correct: torch.Tensor
     confidence: torch.Tensor
     in_topk: torch.Tensor
+    agree: torch.Tensor
+    feature_change: torch.Tensor
     logits: List[torch.Tensor] = field(default_factory=list)
 
 

@@ -6,7 +6,7 @@ denominator)` pair, so SpecForge's tracker reduces it across ranks as sums befor
 dividing. The names (`pr/...`) are what `pr_specforge.training.telemetry` maps onto panels.
 
 Owns: the confidence bands of the banded telemetry (the evaluator's Table 7 bands),
-`RECOVER_TOPK`, `step_predictions` and `mixed_rollout_metrics`.
+`RECOVER_TOPK`, `step_predictions`, `feature_change` and `mixed_rollout_metrics`.
 """
 
 from __future__ import annotations
@@ -31,14 +31,25 @@ RatioMetrics = Dict[str, Tuple[torch.Tensor, torch.Tensor]]
 @torch.no_grad()
 def step_predictions(logits: Sequence[torch.Tensor], target_token_ids: torch.Tensor, d2t: torch.Tensor):
     """Per row of one step: top-1 correct per depth `[..., R+1]`, depth 0's top-1 probability,
-    and whether the target is among depth 0's top `RECOVER_TOPK`."""
+    whether the target is among depth 0's top `RECOVER_TOPK`, and whether each depth >= 1's
+    top-1 is depth 0's `[..., R]`."""
     pred = torch.stack([lg.argmax(-1) for lg in logits], dim=-1)
+    agree = pred[..., 1:] == pred[..., :1]
     pred = pred + d2t[pred]
     correct = pred == target_token_ids[..., None]
     confidence = torch.softmax(logits[0].float(), dim=-1).amax(-1)
     top = logits[0].topk(min(RECOVER_TOPK, logits[0].shape[-1]), dim=-1).indices
     in_topk = ((top + d2t[top]) == target_token_ids[..., None]).any(-1)
-    return correct, confidence, in_topk
+    return correct, confidence, in_topk, agree
+
+
+@torch.no_grad()
+def feature_change(depth_feats: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per row, how far each reconsidered feature moved from the one-pass one: `||f^r - f^0|| / ||f^0||`
+    for r = 1..R, `[..., R]` (the features M returns, before the head's norm)."""
+    f0 = depth_feats[0].float()
+    base = f0.norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.stack([(f.float() - f0).norm(dim=-1) / base for f in depth_feats[1:]], dim=-1)
 
 
 @torch.no_grad()
@@ -60,6 +71,11 @@ def mixed_rollout_metrics(steps: List["MixedStep"], max_depth: int) -> RatioMetr
         rm[f"pr/halt_share_depth_{r}"] = (((d == r).float() * lm).sum(), lm_sum)
     for r in range(max_depth):
         rm[f"pr/gate_mean_depth_{r}"] = ((lambdas[..., r] * lm).sum(), lm_sum)
+    change = torch.stack([s.feature_change for s in steps])
+    agree = torch.stack([s.agree for s in steps]).float()
+    for r in range(1, max_depth + 1):  # does depth r compute anything else than depth 0?
+        rm[f"pr/feature_change_depth_{r}"] = ((change[..., r - 1] * lm).sum(), lm_sum)
+        rm[f"pr/argmax_agree_depth_{r}"] = ((agree[..., r - 1] * lm).sum(), lm_sum)
     rm["pr/halt_past_0"] = (((d > 0).float() * lm).sum(), lm_sum)
     wrong0 = (1.0 - correct[..., 0]) * lm
     recovered = wrong0 * (correct[..., 1:].amax(-1) if max_depth else torch.zeros_like(wrong0))

@@ -48,7 +48,7 @@ from pr_specforge.config import PR_ATTENTION_BACKEND, PRConfig, check_attention_
 from pr_specforge.modeling.attention import KV, chain_attention, strict_causal_mask
 from pr_specforge.modeling.drafter import LlamaForCausalLMEagle3PR, halting_distribution
 from pr_specforge.training.objective.loss import LossTerms, MixedStep, marginal_entropy, pr_objective  # noqa: F401
-from pr_specforge.training.objective.metrics import mixed_rollout_metrics, step_predictions
+from pr_specforge.training.objective.metrics import feature_change, mixed_rollout_metrics, step_predictions
 
 
 @dataclass
@@ -507,11 +507,11 @@ class OnlinePRModel(OnlineEagle3Model):
         if self.step_observer is not None:  # the acceptance simulator / headroom (`training.simulate`)
             self.step_observer.depths(step, lo, [lg.detach() for lg in logits], q.detach(), self.draft_model.d2t)
         losses = torch.stack([soft_cross_entropy_rows(lg, view.target_p) for lg in logits], dim=-1)  # [B,T,R+1]
-        correct, confidence, in_topk = step_predictions(logits, view.target_token_ids, self.draft_model.d2t)
+        correct, confidence, in_topk, agree = step_predictions(logits, view.target_token_ids, self.draft_model.d2t)
         return MixedStep(
             q=q, lambdas=lambdas.detach(), halt_depth=d, losses=losses,
             position_mask=view.position_mask.squeeze(-1).float(), loss_mask=view.loss_mask.squeeze(-1).float(),
-            correct=correct, confidence=confidence, in_topk=in_topk,
+            correct=correct, confidence=confidence, in_topk=in_topk, agree=agree, feature_change=feature_change(depth_feats),
             logits=[lg.detach() for lg in logits] if return_logits else [],
         )
 

@@ -1,0 +1,93 @@
+"""A regime's held-out measures, one stage per seed and drafter after its training, diagnose and headroom: what a
+drafter computes on the held-out features before it is served (issue 40).
+
+`seedN/measures/NAME.json` holds the training's held-out curve (SpecForge's eval loop every `--eval-interval` steps:
+loss and simulated acceptance length), whether it had flattened (`FLAT_GAIN`), and for a PR drafter, from `diagnose`
+and `headroom` on the same features: `||f^r - f^0|| / ||f^0||` (how far depth r's feature moved from depth 0's),
+how often depth r's top-1 is depth 0's, the share of depth-0 misses some depth >= 1 gets right (the mixed rollout's
+top-1) and Table 7's share of c_d < 0.5 rejects a reconsidered depth recovers (`headroom`).
+
+Owns: the measures file and its table in the report. Does not own the metrics (`pr-specforge diagnose`, `headroom`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List, Optional
+
+#: the held-out curve counts as flattened when its last interval raised the simulated acceptance length by less than
+#: this share (the project's choice; the paper says "until convergence")
+FLAT_GAIN = 0.01
+
+
+def heldout_curve(run: Path) -> List[list]:
+    """[[step, held-out loss, simulated acceptance length]] of a training's `metrics.jsonl` eval rows."""
+    from pr_specforge.data.io import read_jsonl_rows
+
+    rows = read_jsonl_rows(run / "metrics.jsonl", repair=False) if (run / "metrics.jsonl").exists() else []
+    return [[r["step"], r["eval/avg_loss"], r.get("eval/simulated_acc_len")] for r in rows if "eval/avg_loss" in r]
+
+
+def flattening(curve: List[list]) -> dict:
+    """The last interval's relative gain in simulated acceptance length and whether it is under `FLAT_GAIN`
+    (None for both with fewer than two points)."""
+    accs = [acc for _, _, acc in curve if acc is not None]
+    if len(accs) < 2 or not accs[-2]:
+        return {"last_gain": None, "flattened": None}
+    gain = accs[-1] / accs[-2] - 1.0
+    return {"last_gain": gain, "flattened": gain < FLAT_GAIN}
+
+
+def measures(run: Path, diagnose_json: Path, headroom_json: Path) -> dict:
+    """The measures file's content (see the module docstring) from a run and its diagnose and headroom reports."""
+    curve = heldout_curve(run)
+    pr = (json.loads(diagnose_json.read_text()).get("pr") or {}) if diagnose_json.exists() else {}
+    pooled = (json.loads(headroom_json.read_text()).get("pooled") or {}) if headroom_json.exists() else {}
+    depths = sorted(int(k.rsplit("_", 1)[1]) for k in pr if k.startswith("pr/feature_change_depth_"))
+    table7 = pooled.get("table7") or {}
+    return {"curve": curve, "steps": curve[-1][0] if curve else None, **flattening(curve),
+            "feature_change": {str(r): pr[f"pr/feature_change_depth_{r}"] for r in depths},
+            "argmax_agree": {str(r): pr.get(f"pr/argmax_agree_depth_{r}") for r in depths},
+            "recovered_share": pr.get("pr/recovered_share"),
+            "recovered_low_cd": table7["recovered"][0][3] if table7.get("recovered") else None}
+
+
+def write_measures(run: Path, diagnose_json: Path, headroom_json: Path, out: Path) -> None:
+    from pr_specforge.data.io import atomic_write_json
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out, measures(run, diagnose_json, headroom_json))
+
+
+def read_measures(work: Path) -> Dict[str, Dict[str, dict]]:
+    """seedN -> drafter -> its measures file, from a workdir or a folder `save` kept."""
+    out: Dict[str, Dict[str, dict]] = {}
+    for f in sorted(work.glob("seed*/measures/*.json")):
+        out.setdefault(f.parent.parent.name, {})[f.stem] = json.loads(f.read_text())
+    return out
+
+
+def _pct(x: Optional[float], signed: bool = False) -> str:
+    return "-" if x is None else (f"{100 * x:+.1f}%" if signed else f"{100 * x:.1f}%")
+
+
+def render_measures(per_seed: Dict[str, Dict[str, dict]]) -> List[str]:
+    """The report's table of the held-out measures (nothing when none was measured)."""
+    if not per_seed:
+        return []
+    lines = ["### Held-out measures before serving", "",
+             f"The last interval's gain in held-out simulated acceptance length; flattened below +{FLAT_GAIN:.0%}. "
+             "||f^r-f^0||/||f^0|| and the top-1 agreement with depth 0 per reconsidered depth r; recovered: the share of "
+             "depth-0 misses some depth >= 1 gets right (diagnose); c_d < 0.5: Table 7's recovered rejects (headroom).", "",
+             "| seed | drafter | steps | last gain | flattened | ||f^r-f^0||/||f^0|| | top-1 = depth 0's | recovered | c_d < 0.5 recovered |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for sd, drafters in sorted(per_seed.items()):
+        for name, m in sorted(drafters.items()):
+            flat = "-" if m.get("flattened") is None else ("yes" if m["flattened"] else "no")
+            change = " / ".join(f"{v:.3f}" for v in (m.get("feature_change") or {}).values()) or "-"
+            agree = " / ".join(_pct(v) for v in (m.get("argmax_agree") or {}).values()) or "-"
+            lines.append(f"| {sd} | {name} | {m.get('steps') if m.get('steps') is not None else '-'} | "
+                         f"{_pct(m.get('last_gain'), signed=True)} | {flat} | {change} | {agree} | "
+                         f"{_pct(m.get('recovered_share'))} | {_pct(m.get('recovered_low_cd'))} |")
+    return lines + [""]
