@@ -6,8 +6,10 @@ here yet: at the benchmark's size depth 0 already answers most 2-hop queries
 """
 
 import pytest
+import torch
 
 from pr_specforge.control.cli import main
+from pr_specforge.control.task import PAD, ControlTask
 
 PAPER = "recipes/_base/paper-pr.yaml"
 
@@ -39,3 +41,18 @@ def test_cli_help_says_the_exit_codes(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "1 = does not" in capsys.readouterr().out
+
+
+def test_no_answer_is_in_the_context_and_the_teacher_names_every_answer():
+    """With K > 1 an earlier 2-hop answer in the context would be a 2-hop fact that one pass can use."""
+    task = ControlTask(symbols=6, queries=4)
+    b = task.batch(8, torch.Generator().manual_seed(0), 16, task.feature_table(16))
+    toks, answer, _ = task.tokens(8, torch.Generator().manual_seed(0))
+    rows = b["kind"] > 0
+    assert int(rows.sum()) == 8 * 4 and torch.equal(rows, b["loss_mask"][..., 0] > 0)
+    assert torch.equal(b["answer"][rows], toks[answer])  # the teacher's token at an answer row is the answer
+    assert torch.equal(b["target"].argmax(-1)[rows], toks[answer])
+    answer_at = torch.cat([answer[:, 1:], torch.zeros(8, 1, dtype=torch.bool)], dim=1)  # the token slot of row p is p + 1
+    assert (b["input_ids"][answer_at] == PAD).all()
+    table = task.feature_table(16)
+    assert torch.equal(b["hidden_states"][answer], table[torch.full((int(answer.sum()),), PAD)])
