@@ -20,7 +20,7 @@ def test_cli_prints_the_table_and_exits_nonzero_when_the_pass_is_not_learnt(caps
     assert "2-hop acc" in out and "verdict: does NOT learn the second pass" in out
 
 
-@pytest.mark.parametrize("case", ["missing", "yaml", "unknown", "override"])
+@pytest.mark.parametrize("case", ["missing", "yaml", "unknown", "override", "queries"])
 def test_cli_bad_input_is_one_line(tmp_path, capsys, case):
     recipe = tmp_path / "r.yaml"
     args = ["--recipe", str(recipe)]
@@ -31,10 +31,13 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys, case):
     elif case == "override":
         recipe.write_text("pr:\n  max_depth: 2\n")
         args.append("pr.recon_grad=sideways")
+    elif case == "queries":
+        recipe.write_text("pr:\n  max_depth: 2\n")
+        args += ["--symbols", "6", "--queries", "7"]
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("pr-specforge control: ") and "\n" not in err
-    assert {"missing": "does not exist", "yaml": "not valid YAML", "unknown": "max_dept", "override": "recon_grad"}[case] in err
+    assert {"missing": "does not exist", "yaml": "not valid YAML", "unknown": "max_dept", "override": "recon_grad", "queries": "1 to N = 6"}[case] in err
 
 
 def test_cli_help_says_the_exit_codes(capsys):
