@@ -75,7 +75,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from pr_specforge.control.run import ControlSettings, run_control
 
         pr = recipe_pr(args.recipe, args.overrides)
-        settings = ControlSettings(steps=args.steps, symbols=args.symbols, queries=args.symbols if args.queries is None else args.queries, max_depth=args.max_depth,
+        queries = args.symbols if args.queries is None else args.queries
+        settings = ControlSettings(steps=args.steps, symbols=args.symbols, queries=queries, max_depth=args.max_depth,
                                    ttt_length=args.ttt_length, seed=args.seed)
     except (ConfigError, ValueError) as e:
         print(f"pr-specforge control: {' '.join(str(e).split())}", file=sys.stderr)  # one line (YAML errors span several)
