@@ -1,8 +1,9 @@
-"""`pr-specforge control`: the table, the verdict and the exit code; bad input in one line.
+"""`pr-specforge control`: the table, the verdict and the exit code; bad input in one line; no answer
+in the drafter's inputs.
 
 The tests that the paper recipe learns the second pass and that a broken objective fails are not
-here yet: at the benchmark's size depth 0 already answers most 2-hop queries
-(`benchmarks/results/control.md`), so the task does not separate one pass from two yet.
+here yet: at the fixed task (answers hidden, N = 6) depth 0 sits at the one-pass bound on 2-hop
+queries, but the paper recipe had not learnt the second pass within 1500 steps (docs/control.md).
 """
 
 import pytest
