@@ -4,7 +4,7 @@
         --json benchmarks/results/control.json --md benchmarks/results/control.md [--sets paper default ...]
 
 For each option set, `pr_specforge.control` trains a tiny PR drafter (hidden 64, R = 1, TTT 2,
-a cycle of N = 5 symbols) with the set's `pr:` options and measures on held-out samples the
+a cycle of N = 6 symbols, every symbol asked once, the answers hidden) with the set's `pr:` options and measures on held-out samples the
 accuracy of depth 0 and depth 1 on 1-hop queries (f(a): one attention pass answers them) and
 2-hop queries (f(f(a)): they need two), and the gate's mean q per depth on each kind. Every
 set but `default` is `recipes/_base/paper-pr.yaml`'s options with the named change; the sets
@@ -112,7 +112,7 @@ def _args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--sets", nargs="*", default=list(OPTION_SETS), choices=list(OPTION_SETS), metavar="SET",
                    help=f"option sets to run (default all): {', '.join(OPTION_SETS)}")
     p.add_argument("--steps", type=int, default=1200)
-    p.add_argument("--symbols", type=int, default=5)
+    p.add_argument("--symbols", type=int, default=6)
     p.add_argument("--note", default="", help="a line recorded in the JSON (e.g. why the steps differ from the issue's)")
     p.add_argument("--merge", nargs="*", default=[], help="JSON files of earlier runs (same settings) whose sets join --json")
     p.add_argument("--seed", type=int, default=0)
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     from pr_specforge.control.run import MIN_ACCURACY_GAIN, MIN_ROUTING_GAP, ControlSettings, run_control
 
     torch.set_num_threads(args.threads)
-    settings = ControlSettings(steps=args.steps, symbols=args.symbols, seed=args.seed)
+    settings = ControlSettings(steps=args.steps, symbols=args.symbols, queries=args.symbols, seed=args.seed)
     report: Dict[str, Any] = {"sets": {}}
     if os.path.isfile(args.json):
         with open(args.json) as f:

@@ -61,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="pr.FIELD=VALUE overrides, e.g. pr.recon_grad=isolated")
     p.add_argument("--steps", type=int, default=d.steps, help=f"training steps (default {d.steps})")
     p.add_argument("--symbols", type=int, default=d.symbols, help=f"cycle length N (default {d.symbols})")
+    p.add_argument("--queries", type=int, default=None, help="queries per sample K, 1 to N (default N: every symbol asked once)")
     p.add_argument("--max-depth", type=int, default=d.max_depth, help=f"the control drafter's R (default {d.max_depth})")
     p.add_argument("--ttt-length", type=int, default=d.ttt_length, help=f"TTT steps (default {d.ttt_length})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed (default {d.seed})")
@@ -74,7 +75,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from pr_specforge.control.run import ControlSettings, run_control
 
         pr = recipe_pr(args.recipe, args.overrides)
-        settings = ControlSettings(steps=args.steps, symbols=args.symbols, max_depth=args.max_depth,
+        queries = args.symbols if args.queries is None else args.queries
+        settings = ControlSettings(steps=args.steps, symbols=args.symbols, queries=queries, max_depth=args.max_depth,
                                    ttt_length=args.ttt_length, seed=args.seed)
     except (ConfigError, ValueError) as e:
         print(f"pr-specforge control: {' '.join(str(e).split())}", file=sys.stderr)  # one line (YAML errors span several)
@@ -83,7 +85,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     out = run_control(pr, settings)
-    print(f"control: {args.recipe}, {settings.steps} steps, N = {settings.symbols}, R = {settings.max_depth}")
+    print(f"control: {args.recipe}, {settings.steps} steps, N = {settings.symbols}, K = {settings.queries}, R = {settings.max_depth}")
     print("\n".join(table_lines(out["result"])))
     print(verdict_line(out["verdict"]))
     if args.json:

@@ -40,8 +40,8 @@ WARM_START = "control:eagle3"
 class ControlSettings:
     """The control's size and schedule (its `pr:` options come from the recipe)."""
 
-    symbols: int = 5
-    queries: int = 4
+    symbols: int = 6  # N = 5 lets one pass answer most 2-hop queries (docs/control.md); at 6 depth 0 sits at the bound
+    queries: int = 6  # K = N: every symbol is asked once (the answers are hidden, so they cannot help)
     hidden: int = 64
     heads: int = 4
     ttt_length: int = 2
@@ -61,6 +61,7 @@ class ControlSettings:
             raise ValueError(f"control max_depth: the control needs R >= 1, got {self.max_depth}")
         if self.hidden % self.heads:
             raise ValueError(f"control hidden={self.hidden} is not a multiple of heads={self.heads}")
+        self.task  # the task checks N and K
 
     @property
     def task(self) -> ControlTask:
