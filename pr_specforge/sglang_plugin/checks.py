@@ -18,7 +18,6 @@ Does not own: the registration (`sglang_plugin.algorithm`), the round (`sglang_p
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -27,6 +26,7 @@ from typing import Dict, Optional
 
 import torch
 
+from pr_specforge.data.io import read_json_object
 from pr_specforge.serving.tree import TreeConfig
 
 ALGORITHM = "PR_EAGLE3"
@@ -87,11 +87,7 @@ def read_export_config(draft_dir: Optional[str]) -> Dict:
     path = os.path.join(draft_dir, "config.json")
     if not os.path.isfile(path):
         raise PRServeError(f"{ALGORITHM}: {path} does not exist (expected a `pr-specforge export --to sglang` dir)")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise PRServeError(f"{ALGORITHM}: {path} is not readable JSON ({e})") from None
+    return read_json_object(path, f"{ALGORITHM}:", error=PRServeError)
 
 
 def serve_shape(server_args, export_config: Dict) -> PRServeShape:

@@ -47,11 +47,9 @@ def check_target(path: Optional[str]) -> Optional[dict]:
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         raise ConfigError(f"model.target_model_path: {path} has no config.json, so it is not a model directory; {fix}")
-    try:
-        with open(config) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"model.target_model_path: {config} is not valid JSON ({e})") from None
+    from pr_specforge.data.io import read_json_object
+
+    return read_json_object(config, "model.target_model_path:", error=ConfigError)
 
 
 def check_vocab_map(path: Optional[str], draft: Optional[dict], features: Optional[str]) -> None:
