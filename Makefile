@@ -13,7 +13,7 @@ setup:
 run: setup
 	.venv/bin/pr-specforge run $(ARGS)
 
-# The test suite (CPU, tiny random models; about 15-20 minutes on 2 cores).
+# The test suite (CPU, tiny random models; 15-20 minutes on 2 cores at 5848ecd; more with the live PR_EAGLE3 tests).
 test: setup
 	.venv/bin/python -m pytest -q tests $(ARGS)
 
