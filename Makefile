@@ -13,9 +13,10 @@ setup:
 run: setup
 	.venv/bin/pr-specforge run $(ARGS)
 
-# The test suite (CPU, tiny random models; 15-20 minutes on 2 cores at 5848ecd; more with the live PR_EAGLE3 tests).
+# The test suite (CPU, tiny random models), on two pytest-xdist workers: one takes the live SGLang tests
+# (they share one trained run and one plain server), the other the rest, slowest modules first (tests/conftest.py).
 test: setup
-	.venv/bin/python -m pytest -q tests $(ARGS)
+	.venv/bin/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder tests $(ARGS)
 
 bench: setup
 	.venv/bin/python benchmarks/train_step.py --json benchmarks/results/train_step.json

@@ -5,6 +5,8 @@ import os
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`: two workers on two cores, one thread each (and their children)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -37,3 +39,28 @@ def tiny_llama_config(**overrides):
 @pytest.fixture
 def tiny_config():
     return tiny_llama_config()
+
+
+#: modules that take a minute or more, started first so that the two workers of `make test` end together
+SLOW_FIRST = ("tests/sglang_live/", "tests/experiment/test_pipeline.py", "tests/training/test_deepspeed.py",
+              "tests/training/test_kill_resume.py", "tests/eval/test_headroom.py", "tests/training/test_online.py",
+              "tests/recipe_options/test_warm_start.py", "tests/integration/test_diagnose.py",
+              "tests/data/test_data_smollm2.py", "tests/integration/test_train_cli.py", "tests/data/test_sharded_prep.py",
+              "tests/telemetry/test_telemetry.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """For `make test` (`-n 2 --dist loadgroup --no-loadscope-reorder`): a module is one unit of work (its
+    fixtures are built once), the live SGLang package is one unit (its package-scoped trained run and plain
+    server are built once), and the slow units come first. Without xdist the marks and the order are inert."""
+    def group(item):
+        path = item.nodeid.split("::", 1)[0]
+        return "tests/sglang_live/" if path.startswith("tests/sglang_live/") else path
+
+    def rank(item):
+        path = item.nodeid.split("::", 1)[0]
+        return next((i for i, p in enumerate(SLOW_FIRST) if path.startswith(p)), len(SLOW_FIRST))
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    items.sort(key=rank)  # stable: within a rank, collection order

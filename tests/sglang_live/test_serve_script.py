@@ -6,8 +6,8 @@ target's. Here the live tests' target is copied with its config declaring 8192 (
 decode, unchanged), the drafter config keeps 512, and the run's checkpoint is exported the way `make run`
 does (`export CKPT OUT --to sglang --target TARGET`). The script then serves it with its defaults (float32,
 chain of 3): the output must be the target's greedy decode and the accepted drafts our evaluator's, prompt
-by prompt. A renamed or missing tensor fails it (the script's preflight names the tensor, or the
-bridge's `DraftLoadError` stops the server), as would a drafter left random.
+by prompt, and plain greedy serving's. This is the PR export served as EAGLE-3 (its `pr_*` tensors
+are skipped). A renamed or missing tensor fails it (the script's preflight names the tensor, or the bridge's `DraftLoadError` stops the server), as would a drafter left random.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from pr_specforge.sglang_cpu import child_env
 from tests.export.conftest import ENV
 from tests.export.test_export import long_context_target
 from tests.sglang_live.conftest import STEPS, _free_port, greedy, serving
-from tests.sglang_live.test_live_engine import CHAIN_STEPS, MAX_NEW, ours  # noqa: F401  (a fixture)
+from tests.sglang_live.test_live_engine import CHAIN_STEPS, MAX_NEW, _tau, ours, plain  # noqa: F401  (fixtures)
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "sglang_cpu_serve.sh")
 
 
-def test_the_serve_script_serves_an_export_made_against_a_longer_context_target(live_run, ours, tmp_path):  # noqa: F811
+def test_the_serve_script_serves_an_export_made_against_a_longer_context_target(live_run, ours, plain, tmp_path):  # noqa: F811
     from pr_specforge.export import main as export_main
 
     root = live_run["root"]
@@ -42,8 +42,9 @@ def test_the_serve_script_serves_an_export_made_against_a_longer_context_target(
     with serving(["bash", SCRIPT, str(target), str(export), str(port)], port, tmp_path / "server.log", env):
         served = [greedy(port, p, MAX_NEW) for p in live_run["prompts"]]
     reference = ours(CHAIN_STEPS)  # the script's default: a chain of 3 drafts
-    assert [o["output_ids"] for o in served] == [r.tokens for r in reference]
+    assert [o["output_ids"] for o in served] == [r.tokens for r in reference] == plain  # lossless
     for out, ref in zip(served, reference):
         meta = out["meta_info"]
         assert (meta["spec_verify_ct"], meta["spec_num_correct_drafts"]) == (ref.rounds, sum(ref.accept_lengths) - ref.rounds)
+    assert _tau(served) > 2.0, f"the trained drafter should accept most drafts on its own distribution, tau {_tau(served)}"
     assert re.search(r"[(, ]dtype='float32'", (tmp_path / "server.log").read_text())  # the verified default, not 'auto'
