@@ -118,6 +118,42 @@ def check_parallel_and_paging(server_args) -> None:
         raise PRServeError(f"{ALGORITHM} drafts synchronously: pass --disable-overlap-schedule")
     if getattr(server_args, "speculative_adaptive", False):
         raise PRServeError(f"{ALGORITHM} has a fixed tree shape: --speculative-adaptive is not supported")
+    if draft_attention_backend(server_args) == "fa3":
+        raise PRServeError(f"{ALGORITHM} drafts each tree row over its own list of KV slots, which FA3's draft decode "
+                           "cannot express (it reads prefix + own lane): use --speculative-draft-attention-backend "
+                           "triton or flashinfer")
+
+
+def draft_attention_backend(server_args) -> Optional[str]:
+    """The backend SGLang's draft decode takes: `--speculative-draft-attention-backend`, else the decode one, else
+    `--attention-backend` (`speculative/draft_utils.py`, `DraftBackendFactory`)."""
+    for name in ("speculative_draft_attention_backend", "decode_attention_backend", "attention_backend"):
+        value = getattr(server_args, name, None)
+        if value:
+            return str(value)
+    return None
+
+
+def check_rows(shape: "PRServeShape", export_config: Dict) -> None:
+    """With `PR_EAGLE3_ROWS=sglang`: what SGLang's draft model runner cannot run, and a round whose rows
+    outgrow the draft KV slots a decode reserves after the context (`2 max(gamma k, B + 1)`, `mem_cache/common.py`)."""
+    from pr_specforge.config import PR_CONFIG_KEY
+    from pr_specforge.sglang_plugin.rows import ROWS_ENV, rows_mode
+
+    try:
+        mode = rows_mode()
+    except ValueError as e:
+        raise PRServeError(str(e)) from None
+    if mode != "sglang":
+        return
+    if int((export_config.get(PR_CONFIG_KEY) or {}).get("recon_adapter_rank") or 0) > 0:
+        raise PRServeError(f"{ALGORITHM}: {ROWS_ENV}=sglang does not run a drafter with a reconsideration adapter "
+                           f"(pr.recon_adapter_rank > 0); serve it with {ROWS_ENV}=ours")
+    need = (shape.gamma - 1) * (shape.bw + shape.m)
+    room = 2 * max(shape.gamma * shape.k, shape.budget + 1) - 1
+    if need > room:
+        raise PRServeError(f"{ALGORITHM}: {ROWS_ENV}=sglang: a round's {need} tree rows ((gamma - 1)(B_w + m)) exceed the "
+                           f"{room} draft KV slots SGLang reserves per decode; lower B_w or m, or use {ROWS_ENV}=ours")
 
 
 def check_shape(shape: PRServeShape) -> None:
@@ -195,6 +231,7 @@ def check_export_and_shape(server_args) -> PRServeShape:
     shape = serve_shape(server_args, export_config)
     check_shape(shape)
     check_drafter(server_args.speculative_draft_model_path, export_config)
+    check_rows(shape, export_config)
     return shape
 
 

@@ -58,7 +58,8 @@ def _server_args(live_run, draft, *, steps=3, topk=2, tokens=7, **extra):
     from pr_specforge.sglang_plugin import register
 
     register()
-    return ServerArgs(model_path=live_run["target"], device="cpu", attention_backend="torch_native", dtype="float32",
+    return ServerArgs(model_path=live_run["target"], device="cpu", dtype="float32",
+                      attention_backend=extra.pop("attention_backend", "torch_native"),
                       disable_cuda_graph=True, disable_overlap_schedule=extra.pop("disable_overlap_schedule", True),
                       speculative_algorithm="PR_EAGLE3", speculative_draft_model_path=draft,
                       speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens,
@@ -117,6 +118,8 @@ REFUSALS = [
     ("no-pr-tensors", {}, _drop_pr, "holds no PR tensors"),
     ("renamed-pr-tensor", {}, _rename_pr, "missing ['pr_halt_gate."),
     ("missing-pr-tensor", {}, _drop_one_pr, "missing ['pr_self_query."),
+    ("fa3-draft", dict(speculative_draft_attention_backend="fa3"), None, "FA3's draft decode cannot express"),
+    ("fa3", dict(attention_backend="fa3"), None, "FA3's draft decode cannot express"),
 ]
 
 
