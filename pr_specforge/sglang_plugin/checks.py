@@ -150,7 +150,7 @@ def check_rows(shape: "PRServeShape", export_config: Dict) -> None:
         raise PRServeError(f"{ALGORITHM}: {ROWS_ENV}=sglang does not run a drafter with a reconsideration adapter "
                            f"(pr.recon_adapter_rank > 0); serve it with {ROWS_ENV}=ours")
     need = (shape.gamma - 1) * (shape.bw + shape.m)
-    room = 2 * max(shape.gamma * shape.k, shape.budget + 1) - 1
+    room = 2 * max(shape.gamma * shape.k, shape.budget + 1)  # req.kv_allocated_len - seq_len at draft time
     if need > room:
         raise PRServeError(f"{ALGORITHM}: {ROWS_ENV}=sglang: a round's {need} tree rows ((gamma - 1)(B_w + m)) exceed the "
                            f"{room} draft KV slots SGLang reserves per decode; lower B_w or m, or use {ROWS_ENV}=ours")

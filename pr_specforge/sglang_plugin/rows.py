@@ -14,8 +14,8 @@ Owns:
 
 KV slots. Tree row `r` of a round (row 0: the root, the last context row) lives at `req_to_token[req,
 seq_len - 1 + r]`, the layout our runtime's buffer has: rows `1 ..` take the draft slots SGLang reserved
-after the context (`(gamma - 1)(B_w + m)` of them; a decode reserves `2 max(steps k, B + 1)`,
-`mem_cache/common.py`); draft-extend overwrites them after verification. A request whose reservation is
+after the context (`(gamma - 1)(B_w + m)` of them; a decode reserves `2 max(steps k, B + 1)` there,
+`mem_cache/common.py`, logged as `kv_room` in the round log); draft-extend overwrites them after verification. A request whose reservation is
 short is refused in one line (`checks.check_rows_reservation` refuses such a shape at start-up).
 
 Does not own: the tree (`serving.batched_tree`), the worker (`sglang_plugin.worker`).

@@ -180,3 +180,19 @@ def test_the_export_may_carry_its_serving_defaults(live_run, cpu_engine, tmp_pat
     (path / "config.json").write_text(json.dumps(cfg))
     args = _server_args(live_run, str(path), steps=4, topk=4, tokens=17)
     assert check_server_args(args) == _shape(k=4, bw=3, m=1, gamma=4, budget=16)
+
+
+def test_the_rows_switch_refuses_a_bad_value_and_rows_that_outgrow_the_draft_slots(live_run, cpu_engine, monkeypatch):
+    from pr_specforge.sglang_plugin.checks import PRServeError, check_server_args
+
+    args = _server_args(live_run, live_run["pr"], steps=5, topk=2, tokens=7)
+    monkeypatch.setenv("PR_EAGLE3_M", "4")
+    assert check_server_args(args).m == 4  # our rows: no KV-slot bound
+    monkeypatch.setenv("PR_EAGLE3_ROWS", "sglang")
+    with pytest.raises(PRServeError, match=r"round's 24 tree rows \(\(gamma - 1\)\(B_w \+ m\)\) exceed the 20 draft KV slots"):
+        check_server_args(args)
+    monkeypatch.setenv("PR_EAGLE3_M", "2")
+    assert check_server_args(args).m == 2  # 16 rows fit
+    monkeypatch.setenv("PR_EAGLE3_ROWS", "theirs")
+    with pytest.raises(PRServeError, match="PR_EAGLE3_ROWS='theirs' is not one of ours, sglang"):
+        check_server_args(args)
