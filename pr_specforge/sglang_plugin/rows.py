@@ -1,8 +1,9 @@
 """A PR draft step's rows through SGLang's draft model runner: ONE call per step for every running request.
 
 Owns:
-  * `rows_mode` - the switch `PR_EAGLE3_ROWS`: `ours` (default: each request's context is copied into our eager
-    `DrafterRuntime`, which runs the rows) or `sglang` (this module).
+  * `rows_mode` - the switch `PR_EAGLE3_ROWS`: `sglang` (this module; the default where it can serve, see
+    `checks.check_rows`) or `ours` (each request's context is copied into our eager `DrafterRuntime`, which
+    runs the rows request by request).
   * `PoolContext` - a request's committed drafter context as it lies in SGLang's draft KV pool (its
     `req_to_token` row and length): what `serving.batched_tree.BatchedTreeBuilder` takes in place of a runtime.
   * `SGLangRows` - the builder's row forwards (`begin` / `root` / `step`, the seam `batched_tree.RuntimeRows`
@@ -37,12 +38,14 @@ from pr_specforge.sglang_plugin.row_attention import RowListAttnBackend, row_kv_
 
 ROWS_ENV = "PR_EAGLE3_ROWS"
 ROWS_MODES = ("ours", "sglang")
-DEFAULT_ROWS = "ours"
 
 
-def rows_mode() -> str:
-    """`PR_EAGLE3_ROWS` (default `ours`); ValueError, one line, for anything else."""
-    mode = (os.environ.get(ROWS_ENV) or DEFAULT_ROWS).strip().lower()
+def rows_mode() -> Optional[str]:
+    """`PR_EAGLE3_ROWS` as set (None when unset: `checks.check_rows` picks); ValueError, one line, for anything else."""
+    raw = os.environ.get(ROWS_ENV)
+    if raw is None or not raw.strip():
+        return None
+    mode = raw.strip().lower()
     if mode not in ROWS_MODES:
         raise ValueError(f"PR_EAGLE3: {ROWS_ENV}={mode!r} is not one of {', '.join(ROWS_MODES)}")
     return mode

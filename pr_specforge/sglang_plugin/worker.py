@@ -5,7 +5,8 @@
 but `draft` is SGLang's: the draft model, its KV pool and draft-extend (prefill and decode), target
 verify, acceptance, the radix cache, chunked prefill, retraction.
 
-`PRDraftWorker.draft` has two row paths, chosen by `PR_EAGLE3_ROWS` (`rows.rows_mode`):
+`PRDraftWorker.draft` has two row paths, chosen by `PR_EAGLE3_ROWS` (`checks.check_rows`: `sglang` by default
+where SGLang's runner can run the rows):
   * `ours` (the default): request by request, steps 1-3 below;
   * `sglang`: one `serving.batched_tree.BatchedTreeBuilder` round for every running request of a (B_w, m),
     whose rows (all requests' `B_w + m` per step) run in ONE call of SGLang's draft model runner per step
@@ -43,10 +44,10 @@ from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorker
 from pr_specforge.serving.batched_tree import BatchedTreeBuilder, BatchRequest
 from pr_specforge.serving.drafter_runtime import DrafterRuntime
 from pr_specforge.serving.tensor_tree import TensorTreeBuilder
-from pr_specforge.sglang_plugin.checks import check_server_args, load_pr_drafter, request_shape
+from pr_specforge.sglang_plugin.checks import check_server_args, load_pr_drafter, request_shape, rows_for, rows_room
 from pr_specforge.sglang_plugin.draft_model import use_for_draft
 from pr_specforge.sglang_plugin.encoding import encode_tree
-from pr_specforge.sglang_plugin.rows import PoolContext, SGLangRows, rows_mode
+from pr_specforge.sglang_plugin.rows import PoolContext, SGLangRows
 
 log = logging.getLogger(__name__)
 ROUND_LOG = "PR_EAGLE3_ROUND_LOG"
@@ -55,9 +56,10 @@ ROUND_LOG = "PR_EAGLE3_ROUND_LOG"
 class PRDraftWorker(EagleDraftWorker):
     """`EagleDraftWorker` whose `draft` runs the PR round (see the module docstring)."""
 
-    def pr_setup(self) -> None:
+    def pr_setup(self, mode: str) -> None:
         self.pr_shape = check_server_args(self.server_args)
-        self.pr_mode = rows_mode()
+        self.pr_mode = mode  # "sglang" or "ours" (`checks.check_rows`)
+        self.pr_max_rows = rows_room(self.pr_shape) if mode == "sglang" else None
         self.pr_stats: Dict[str, Dict[str, int]] = {}
         self.pr_log = os.environ.get(ROUND_LOG) or None
 
@@ -68,14 +70,14 @@ class PRDraftWorker(EagleDraftWorker):
         drafter = load_pr_drafter(self.server_args.speculative_draft_model_path, embed.device, dtype, embed)
         self.pr_rt = DrafterRuntime(drafter)
         self.pr_builders = {}
-        self.pr_rows = SGLangRows(self.draft_runner, self.pr_rt) if rows_mode() == "sglang" else None
+        self.pr_rows = SGLangRows(self.draft_runner, self.pr_rt) if self.pr_mode == "sglang" else None
         self.pr_layer_id = next(m.layer_id for m in self.draft_runner.model.modules() if isinstance(m, RadixAttention))
 
     def _builder(self, req):
         """The round's builder: the server's shape, or the request's `custom_params["pr_eagle3"]` B_w / m
         (a `TensorTreeBuilder` over our runtime, or with `PR_EAGLE3_ROWS=sglang` a `BatchedTreeBuilder` whose rows
         run in SGLang's draft model runner)."""
-        shape = request_shape(self.pr_shape, getattr(req.sampling_params, "custom_params", None))
+        shape = request_shape(self.pr_shape, getattr(req.sampling_params, "custom_params", None), self.pr_max_rows)
         key = (shape.bw, shape.m)
         if key not in self.pr_builders:
             cfg = shape.tree_config()
@@ -180,8 +182,9 @@ class PREagleWorkerV2(EAGLEWorkerV2):
     """SGLang's V2 EAGLE worker with `PRDraftWorker` as its draft worker."""
 
     def __init__(self, *args, **kwargs):
-        with use_for_draft() if rows_mode() == "sglang" else contextlib.nullcontext():  # the draft model's class
+        mode = rows_for(kwargs["server_args"] if "server_args" in kwargs else args[0])
+        with use_for_draft() if mode == "sglang" else contextlib.nullcontext():  # the draft model's class
             super().__init__(*args, **kwargs)
         self._draft_worker.__class__ = PRDraftWorker
-        self._draft_worker.pr_setup()
-        log.info("PR_EAGLE3 draft worker ready: %s", self._draft_worker.pr_shape)
+        self._draft_worker.pr_setup(mode)
+        log.info("PR_EAGLE3 draft worker ready: %s, rows: %s", self._draft_worker.pr_shape, mode)

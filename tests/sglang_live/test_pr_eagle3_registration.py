@@ -185,9 +185,12 @@ def test_the_export_may_carry_its_serving_defaults(live_run, cpu_engine, tmp_pat
 def test_the_rows_switch_refuses_a_bad_value_and_rows_that_outgrow_the_draft_slots(live_run, cpu_engine, monkeypatch):
     from pr_specforge.sglang_plugin.checks import PRServeError, check_server_args
 
+    from pr_specforge.sglang_plugin.checks import rows_for
+
     args = _server_args(live_run, live_run["pr"], steps=5, topk=2, tokens=7)
+    assert rows_for(args) == "sglang"  # the default where SGLang's runner can serve the shape
     monkeypatch.setenv("PR_EAGLE3_M", "4")
-    assert check_server_args(args).m == 4  # our rows: no KV-slot bound
+    assert check_server_args(args).m == 4 and rows_for(args) == "ours"  # unset: 24 rows > 20 slots, our rows serve
     monkeypatch.setenv("PR_EAGLE3_ROWS", "sglang")
     with pytest.raises(PRServeError, match=r"round's 24 tree rows \(\(gamma - 1\)\(B_w \+ m\)\) exceed the 20 draft KV slots"):
         check_server_args(args)
