@@ -229,6 +229,13 @@ def forward_step_rows(tb: TreeShape, rt: DrafterRuntime, ids, hidden, rec_feat, 
             rt.forward_tree_rows(emb[:bw], hidden[:bw], pos[:bw], col, mask[:bw], max_pos, recon[:bw]),
             rt.forward_tree_rows(emb[bw:], hidden[bw:], pos[bw:], col + bw, mask[bw:], max_pos, recon[bw:])])
     feat_out.copy_(feats)
+    return step_readouts(tb, rt, feats, logp_out)
+
+
+def step_readouts(tb: TreeShape, rt: DrafterRuntime, feats: torch.Tensor, logp_out: torch.Tensor):
+    """A step's readouts of one request's row features `feats [B_w + m, d]` into `logp_out`; returns
+    `(logp_out, lambda or None)`. Shared by every row forward (ours and SGLang's draft model runner)."""
+    bw = tb.bw
     if not tb.m:
         return rt.log_probs(feats, 0, out=logp_out), None
     if tb.split_readout:  # a second head: read each part with its own head only (depths >= 1 share it)

@@ -137,7 +137,7 @@ class _LoadCheck:
         shards = {"qkv_proj": {"q", "k", "v"}, "gate_up_proj": {0, 1}}
         unloaded = []
         for pname in self.params:
-            if pname in SHARED_PARAMS:
+            if pname in SHARED_PARAMS or pname.startswith(SKIPPED_PREFIX):  # `pr_*`: the PR draft model loads them
                 continue
             need = next((s for key, s in shards.items() if key in pname), {None})
             if not need <= self.filled.get(pname, set()):

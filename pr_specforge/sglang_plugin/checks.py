@@ -118,6 +118,59 @@ def check_parallel_and_paging(server_args) -> None:
         raise PRServeError(f"{ALGORITHM} drafts synchronously: pass --disable-overlap-schedule")
     if getattr(server_args, "speculative_adaptive", False):
         raise PRServeError(f"{ALGORITHM} has a fixed tree shape: --speculative-adaptive is not supported")
+    if draft_attention_backend(server_args) == "fa3":
+        raise PRServeError(f"{ALGORITHM} drafts each tree row over its own list of KV slots, which FA3's draft decode "
+                           "cannot express (it reads prefix + own lane): use --speculative-draft-attention-backend "
+                           "triton or flashinfer")
+
+
+def draft_attention_backend(server_args) -> Optional[str]:
+    """The backend SGLang's draft decode takes: `--speculative-draft-attention-backend`, else the decode one, else
+    `--attention-backend` (`speculative/draft_utils.py`, `DraftBackendFactory`)."""
+    for name in ("speculative_draft_attention_backend", "decode_attention_backend", "attention_backend"):
+        value = getattr(server_args, name, None)
+        if value:
+            return str(value)
+    return None
+
+
+def rows_room(shape: "PRServeShape") -> int:
+    """Draft KV slots after the context a decode reserves per request (`2 max(gamma k, B + 1)`, `mem_cache/common.py`;
+    `req.kv_allocated_len - seq_len` at draft time, the round log's `kv_room`)."""
+    return 2 * max(shape.gamma * shape.k, shape.budget + 1)
+
+
+def tree_rows(shape: "PRServeShape") -> int:
+    """A round's tree rows after the root, `(gamma - 1)(B_w + m)`: the draft KV slots `PR_EAGLE3_ROWS=sglang` writes."""
+    return (shape.gamma - 1) * (shape.bw + shape.m)
+
+
+def check_rows(shape: "PRServeShape", export_config: Dict) -> str:
+    """The row path (`PR_EAGLE3_ROWS`): as set, else `sglang` where SGLang's draft model runner can run the rows
+    and `ours` where it cannot (a drafter with a reconsideration adapter; rows that outgrow `rows_room`). Set to
+    `sglang` where it cannot: refused in one line."""
+    from pr_specforge.config import PR_CONFIG_KEY
+    from pr_specforge.sglang_plugin.rows import ROWS_ENV, rows_mode
+
+    try:
+        mode = rows_mode()
+    except ValueError as e:
+        raise PRServeError(str(e)) from None
+    problem = None
+    if int((export_config.get(PR_CONFIG_KEY) or {}).get("recon_adapter_rank") or 0) > 0:
+        problem = "does not run a drafter with a reconsideration adapter (pr.recon_adapter_rank > 0)"
+    elif tree_rows(shape) > rows_room(shape):
+        problem = (f"a round's {tree_rows(shape)} tree rows ((gamma - 1)(B_w + m)) exceed the {rows_room(shape)} draft "
+                   "KV slots SGLang reserves per decode; lower B_w or m")
+    if problem and mode == "sglang":
+        raise PRServeError(f"{ALGORITHM}: {ROWS_ENV}=sglang: {problem}, or use {ROWS_ENV}=ours")
+    return mode or ("ours" if problem else "sglang")
+
+
+def rows_for(server_args) -> str:
+    """`check_rows` of a launch (the worker asks before SGLang loads the draft model)."""
+    export_config = read_export_config(server_args.speculative_draft_model_path)
+    return check_rows(serve_shape(server_args, export_config), export_config)
 
 
 def check_shape(shape: PRServeShape) -> None:
@@ -128,9 +181,10 @@ def check_shape(shape: PRServeShape) -> None:
             f"fewer than B={shape.budget} (--speculative-num-draft-tokens {shape.budget + 1}); lower it to <= {have + 1}")
 
 
-def request_shape(shape: PRServeShape, custom_params) -> PRServeShape:
+def request_shape(shape: PRServeShape, custom_params, max_rows: Optional[int] = None) -> PRServeShape:
     """`shape` with a request's own B_w / m (`custom_params["pr_eagle3"]`); an override that is not an
-    integer in range, or whose tree could not fill B nodes, is ignored (logged): a request cannot stop the server."""
+    integer in range, whose tree could not fill B nodes, or whose rows exceed `max_rows` (the draft KV slots of
+    `PR_EAGLE3_ROWS=sglang`) is ignored (logged): a request cannot stop the server."""
     own = (custom_params or {}).get(REQUEST_KEY) if isinstance(custom_params, dict) else None
     if not own:
         return shape
@@ -140,6 +194,8 @@ def request_shape(shape: PRServeShape, custom_params) -> PRServeShape:
         if asked.bw < 1 or asked.m < 0:
             raise PRServeError(f"B_w {asked.bw} / m {asked.m} out of range")
         check_shape(asked)
+        if max_rows is not None and tree_rows(asked) > max_rows:
+            raise PRServeError(f"{tree_rows(asked)} tree rows exceed the {max_rows} draft KV slots reserved")
     except (TypeError, ValueError, AttributeError) as e:
         log.warning("%s: ignoring the request's %s=%r (%s)", ALGORITHM, REQUEST_KEY, own, e)
         return shape
@@ -195,6 +251,7 @@ def check_export_and_shape(server_args) -> PRServeShape:
     shape = serve_shape(server_args, export_config)
     check_shape(shape)
     check_drafter(server_args.speculative_draft_model_path, export_config)
+    check_rows(shape, export_config)
     return shape
 
 

@@ -5,7 +5,15 @@
 but `draft` is SGLang's: the draft model, its KV pool and draft-extend (prefill and decode), target
 verify, acceptance, the radix cache, chunked prefill, retraction.
 
-`PRDraftWorker.draft`, request by request (batching is not done here):
+`PRDraftWorker.draft` has two row paths, chosen by `PR_EAGLE3_ROWS` (`checks.check_rows`: `sglang` by default
+where SGLang's runner can run the rows):
+  * `ours` (the default): request by request, steps 1-3 below;
+  * `sglang`: one `serving.batched_tree.BatchedTreeBuilder` round for every running request of a (B_w, m),
+    whose rows (all requests' `B_w + m` per step) run in ONE call of SGLang's draft model runner per step
+    (`rows.SGLangRows`, the draft model `draft_model.PRDraftModel`, the attention
+    `row_attention.RowListAttnBackend` over explicit KV-slot lists); the context stays in SGLang's pool.
+    The tree logic, the encoding (3) and the verify input are the same for both.
+Path `ours`, request by request:
   1. the request's committed drafter context is its rows of SGLang's draft KV pool (slots
      `req_to_token[req, :seq_len]`, written by SGLang's draft-extend); they are read into our
      `DrafterRuntime` (`load_context`), and the root is SGLang's bonus token and the draft-extend
@@ -21,6 +29,7 @@ and, when `PR_EAGLE3_ROUND_LOG` names a file, appended there one JSON line per r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -32,10 +41,13 @@ from sglang.srt.speculative import eagle_utils
 from sglang.srt.speculative.eagle_info import EagleVerifyInput
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
 
+from pr_specforge.serving.batched_tree import BatchedTreeBuilder, BatchRequest
 from pr_specforge.serving.drafter_runtime import DrafterRuntime
 from pr_specforge.serving.tensor_tree import TensorTreeBuilder
-from pr_specforge.sglang_plugin.checks import check_server_args, load_pr_drafter, request_shape
+from pr_specforge.sglang_plugin.checks import check_server_args, load_pr_drafter, request_shape, rows_for, rows_room
+from pr_specforge.sglang_plugin.draft_model import use_for_draft
 from pr_specforge.sglang_plugin.encoding import encode_tree
+from pr_specforge.sglang_plugin.rows import PoolContext, SGLangRows
 
 log = logging.getLogger(__name__)
 ROUND_LOG = "PR_EAGLE3_ROUND_LOG"
@@ -44,8 +56,10 @@ ROUND_LOG = "PR_EAGLE3_ROUND_LOG"
 class PRDraftWorker(EagleDraftWorker):
     """`EagleDraftWorker` whose `draft` runs the PR round (see the module docstring)."""
 
-    def pr_setup(self) -> None:
+    def pr_setup(self, mode: str) -> None:
         self.pr_shape = check_server_args(self.server_args)
+        self.pr_mode = mode  # "sglang" or "ours" (`checks.check_rows`)
+        self.pr_max_rows = rows_room(self.pr_shape) if mode == "sglang" else None
         self.pr_stats: Dict[str, Dict[str, int]] = {}
         self.pr_log = os.environ.get(ROUND_LOG) or None
 
@@ -56,14 +70,19 @@ class PRDraftWorker(EagleDraftWorker):
         drafter = load_pr_drafter(self.server_args.speculative_draft_model_path, embed.device, dtype, embed)
         self.pr_rt = DrafterRuntime(drafter)
         self.pr_builders = {}
+        self.pr_rows = SGLangRows(self.draft_runner, self.pr_rt) if self.pr_mode == "sglang" else None
         self.pr_layer_id = next(m.layer_id for m in self.draft_runner.model.modules() if isinstance(m, RadixAttention))
 
-    def _builder(self, req) -> TensorTreeBuilder:
-        """The round's builder: the server's shape, or the request's `custom_params["pr_eagle3"]` B_w / m."""
-        shape = request_shape(self.pr_shape, getattr(req.sampling_params, "custom_params", None))
+    def _builder(self, req):
+        """The round's builder: the server's shape, or the request's `custom_params["pr_eagle3"]` B_w / m
+        (a `TensorTreeBuilder` over our runtime, or with `PR_EAGLE3_ROWS=sglang` a `BatchedTreeBuilder` whose rows
+        run in SGLang's draft model runner)."""
+        shape = request_shape(self.pr_shape, getattr(req.sampling_params, "custom_params", None), self.pr_max_rows)
         key = (shape.bw, shape.m)
         if key not in self.pr_builders:
-            self.pr_builders[key] = TensorTreeBuilder(self.pr_rt, shape.tree_config())
+            cfg = shape.tree_config()
+            self.pr_builders[key] = TensorTreeBuilder(self.pr_rt, cfg) if self.pr_rows is None else \
+                BatchedTreeBuilder(self.pr_rt, cfg, rows=self.pr_rows)
         return self.pr_builders[key]
 
     def _generator(self, req) -> torch.Generator:
@@ -74,24 +93,40 @@ class PRDraftWorker(EagleDraftWorker):
         return gen
 
     def _round(self, req, slots: torch.Tensor, root_token: int, root_feature: torch.Tensor):
+        """One request's round over our runtime (`PR_EAGLE3_ROWS=ours`): its context copied from the pool."""
         pool = self.draft_runner.token_to_kv_pool
         keys = pool.get_key_buffer(self.pr_layer_id)[slots]
         values = pool.get_value_buffer(self.pr_layer_id)[slots]
         self.pr_rt.load_context(keys, values)
-        tree = self._builder(req).build(root_token, root_feature, self._generator(req))
-        if len(tree.tokens()) != self.pr_shape.budget + 1:
-            raise RuntimeError(f"PR_EAGLE3: a round kept {len(tree.tokens()) - 1} nodes, not B={self.pr_shape.budget}")
-        self._count(req.rid, int(slots.shape[0]), tree)
-        return tree
+        return self._builder(req).build(root_token, root_feature, self._generator(req))
 
-    def _count(self, rid: str, seq_len: int, tree) -> None:
+    def _batched_rounds(self, batch, draft_input, seq_lens, bonus):
+        """Every request's round with `PR_EAGLE3_ROWS=sglang`: one batched build per (B_w, m) in use, each step's
+        rows of all its requests in one call of SGLang's draft model runner; the trees in request order."""
+        trees, groups = [None] * len(batch.reqs), {}
+        for b, req in enumerate(batch.reqs):
+            groups.setdefault(id(self._builder(req)), []).append(b)
+        pool_index = batch.req_pool_indices.tolist()
+        for members in groups.values():
+            builder = self._builder(batch.reqs[members[0]])
+            self.pr_rows.prepare(batch, draft_input)
+            requests = [BatchRequest(PoolContext(self.pr_rt.drafter, seq_lens[b], pool_index[b],
+                                                 getattr(batch.reqs[b], "kv_allocated_len", None)),
+                                     int(bonus[b]), draft_input.hidden_states[b], self._generator(batch.reqs[b]))
+                        for b in members]
+            for b, tree in zip(members, builder.build(requests)):
+                trees[b] = tree
+        return trees
+
+    def _count(self, rid: str, seq_len: int, tree, batch_size: int, kv_room) -> None:
         stats = self.pr_stats.setdefault(rid, {"rounds": 0, "recon_rows": 0, "recon_kept": 0, "repriced_kept": 0})
         stats["rounds"] += 1
         stats["recon_rows"] += tree.recon_rows
         stats["recon_kept"] += tree.recon_kept
         stats["repriced_kept"] += tree.repriced_kept
         if self.pr_log:
-            line = {"rid": rid, "seq_len": seq_len, "tokens": tree.tokens(), "parents": tree.parents(),
+            line = {"rid": rid, "seq_len": seq_len, "rows": self.pr_mode, "batch": batch_size, "kv_room": kv_room,
+                    "tokens": tree.tokens(), "parents": tree.parents(),
                     "recon_rows": tree.recon_rows, "recon_kept": tree.recon_kept, "repriced_kept": tree.repriced_kept}
             with open(self.pr_log, "a") as f:
                 f.write(json.dumps(line) + "\n")
@@ -111,8 +146,14 @@ class PRDraftWorker(EagleDraftWorker):
         rows = self.req_to_token_pool.req_to_token[batch.req_pool_indices]
         seq_lens = batch.seq_lens.tolist()
         bonus = draft_input.bonus_tokens.tolist()
-        for b, req in enumerate(batch.reqs):
-            tree = self._round(req, rows[b, : seq_lens[b]].long(), int(bonus[b]), draft_input.hidden_states[b])
+        trees = self._batched_rounds(batch, draft_input, seq_lens, bonus) if self.pr_rows is not None else \
+            [self._round(req, rows[b, : seq_lens[b]].long(), int(bonus[b]), draft_input.hidden_states[b])
+             for b, req in enumerate(batch.reqs)]
+        for b, (req, tree) in enumerate(zip(batch.reqs, trees)):
+            if len(tree.tokens()) != n + 1:
+                raise RuntimeError(f"PR_EAGLE3: a round kept {len(tree.tokens()) - 1} nodes, not B={n}")
+            allocated = getattr(req, "kv_allocated_len", None)  # the draft slots after the context, logged
+            self._count(req.rid, seq_lens[b], tree, len(batch.reqs), None if allocated is None else allocated - seq_lens[b])
             parents, scores = encode_tree(tree.parents(), tree.via_recon_list, k, width)
             order = sorted(range(n), key=scores.__getitem__)
             parent_list[b] = torch.tensor(parents)
@@ -141,7 +182,9 @@ class PREagleWorkerV2(EAGLEWorkerV2):
     """SGLang's V2 EAGLE worker with `PRDraftWorker` as its draft worker."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        mode = rows_for(kwargs["server_args"] if "server_args" in kwargs else args[0])
+        with use_for_draft() if mode == "sglang" else contextlib.nullcontext():  # the draft model's class
+            super().__init__(*args, **kwargs)
         self._draft_worker.__class__ = PRDraftWorker
-        self._draft_worker.pr_setup()
-        log.info("PR_EAGLE3 draft worker ready: %s", self._draft_worker.pr_shape)
+        self._draft_worker.pr_setup(mode)
+        log.info("PR_EAGLE3 draft worker ready: %s, rows: %s", self._draft_worker.pr_shape, mode)

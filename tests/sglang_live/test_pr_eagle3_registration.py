@@ -58,7 +58,8 @@ def _server_args(live_run, draft, *, steps=3, topk=2, tokens=7, **extra):
     from pr_specforge.sglang_plugin import register
 
     register()
-    return ServerArgs(model_path=live_run["target"], device="cpu", attention_backend="torch_native", dtype="float32",
+    return ServerArgs(model_path=live_run["target"], device="cpu", dtype="float32",
+                      attention_backend=extra.pop("attention_backend", "torch_native"),
                       disable_cuda_graph=True, disable_overlap_schedule=extra.pop("disable_overlap_schedule", True),
                       speculative_algorithm="PR_EAGLE3", speculative_draft_model_path=draft,
                       speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens,
@@ -117,6 +118,8 @@ REFUSALS = [
     ("no-pr-tensors", {}, _drop_pr, "holds no PR tensors"),
     ("renamed-pr-tensor", {}, _rename_pr, "missing ['pr_halt_gate."),
     ("missing-pr-tensor", {}, _drop_one_pr, "missing ['pr_self_query."),
+    ("fa3-draft", dict(speculative_draft_attention_backend="fa3"), None, "FA3's draft decode cannot express"),
+    ("fa3", dict(attention_backend="fa3"), None, "FA3's draft decode cannot express"),
 ]
 
 
@@ -177,3 +180,22 @@ def test_the_export_may_carry_its_serving_defaults(live_run, cpu_engine, tmp_pat
     (path / "config.json").write_text(json.dumps(cfg))
     args = _server_args(live_run, str(path), steps=4, topk=4, tokens=17)
     assert check_server_args(args) == _shape(k=4, bw=3, m=1, gamma=4, budget=16)
+
+
+def test_the_rows_switch_refuses_a_bad_value_and_rows_that_outgrow_the_draft_slots(live_run, cpu_engine, monkeypatch):
+    from pr_specforge.sglang_plugin.checks import PRServeError, check_server_args
+
+    from pr_specforge.sglang_plugin.checks import rows_for
+
+    args = _server_args(live_run, live_run["pr"], steps=5, topk=2, tokens=7)
+    assert rows_for(args) == "sglang"  # the default where SGLang's runner can serve the shape
+    monkeypatch.setenv("PR_EAGLE3_M", "4")
+    assert check_server_args(args).m == 4 and rows_for(args) == "ours"  # unset: 24 rows > 20 slots, our rows serve
+    monkeypatch.setenv("PR_EAGLE3_ROWS", "sglang")
+    with pytest.raises(PRServeError, match=r"round's 24 tree rows \(\(gamma - 1\)\(B_w \+ m\)\) exceed the 20 draft KV slots"):
+        check_server_args(args)
+    monkeypatch.setenv("PR_EAGLE3_M", "2")
+    assert check_server_args(args).m == 2  # 16 rows fit
+    monkeypatch.setenv("PR_EAGLE3_ROWS", "theirs")
+    with pytest.raises(PRServeError, match="PR_EAGLE3_ROWS='theirs' is not one of ours, sglang"):
+        check_server_args(args)

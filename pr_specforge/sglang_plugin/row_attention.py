@@ -1,0 +1,87 @@
+"""Draft attention over explicit KV-slot lists: the layout of a PR draft step's rows, and its CPU backend.
+
+Owns:
+  * `row_kv_lists` - a step's rows as SGLang's draft decode metadata: `kv_indptr [N + 1]` (int32) and
+    `kv_indices` (int64 slots of the draft KV pool), row `i` attending to
+    `kv_indices[kv_indptr[i] : kv_indptr[i + 1]]`: its request's context before the root, then the tree
+    rows it sees (its node's ancestors' rows and its own new slot), in row order. This is the layout
+    SGLang's Triton decode kernel reads from `spec_info.kv_indptr / kv_indices` (one query row per
+    list; `layers/attention/triton_backend.py`, `init_forward_metadata` of a decode with spec info),
+    so a GPU backend takes the same lists.
+  * `RowListAttnBackend` - the CPU bridge's draft decode over those lists: SGLang's
+    `TorchNativeAttnBackend` whose `forward_decode` writes the rows' K/V to their slots
+    (`out_cache_loc`) and lets each row attend to its own list (one gather and one masked softmax
+    for all rows). It replaces, for the PR rows only, the bridge's `CpuMultiStepDraftBackend`
+    (which attends to "prefix + own lane", SGLang's approximate tree) and torch_native's decode (which
+    attends to `req_to_token[req, :seq_len]`).
+
+Does not own: which rows run and what they see (`serving.batched_tree`), running them (`sglang_plugin.rows`).
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+try:  # the backend needs SGLang; the list layout does not
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+except ImportError:  # pragma: no cover - SGLang is a dependency of the plugin
+    TorchNativeAttnBackend = object
+
+
+def row_kv_lists(ctx_slots: torch.Tensor, ctx_len: torch.Tensor, row_slots: torch.Tensor,
+                 visible: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`ctx_slots [b, C]` (request b's context slots, the first `ctx_len[b]` valid), `row_slots [b, R]` (the slot
+    of each tree row of b), `visible [b, p, R]` bool (the tree rows each of b's p rows sees, itself included)
+    -> `(kv_indptr [b p + 1] int32, kv_indices int64)`, rows in request-major order."""
+    b, p, _ = visible.shape
+    cols = torch.arange(ctx_slots.shape[1], device=ctx_slots.device)
+    ctx_ok = (cols[None, :] < ctx_len[:, None])[:, None, :].expand(b, p, -1)
+    ok = torch.cat([ctx_ok, visible], dim=-1)
+    slots = torch.cat([ctx_slots[:, None, :].expand(b, p, -1), row_slots[:, None, :].expand(b, p, -1)], dim=-1)
+    indptr = torch.zeros(b * p + 1, dtype=torch.int32, device=ctx_slots.device)
+    torch.cumsum(ok.reshape(b * p, -1).sum(-1), 0, out=indptr[1:])
+    return indptr, slots[ok].to(torch.int64)
+
+
+def gather_plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The lists as a padded gather: `index [N, L]` (slots; padding repeats slot 0 of the list) and `valid [N, L]`."""
+    lens = (kv_indptr[1:] - kv_indptr[:-1]).long()
+    width = int(lens.max()) if lens.numel() else 0
+    col = torch.arange(width, device=kv_indices.device)
+    valid = col[None, :] < lens[:, None]
+    at = torch.where(valid, kv_indptr[:-1, None].long() + col[None, :], kv_indptr[:-1, None].long())
+    return kv_indices[at.clamp(max=max(kv_indices.numel() - 1, 0))], valid
+
+
+def attend_lists(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, index: torch.Tensor, valid: torch.Tensor,
+                 scaling: float) -> torch.Tensor:
+    """`q [N, H, D]` over the slots `index [N, L]` (where `valid`) of `k_buf, v_buf [slots, Hkv, D]` -> `[N, H, Dv]`."""
+    keys, values = k_buf[index].to(q.dtype), v_buf[index].to(q.dtype)  # [N, L, Hkv, D]
+    rep = q.shape[1] // keys.shape[2]
+    if rep > 1:
+        keys, values = keys.repeat_interleave(rep, dim=2), values.repeat_interleave(rep, dim=2)
+    scores = torch.einsum("nhd,nlhd->nhl", q, keys) * scaling
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    w = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.einsum("nhl,nlhd->nhd", w, values)
+
+
+class RowListAttnBackend(TorchNativeAttnBackend):
+    """torch_native with a decode over `spec_info.kv_indptr / kv_indices` (see the module doc)."""
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        super().init_forward_metadata(forward_batch)
+        spec = forward_batch.spec_info
+        self.plan = gather_plan(spec.kv_indptr, spec.kv_indices)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
+        q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        out = attend_lists(q_, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                           self.token_to_kv_pool.get_value_buffer(layer.layer_id), *self.plan, layer.scaling)
+        return out.reshape(q_.shape[0], layer.tp_q_head_num * layer.v_head_dim)

@@ -1,0 +1,130 @@
+"""A PR draft step's rows through SGLang's draft model runner: ONE call per step for every running request.
+
+Owns:
+  * `rows_mode` - the switch `PR_EAGLE3_ROWS`: `sglang` (this module; the default where it can serve, see
+    `checks.check_rows`) or `ours` (each request's context is copied into our eager `DrafterRuntime`, which
+    runs the rows request by request).
+  * `PoolContext` - a request's committed drafter context as it lies in SGLang's draft KV pool (its
+    `req_to_token` row and length): what `serving.batched_tree.BatchedTreeBuilder` takes in place of a runtime.
+  * `SGLangRows` - the builder's row forwards (`begin` / `root` / `step`, the seam `batched_tree.RuntimeRows`
+    defines) through SGLang: each step's `B_w + m` rows of every request are one DECODE `ForwardBatch` of
+    SGLang's draft model runner (`draft_model.PRDraftModel`), each row with its position, its token, its
+    hidden slot, and its explicit KV-slot list (`row_attention.row_kv_lists`) in `spec_info.kv_indptr /
+    kv_indices`, run under `row_attention.RowListAttnBackend`. Readouts (heads and gate) are the builder's
+    own (`tensor_tree.step_readouts`, request by request, as the per-request builder reads them).
+
+KV slots. Tree row `r` of a round (row 0: the root, the last context row) lives at `req_to_token[req,
+seq_len - 1 + r]`, the layout our runtime's buffer has: rows `1 ..` take the draft slots SGLang reserved
+after the context (`(gamma - 1)(B_w + m)` of them; a decode reserves `2 max(steps k, B + 1)` there,
+`mem_cache/common.py`, logged as `kv_room` in the round log); draft-extend overwrites them after verification. A request whose reservation is
+short is refused in one line (`checks.check_rows_reservation` refuses such a shape at start-up).
+
+Does not own: the tree (`serving.batched_tree`), the worker (`sglang_plugin.worker`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from pr_specforge.serving.batched_tree import RuntimeRows
+from pr_specforge.serving.drafter_runtime import DrafterRuntime
+from pr_specforge.serving.tensor_tree import TreeShape, step_readouts
+from pr_specforge.sglang_plugin.row_attention import RowListAttnBackend, row_kv_lists
+
+ROWS_ENV = "PR_EAGLE3_ROWS"
+ROWS_MODES = ("ours", "sglang")
+
+
+def rows_mode() -> Optional[str]:
+    """`PR_EAGLE3_ROWS` as set (None when unset: `checks.check_rows` picks); ValueError, one line, for anything else."""
+    raw = os.environ.get(ROWS_ENV)
+    if raw is None or not raw.strip():
+        return None
+    mode = raw.strip().lower()
+    if mode not in ROWS_MODES:
+        raise ValueError(f"PR_EAGLE3: {ROWS_ENV}={mode!r} is not one of {', '.join(ROWS_MODES)}")
+    return mode
+
+
+@dataclass
+class PoolContext:
+    """A request's drafter context in SGLang's draft KV pool; `length` = its rows (the root is the last)."""
+
+    drafter: torch.nn.Module
+    length: int
+    req_pool_index: int
+    allocated: Optional[int] = None  # `req.kv_allocated_len`: the slots of its row that are its own
+
+
+class SGLangRows(RuntimeRows):
+    """The row forwards of `BatchedTreeBuilder` through SGLang's draft model runner (see the module doc)."""
+
+    def __init__(self, draft_runner, rt: DrafterRuntime) -> None:
+        self.runner, self.rt = draft_runner, rt
+        self.backend = RowListAttnBackend(draft_runner)
+        self.batch = self.draft_input = None
+
+    def prepare(self, batch, draft_input) -> None:
+        """The round's SGLang batch (a DECODE batch) and its draft input; call before `BatchedTreeBuilder.build`."""
+        self.batch, self.draft_input = batch, draft_input
+
+    def begin(self, tb: TreeShape, ctxs: Sequence[PoolContext]) -> None:
+        self.tb, self.rts = tb, [self.rt] * len(ctxs)  # `RuntimeRows.root` reads through the shared runtime
+        dev = self.rt.device
+        for c in ctxs:
+            if c.allocated is not None and c.length - 1 + tb.n_rows > c.allocated:
+                raise RuntimeError(f"PR_EAGLE3: a round needs {tb.n_rows - 1} draft KV slots after the context, "
+                                   f"request slot {c.req_pool_index} has {c.allocated - c.length + 1}")
+        pool = self.runner.req_to_token_pool.req_to_token
+        table = pool[torch.tensor([c.req_pool_index for c in ctxs], device=pool.device)].to(dev)
+        self.ctx_len = torch.tensor([c.length - 1 for c in ctxs], device=dev)
+        self.ctx_slots = table[:, : max(c.length - 1 for c in ctxs)].long()
+        cols = self.ctx_len[:, None] + torch.arange(tb.n_rows, device=dev)
+        self.row_slots = table.gather(1, cols).long()
+        b, p = len(ctxs), tb.per_step
+        self.recon_index = (torch.arange(b, device=dev)[:, None] * p + torch.arange(tb.bw, p, device=dev)).reshape(-1)
+        self.fb, self.spec = self._forward_batch(b * p)
+
+    def _forward_batch(self, n: int):
+        """A DECODE `ForwardBatch` of `n` rows over the round's requests (SGLang's own constructor); the steps fill it."""
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
+
+        batch, spec = self.batch, copy.copy(self.draft_input)
+        spec.num_tokens_per_req = spec.num_tokens_for_logprob_per_req = self.tb.per_step
+        spec.positions = None
+        saved = batch.spec_info, batch.out_cache_loc
+        batch.spec_info, batch.out_cache_loc = spec, torch.zeros(n, dtype=torch.int64, device=self.rt.device)
+        batch.capture_hidden_mode = CaptureHiddenMode.LAST
+        try:
+            fb = ForwardBatch.init_new(batch, self.runner)
+        finally:
+            batch.spec_info, batch.out_cache_loc = saved
+        return fb, spec
+
+    def step(self, st, ids, hidden, rec_feat, pos, visible, feat_out, logp_out) -> Optional[torch.Tensor]:
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+        tb, rt, fb, spec = self.tb, self.rt, self.fb, self.spec
+        b, p = ids.shape[0], tb.per_step
+        tokens = rt.to_target_ids(ids)
+        if rec_feat is not None:  # Eq. 3: the hidden slot holds f^{r-1} as fed back; the model adds Q(.) itself
+            tokens = torch.cat([tokens, tokens.new_zeros(b, tb.m)], 1)
+            hidden = torch.cat([hidden, rt.feedback(rec_feat).to(hidden.dtype)], 1)
+        fb.input_ids, fb.positions = tokens.reshape(b * p), pos.reshape(b * p).long()
+        fb.out_cache_loc = self.row_slots[:, st.r0 : st.r0 + p].reshape(b * p)
+        spec.hidden_states = hidden.reshape(b * p, -1).to(rt.dtype)
+        spec.kv_indptr, spec.kv_indices = row_kv_lists(self.ctx_slots, self.ctx_len, self.row_slots, visible)
+        spec.pr_recon_index = self.recon_index if tb.m else self.recon_index[:0]
+        self.backend.init_forward_metadata(fb)
+        fb.mark_forward_metadata_ready()
+        with forward_context(ForwardContext(attn_backend=self.backend)):
+            feats = self.runner.forward(fb).logits_output.hidden_states  # ONE call: every request's rows
+        feats = feats.reshape(b, p, -1).to(feat_out.dtype)
+        feat_out.copy_(feats)
+        lams = [step_readouts(tb, rt, feats[i], logp_out[i])[1] for i in range(b)]
+        return torch.stack(lams) if tb.m else None
