@@ -118,3 +118,23 @@ def test_diagnose_audit_bad_inputs_answer_in_one_line(tied, capsys):
         lines = [x for x in out.splitlines() if x.startswith("pr-specforge diagnose:")]
         assert rc == 2 and "Traceback" not in out and len(lines) == 1, f"{case}: {out[-1500:]}"
         assert all(n in lines[0] for n in needles), f"{case}: {lines[0]}"
+
+
+def test_diagnose_interrupted_writes_no_json_and_the_rerun_cleans_a_killed_writers_temp(tied, tmp_path, capsys, monkeypatch):
+    """Ctrl-C mid-forward: one line, exit 130, no --json file; a writer of it killed mid-write leaves its temp
+    file; the same command again writes the JSON whole and removes that temp file."""
+    from pr_specforge.training.diagnose import main
+    from tests.helpers import kill_a_writer_mid_write, sigint_at_first_batch
+
+    out = tmp_path / "d.json"
+    argv = [str(tied["run"]), "--features", str(tied["held"]), "--json", str(out), "--no-progress"]
+    restore = sigint_at_first_batch(monkeypatch)
+    capsys.readouterr()
+    assert main(argv) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "interrupted" in err[0] and not out.exists(), err
+    restore()
+    assert kill_a_writer_mid_write(out, env=ENV) and not out.exists()
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["batches"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.json"]
