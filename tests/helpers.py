@@ -256,6 +256,9 @@ def drafter_bad_inputs(p):
         "features of another vocabulary": ([str(run), f, str(other_vocab)], ("another target", "vocab_size")),
         "--limit 0": ([str(run), f, str(held), "--limit", "0"], ("--limit", "at least 1")),
         "a negative --limit": ([str(run), f, str(held), "--limit", "-2"], ("--limit", "at least 1")),
+        "a --checkpoint that does not exist": ([str(run), f, str(held), "--checkpoint", str(bad / "nope")],
+                                              ("--checkpoint", "no such checkpoint")),
+        "a drafter path that is a file": ([str(root / "draft.json"), f, str(held)], ("draft.json", "not a training run")),
     }
 
 

@@ -210,6 +210,12 @@ def test_headroom_audit_bad_inputs_answer_in_one_line(tied, tmp_path, capsys):
         except AssertionError:
             raise AssertionError(f"{case}: {err[-1500:]}") from None
     assert not list(tmp_path.glob("x*"))  # a refused run writes nothing
+    run, held, afile = str(tied["run"]), str(tied["held"]), tied["root"] / "draft.json"
+    for argv, needles in (([run, "--features", held, "--out", str(afile / "h")], ("--out", "is a file, not a directory")),
+                          ([run, "--features", held, "--out", str(tmp_path / "y"), "--k", "0"], ("--k must be at least 2",))):
+        rc = main([*argv, "--no-progress"])
+        _one_line_error(rc, capsys.readouterr().err, *needles)
+    assert not list(tmp_path.glob("y*"))
 
 
 def _whole_outputs(prefix):

@@ -109,7 +109,10 @@ def test_diagnose_audit_bad_inputs_answer_in_one_line(tied, capsys):
     from pr_specforge.training.diagnose import main
     from tests.helpers import drafter_bad_inputs
 
-    for case, (argv, needles) in drafter_bad_inputs(tied).items():  # in process: an uncaught error fails the test
+    run, held, afile = str(tied["run"]), str(tied["held"]), tied["root"] / "draft.json"
+    own = {"--json naming a directory": ([run, "--features", held, "--json", str(tied["root"])], ("--json", "is a directory; name a file")),
+           "--json under a file": ([run, "--features", held, "--json", str(afile / "d.json")], ("--json", "is a file, not a directory"))}
+    for case, (argv, needles) in {**drafter_bad_inputs(tied), **own}.items():  # in process: an uncaught error fails the test
         try:
             rc = main([*argv, "--no-progress"])
         except SystemExit as e:  # argparse's refusals
