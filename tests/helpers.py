@@ -314,3 +314,18 @@ def sigint_at_first_batch(monkeypatch):
 
     monkeypatch.setattr(Simulator, "add", add_then_interrupt)
     return lambda: monkeypatch.setattr(Simulator, "add", original)
+
+
+def interrupted_run(main, argv, capsys, monkeypatch, command):
+    """`main(argv)` Ctrl-C'd at its first batch (`sigint_at_first_batch`): asserts exit 130, no traceback and one
+    line of `pr-specforge COMMAND:` saying it was interrupted (SpecForge's import may warn too); returns that line."""
+    restore = sigint_at_first_batch(monkeypatch)
+    capsys.readouterr()
+    try:
+        assert main(argv) == 130
+    finally:
+        restore()
+    full = capsys.readouterr().err
+    lines = [x for x in full.splitlines() if x.startswith(f"pr-specforge {command}:")]
+    assert "Traceback" not in full and len(lines) == 1 and "interrupted" in lines[0], full[-2000:]
+    return lines[0]

@@ -242,7 +242,7 @@ def test_headroom_killed_or_interrupted_mid_run_leaves_no_partial_file_and_the_r
     write of PREFIX.md (its temp file left), Ctrl-C mid-forward: every output left is whole, the interrupt is one
     line; the same command again writes all four and removes the killed writer's temp file."""
     from pr_specforge.eval.headroom import main
-    from tests.helpers import kill_a_writer_mid_write, sigint_at_first_batch, sigkill_when
+    from tests.helpers import interrupted_run, kill_a_writer_mid_write, sigkill_when
 
     prefix = tmp_path / "h"
     argv = [str(tied["run"]), "--features", str(tied["held"]), "--out", str(prefix), "--no-progress"]
@@ -250,14 +250,7 @@ def test_headroom_killed_or_interrupted_mid_run_leaves_no_partial_file_and_the_r
     assert ".json" in _whole_outputs(prefix)
     assert kill_a_writer_mid_write(tmp_path / "h.md", env=ENV)  # its temp file is left...
     _whole_outputs(prefix)  # ...and h.md, if the killed run wrote it, is still whole
-    restore = sigint_at_first_batch(monkeypatch)
-    capsys.readouterr()
-    assert main(argv) == 130
-    full = capsys.readouterr().err
-    err = [x for x in full.splitlines() if x.startswith("pr-specforge headroom:")]  # (SpecForge's import may warn)
-    assert "Traceback" not in full, full[-2000:]
-    assert len(err) == 1 and "interrupted" in err[0] and "rerun the same command" in err[0], err
-    restore()
+    assert "rerun the same command" in interrupted_run(main, argv, capsys, monkeypatch, "headroom")
     assert main(argv) == 0
     assert set(_whole_outputs(prefix)) == {".json", ".md", "-acceptance.png", "-reject-pool.png"}
     assert json.loads((tmp_path / "h.json").read_text())["pooled"]["scored"] > 0

@@ -127,18 +127,12 @@ def test_diagnose_interrupted_writes_no_json_and_the_rerun_cleans_a_killed_write
     """Ctrl-C mid-forward: one line, exit 130, no --json file; a writer of it killed mid-write leaves its temp
     file; the same command again writes the JSON whole and removes that temp file."""
     from pr_specforge.training.diagnose import main
-    from tests.helpers import kill_a_writer_mid_write, sigint_at_first_batch
+    from tests.helpers import interrupted_run, kill_a_writer_mid_write
 
     out = tmp_path / "d.json"
     argv = [str(tied["run"]), "--features", str(tied["held"]), "--json", str(out), "--no-progress"]
-    restore = sigint_at_first_batch(monkeypatch)
-    capsys.readouterr()
-    assert main(argv) == 130
-    full = capsys.readouterr().err
-    err = [x for x in full.splitlines() if x.startswith("pr-specforge diagnose:")]  # (SpecForge's import may warn)
-    assert "Traceback" not in full, full[-2000:]
-    assert len(err) == 1 and "interrupted" in err[0] and not out.exists(), err
-    restore()
+    interrupted_run(main, argv, capsys, monkeypatch, "diagnose")
+    assert not out.exists()
     assert kill_a_writer_mid_write(out, env=ENV) and not out.exists()
     import socket
 
