@@ -95,13 +95,39 @@ def _configure_compile() -> None:
         torch._dynamo.config.disable = True
 
 
+class _Interrupts:
+    """Ctrl-C as Python's default handler takes it (KeyboardInterrupt), remembered: an interrupt inside an
+    import can surface as another error (a half-imported module's ImportError), still an interrupt."""
+
+    seen = False
+
+    @classmethod
+    def install(cls) -> None:
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, cls._handle)
+
+    @classmethod
+    def _handle(cls, signum, frame):
+        cls.seen = True
+        raise KeyboardInterrupt
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _Interrupts.seen = False
+    _Interrupts.install()
     try:
         return _main(argv)
+    except Exception:
+        if not _Interrupts.seen:  # else: the error an interrupt caused (e.g. mid-import), said as the interrupt
+            raise
     except KeyboardInterrupt:  # before a command's own handler (e.g. while importing): nothing was written
-        print(f"pr-specforge {argv[0] if argv else ''}: interrupted".replace("  ", " "), file=sys.stderr)
-        return 130
+        pass
+    print(f"pr-specforge {argv[0] if argv else ''}: interrupted".replace("  ", " "), file=sys.stderr)
+    return 130
 
 
 def _main(argv: List[str]) -> int:

@@ -277,8 +277,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, to: str, *, draft_config: O
     """Check the checkpoint against its draft config, then write `out_dir` atomically; returns it."""
     if to not in ("sglang", "hf"):
         raise ExportError(f"--to must be sglang or hf, got {to!r}")
-    if os.path.exists(out_dir) and not overwrite:
-        raise ExportError(f"{out_dir} exists; pass --overwrite to replace it")
+    check_out_dir(out_dir, overwrite)
     state = read_checkpoint(checkpoint)
     strategy = state.get("strategy")
     if strategy not in SUPPORTED_STRATEGIES:
@@ -332,6 +331,30 @@ def export_checkpoint(checkpoint: str, out_dir: str, to: str, *, draft_config: O
         raise
     log.info("exported %s checkpoint %s -> %s (%s)", strategy, checkpoint, out_dir, to)
     return out_dir
+
+
+def check_out_dir(out_dir: str, overwrite: bool) -> None:
+    """Refuse, before reading the checkpoint, an OUT_DIR under a file, and one that `--overwrite` would replace
+    although it is not an earlier export (a file, or a directory holding other files: they would be lost)."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    while not os.path.exists(parent) and parent != os.path.dirname(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ExportError(f"OUT_DIR {out_dir}: {parent} is a file, not a directory")
+    if not os.path.lexists(out_dir):
+        return
+    if not overwrite:
+        raise ExportError(f"{out_dir} exists; pass --overwrite to replace it")
+    if not os.path.isdir(out_dir):
+        raise ExportError(f"OUT_DIR {out_dir} is a file, not an earlier export; --overwrite replaces export directories only")
+    cfg_path = os.path.join(out_dir, "config.json")
+    try:
+        arch = (read_json_file(cfg_path).get("architectures") or [None])[0] if os.path.isfile(cfg_path) else None
+    except (DataFormatError, AttributeError, TypeError):
+        arch = None
+    if os.listdir(out_dir) and arch not in (PR_ARCHITECTURE, EAGLE3_ARCHITECTURE, TWO_LAYER_ARCHITECTURE):
+        raise ExportError(f"OUT_DIR {out_dir} holds files that are not an earlier export (no drafter config.json); "
+                          "--overwrite replaces an export only: name another OUT_DIR")
 
 
 def _target_record(target: Optional[str], capture_layers: Optional[List[int]]) -> Optional[Dict[str, Any]]:

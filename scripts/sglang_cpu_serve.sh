@@ -22,7 +22,13 @@ shift $(( $# < 3 ? $# : 3 ))
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 [ -x "$PY" ] || PY=python
-PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pr_specforge.sglang_cpu.preflight "$TARGET" "$DRAFT" "$PORT" || exit 2
+ALGO=EAGLE3 PREV=""  # the algorithm SGLang will run: the last --speculative-algorithm of the flags
+for ARG in "$@"; do
+    [ "$PREV" = --speculative-algorithm ] && ALGO=$ARG
+    case "$ARG" in --speculative-algorithm=*) ALGO=${ARG#*=} ;; esac
+    PREV=$ARG
+done
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pr_specforge.sglang_cpu.preflight "$TARGET" "$DRAFT" "$PORT" "$ALGO" || exit 2
 export PYTHONPATH="$ROOT/pr_specforge/sglang_cpu/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PR_SPECFORGE_SGLANG_CPU=1 SGLANG_USE_CPU_ENGINE=1 SGLANG_NATIVE_MOVE_KV_CACHE=1 TRITON_INTERPRET=1
 exec nice -n 19 "$PY" -m sglang.launch_server --model-path "$TARGET" \

@@ -256,4 +256,76 @@ def drafter_bad_inputs(p):
         "features of another vocabulary": ([str(run), f, str(other_vocab)], ("another target", "vocab_size")),
         "--limit 0": ([str(run), f, str(held), "--limit", "0"], ("--limit", "at least 1")),
         "a negative --limit": ([str(run), f, str(held), "--limit", "-2"], ("--limit", "at least 1")),
+        "a --checkpoint that does not exist": ([str(run), f, str(held), "--checkpoint", str(bad / "nope")],
+                                              ("--checkpoint", "no such checkpoint")),
+        "a drafter path that is a file": ([str(root / "draft.json"), f, str(held)], ("draft.json", "not a training run")),
     }
+
+
+# ---- kill -9 / Ctrl-C audit helpers (issue 43): shared by the train, headroom and diagnose kill tests
+def sigkill_when(cmd, ready, env=None, timeout=120):
+    """Start `cmd`, SIGKILL it as soon as `ready()` holds (it must not end before)."""
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout
+    try:
+        while not ready():
+            assert proc.poll() is None, "the command ended before the kill point"
+            assert time.time() < deadline, "kill point never reached"
+            time.sleep(0.02)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+def kill_a_writer_mid_write(path, env=None):
+    """kill -9 a process inside `data.io`'s atomic write of `path` (its temp file written, not yet renamed):
+    what a kill of any command mid-write leaves. Returns the temp files it left."""
+    import sys
+    from pathlib import Path
+
+    path = Path(path)
+    code = ("import sys, time; from pr_specforge.data.io import _atomic_write; "
+            "_atomic_write(sys.argv[1], lambda f: (f.write('half a file'), f.flush(), time.sleep(600)), 'w')")
+
+    def temps():
+        return [p for p in path.parent.glob(f".{path.name}.*.tmp")] if path.parent.is_dir() else []
+
+    sigkill_when([sys.executable, "-c", code, str(path)], lambda: bool(temps()), env=env, timeout=60)
+    return temps()
+
+
+def sigint_at_first_batch(monkeypatch):
+    """Ctrl-C (a real SIGINT to this process) once the acceptance simulator takes its first batch: mid-run of
+    `diagnose` and `headroom`, both of which feed it."""
+    import os
+    import signal
+
+    from pr_specforge.training.simulate import Simulator
+
+    original = Simulator.add
+
+    def add_then_interrupt(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(Simulator, "add", add_then_interrupt)
+    return lambda: monkeypatch.setattr(Simulator, "add", original)
+
+
+def interrupted_run(main, argv, capsys, monkeypatch, command):
+    """`main(argv)` Ctrl-C'd at its first batch (`sigint_at_first_batch`): asserts exit 130, no traceback and one
+    line of `pr-specforge COMMAND:` saying it was interrupted (SpecForge's import may warn too); returns that line."""
+    restore = sigint_at_first_batch(monkeypatch)
+    capsys.readouterr()
+    try:
+        assert main(argv) == 130
+    finally:
+        restore()
+    full = capsys.readouterr().err
+    lines = [x for x in full.splitlines() if x.startswith(f"pr-specforge {command}:")]
+    assert "Traceback" not in full and len(lines) == 1 and "interrupted" in lines[0], full[-2000:]
+    return lines[0]

@@ -9,7 +9,6 @@ then a one-line verdict. Exit code 0: the drafter learns the second pass; 1: it 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
@@ -71,14 +70,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from pr_specforge.data.io import DataFormatError, atomic_write_json, check_writable_file
+
     try:
         from pr_specforge.control.run import ControlSettings, run_control
 
+        if args.json:  # before minutes of training, not after
+            check_writable_file("--json", args.json)
         pr = recipe_pr(args.recipe, args.overrides)
         queries = args.symbols if args.queries is None else args.queries
         settings = ControlSettings(steps=args.steps, symbols=args.symbols, queries=queries, max_depth=args.max_depth,
                                    ttt_length=args.ttt_length, seed=args.seed)
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, DataFormatError, ValueError) as e:
         print(f"pr-specforge control: {' '.join(str(e).split())}", file=sys.stderr)  # one line (YAML errors span several)
         return 2
     import torch
@@ -88,9 +91,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"control: {args.recipe}, {settings.steps} steps, N = {settings.symbols}, K = {settings.queries}, R = {settings.max_depth}")
     print("\n".join(table_lines(out["result"])))
     print(verdict_line(out["verdict"]))
-    if args.json:
-        tmp = f"{args.json}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"recipe": args.recipe, "settings": vars(args), **out}, f, indent=1)
-        os.replace(tmp, args.json)
+    if args.json:  # atomically: an interrupt leaves no partial file (nor a temp one)
+        atomic_write_json(args.json, {"recipe": args.recipe, "settings": vars(args), **out})
     return 0 if out["verdict"]["learns_second_pass"] else 1

@@ -1,7 +1,8 @@
 """Crash-safe file output and strict JSONL input for the data-prep steps.
 
 Whole files are written atomically (temp file in the same directory, fsync,
-`os.replace`), so a reader never sees half a file. Streams that are meant to be
+`os.replace`), so a reader never sees half a file; the temp file a killed writer
+left is removed by the next write of the same file (`remove_stale_temps`). Streams that are meant to be
 resumed (conversation JSONL) are appended one row at a time with flush+fsync,
 so an interrupted run loses at most the row in flight; a torn last line is
 detected and cut off when the stream is reopened.
@@ -207,10 +208,48 @@ def honour_umask_tree(path: str | os.PathLike) -> None:
             honour_umask(os.path.join(root, name))
 
 
+def _temp_prefix(path: Path) -> str:
+    """The temp-file prefix of this host's writes of `path` (the writer's pid follows it)."""
+    import socket
+
+    return f".{path.name}.{socket.gethostname()}-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # another user's process, or not a pid: leave its file alone
+    return True
+
+
+def remove_stale_temps(path: str | os.PathLike) -> list:
+    """Delete the temp files a killed writer (kill -9, power loss) of `path` left on this host: those whose
+    writer pid is gone. A live writer's, and other hosts' (a shared file system), are kept. Returns them."""
+    path = Path(path)
+    prefix, removed = _temp_prefix(path), []
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(prefix):].split(".", 1)[0]
+        if name.startswith(prefix) and name.endswith(".tmp") and pid.isdigit() and not _pid_alive(int(pid)):
+            try:
+                os.unlink(path.parent / name)
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
 def _atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_stale_temps(path)
+    fd, tmp = tempfile.mkstemp(prefix=f"{_temp_prefix(path)}{os.getpid()}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, mode) as f:
             write(f)

@@ -111,6 +111,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise ValueError(f"--limit must be >= 1, got {args.limit}")
         if args.skip < 0:
             raise ValueError(f"--skip must be >= 0, got {args.skip}")
+        if args.batch_prompts < 1:
+            raise ValueError(f"--batch-prompts must be >= 1, got {args.batch_prompts}")
         settings = EvalSettings(
             budgets=args.budget,
             temperatures=args.temperature,

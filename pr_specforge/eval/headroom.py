@@ -332,7 +332,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"pr-specforge headroom: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("pr-specforge headroom: interrupted; nothing was written (rerun the same command)", file=sys.stderr)
+        print("pr-specforge headroom: interrupted; no output file was left half-written (each is written whole or not at all; rerun the same command)", file=sys.stderr)
         return 130
     pooled = report["pooled"]
     sg = pooled["second_guess"]

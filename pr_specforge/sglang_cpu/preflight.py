@@ -1,12 +1,14 @@
 """Checks `scripts/sglang_cpu_serve.sh` runs before it starts SGLang (seconds; no SGLang import).
 
-    python -m pr_specforge.sglang_cpu.preflight TARGET_DIR DRAFT_DIR PORT
+    python -m pr_specforge.sglang_cpu.preflight TARGET_DIR DRAFT_DIR PORT [ALGORITHM]
 
 SGLang meets each of these far into its start-up, with a traceback or not at all: an `export --to hf`
 directory as the draft ("not a registered model"), the target as the draft ("no attribute
 hot_token_id"), a renamed or missing tensor, a draft whose config's context length is below the
 target's (a `ValueError` about `SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN`), a port in use (`Errno 98`,
 then a hang). Each is one line here, naming the directory or port and the fix, and exit 2.
+With ALGORITHM `PR_EAGLE3` (the last `--speculative-algorithm` the script passes), the export is also
+checked as the `PR_EAGLE3` plugin checks it at start-up (`sglang_plugin.checks.check_drafter`).
 The tensor check is the exporter's own (`pr_specforge.export.check_weights`: every name, shape and
 the vocab map) against a drafter skeleton built on the meta device, reading only the tensors' headers.
 """
@@ -31,8 +33,15 @@ class PreflightError(ValueError):
 
 def _config(path: str, what: str) -> Dict[str, Any]:
     cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(path):
+        raise PreflightError(f"{what} {path}: does not exist")
+    if not os.path.isdir(path):
+        raise PreflightError(f"{what} {path}: is a file, not a model directory")
     if not os.path.isfile(cfg_path):
-        raise PreflightError(f"{what} {path}: no config.json" + ("" if os.path.isdir(path) else " (not a directory)"))
+        run = any(os.path.exists(os.path.join(path, n)) for n in ("resolved_recipe.yaml", "training_state.pt"))
+        raise PreflightError(f"{what} {path}: no config.json" + (
+            " (a training run or checkpoint: serve `pr-specforge export CKPT OUT --to sglang --target TARGET`'s OUT)"
+            if run else ""))
     try:
         cfg = read_json_file(cfg_path)
     except DataFormatError as e:
@@ -132,19 +141,32 @@ def check_port(port: str) -> int:
     return number
 
 
-def preflight(target: str, draft: str, port: str) -> None:
+def check_pr_drafter(draft: str, cfg: Dict[str, Any]) -> None:
+    """`--speculative-algorithm PR_EAGLE3`: the plugin's own start-up refusals of the export (a plain EAGLE-3
+    export, missing or renamed PR tensors), here before SGLang starts instead of deep in its start-up."""
+    from pr_specforge.sglang_plugin.checks import PRServeError, check_drafter
+
+    try:
+        check_drafter(draft, cfg)
+    except PRServeError as e:
+        raise PreflightError(f"DRAFT {draft}: {e}") from None
+
+
+def preflight(target: str, draft: str, port: str, algorithm: str = "EAGLE3") -> None:
     """The cheap checks first: the port and the configs before the tensors (which import SpecForge)."""
     check_target(target)
     cfg = check_draft_kind(draft, target)
     check_port(port)
     check_context(draft, cfg, target)
+    if algorithm == "PR_EAGLE3":
+        check_pr_drafter(draft, cfg)
     check_draft_tensors(draft, cfg)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args: List[str] = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 3:
-        print("usage: python -m pr_specforge.sglang_cpu.preflight TARGET_DIR DRAFT_DIR PORT", file=sys.stderr)
+    if len(args) not in (3, 4):
+        print("usage: python -m pr_specforge.sglang_cpu.preflight TARGET_DIR DRAFT_DIR PORT [ALGORITHM]", file=sys.stderr)
         return 2
     import warnings
 

@@ -187,12 +187,15 @@ def read_recipe_mapping(path: str, _chain: Tuple[str, ...] = ()) -> Dict[str, An
     """The recipe's raw mapping with its `extends:` chain resolved (later files win, mappings merge)."""
     if not os.path.isfile(path):
         where = f" (extended by {_chain[-1]})" if _chain else ""
-        raise ConfigError(f"recipe {path!r} does not exist{where}")
+        what = "is a directory; name a recipe YAML file" if os.path.isdir(path) else "does not exist"
+        raise ConfigError(f"recipe {path!r} {what}{where}")
     with open(path) as f:
         try:
             raw = yaml.safe_load(f) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"recipe {path}: not valid YAML ({yaml_problem(e)})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"recipe {path}: not a text file (not valid YAML)") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"recipe {path}: expected a mapping at the top level")
     _resolve_recipe_paths(raw, os.path.dirname(path))

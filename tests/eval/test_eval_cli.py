@@ -206,6 +206,8 @@ BAD_INPUTS.update({
     "out-dir whose eval_config.json is a JSON list": ([], _edit_out_dir_config_a_list, "expected a JSON object, got a list"),
     "baseline-from row without set": ([], _edit_baseline_row_without_set, "row 1: no field 'set'"),
     "baseline-from eval_config.json a JSON list": ([], _edit_baseline_config_a_list, "expected a JSON object, got a list"),
+    "--batch-prompts 0": (["--batch-prompts", "0"], None, "--batch-prompts must be >= 1, got 0"),
+    "negative --batch-prompts": (["--batch-prompts", "-2"], None, "--batch-prompts must be >= 1, got -2"),
 })
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))

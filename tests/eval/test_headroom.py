@@ -210,3 +210,48 @@ def test_headroom_audit_bad_inputs_answer_in_one_line(tied, tmp_path, capsys):
         except AssertionError:
             raise AssertionError(f"{case}: {err[-1500:]}") from None
     assert not list(tmp_path.glob("x*"))  # a refused run writes nothing
+    run, held, afile = str(tied["run"]), str(tied["held"]), tied["root"] / "draft.json"
+    for argv, needles in (([run, "--features", held, "--out", str(afile / "h")], ("--out", "is a file, not a directory")),
+                          ([run, "--features", held, "--out", str(tmp_path / "y"), "--k", "0"], ("--k must be at least 2",))):
+        rc = main([*argv, "--no-progress"])
+        _one_line_error(rc, capsys.readouterr().err, *needles)
+    assert not list(tmp_path.glob("y*"))
+
+
+def _whole_outputs(prefix):
+    """PREFIX's outputs that exist, each checked whole: the JSON parses, the markdown names its positions, the PNGs
+    end in their IEND chunk."""
+    found = {}
+    for suffix in (".json", ".md", "-acceptance.png", "-reject-pool.png"):
+        path = prefix.parent / f"{prefix.name}{suffix}"
+        if path.exists():
+            data = path.read_bytes()
+            if suffix == ".json":
+                json.loads(data)
+            elif suffix == ".md":
+                assert data.rstrip().endswith(b"|") or data.endswith(b"\n"), data[-200:]
+            else:
+                assert data.startswith(b"\x89PNG") and data[-12:-4] == b"\x00\x00\x00\x00IEND", path
+            found[suffix] = path
+    return found
+
+
+def test_headroom_killed_or_interrupted_mid_run_leaves_no_partial_file_and_the_rerun_completes(tied, tmp_path, capsys,
+                                                                                               monkeypatch):
+    """kill -9 once PREFIX.json is written (the other files mid-write or not yet), kill -9 a writer inside its
+    write of PREFIX.md (its temp file left), Ctrl-C mid-forward: every output left is whole, the interrupt is one
+    line; the same command again writes all four and removes the killed writer's temp file."""
+    from pr_specforge.eval.headroom import main
+    from tests.helpers import interrupted_run, kill_a_writer_mid_write, sigkill_when
+
+    prefix = tmp_path / "h"
+    argv = [str(tied["run"]), "--features", str(tied["held"]), "--out", str(prefix), "--no-progress"]
+    sigkill_when([sys.executable, "-m", "pr_specforge.cli", "headroom", *argv], (tmp_path / "h.json").exists, env=ENV)
+    assert ".json" in _whole_outputs(prefix)
+    assert kill_a_writer_mid_write(tmp_path / "h.md", env=ENV)  # its temp file is left...
+    _whole_outputs(prefix)  # ...and h.md, if the killed run wrote it, is still whole
+    assert "rerun the same command" in interrupted_run(main, argv, capsys, monkeypatch, "headroom")
+    assert main(argv) == 0
+    assert set(_whole_outputs(prefix)) == {".json", ".md", "-acceptance.png", "-reject-pool.png"}
+    assert json.loads((tmp_path / "h.json").read_text())["pooled"]["scored"] > 0
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # the killed writer's temp file is gone

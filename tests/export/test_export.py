@@ -175,6 +175,44 @@ def test_export_refuses_bad_input_in_one_line(trained_pr_run, tmp_path, capsys, 
     assert message in err and "Traceback" not in err, err
 
 
+def _user_dir(tmp):
+    (tmp / "mine").mkdir()
+    (tmp / "mine" / "notes.txt").write_text("mine")
+    return tmp / "mine", tmp / "mine" / "notes.txt"
+
+
+def _user_file(tmp):
+    (tmp / "notes.txt").write_text("mine")
+    return tmp / "notes.txt", tmp / "notes.txt"
+
+
+def _under_a_file(tmp):
+    (tmp / "notes.txt").write_text("mine")
+    return tmp / "notes.txt" / "export", tmp / "notes.txt"
+
+
+#: issue 43's audit: OUT_DIRs refused before the checkpoint is read: (make(tmp) -> (out_dir, the user's file kept),
+#: --overwrite?, what the one line says)
+BAD_OUT_DIRS = {
+    "--overwrite onto a directory that is not an export": (_user_dir, True, "holds files that are not an earlier export"),
+    "--overwrite onto a file": (_user_file, True, "is a file, not an earlier export"),
+    "a file as OUT_DIR without --overwrite": (_user_file, False, "exists; pass --overwrite"),
+    "OUT_DIR under a file": (_under_a_file, False, "is a file, not a directory"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_OUT_DIRS))
+def test_export_refuses_an_out_dir_whose_files_it_would_lose_in_one_line(trained_pr_run, tmp_path, capsys, case):
+    from pr_specforge.export import main
+
+    make, overwrite, message = BAD_OUT_DIRS[case]
+    out, kept = make(tmp_path)
+    assert main([_ckpt(trained_pr_run), str(out), "--to", "hf", *(["--overwrite"] if overwrite else [])]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert kept.read_text() == "mine" and not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+
+
 def test_export_is_atomic_and_does_not_clobber_without_overwrite(trained_pr_run, tmp_path):
     out = tmp_path / "sglang"
     export_checkpoint(_ckpt(trained_pr_run), str(out), "sglang")

@@ -14,6 +14,7 @@ from tests.export.conftest import ENV
 from tests.export.test_export import long_context_target
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "sglang_cpu_serve.sh")
+PR_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "sglang_cpu_serve_pr.sh")
 
 
 @pytest.fixture(scope="module")
@@ -69,20 +70,53 @@ BAD_SERVE = {
 }
 
 
+def _eagle3_export(exports, tmp):
+    """The PR export without its PR config: what `export --to sglang` writes for an EAGLE-3 checkpoint."""
+    from pr_specforge.config import PR_CONFIG_KEY
+
+    dst = tmp / "eagle3"
+    shutil.copytree(exports["sglang"], dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.pop(PR_CONFIG_KEY)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return {"draft": str(dst), "script": PR_SCRIPT}
+
+
+def _a_file(tmp):
+    (tmp / "notes.txt").write_text("mine")
+    return str(tmp / "notes.txt")
+
+
+#: issue 43's audit rows: missing and wrong paths, and the PR script's own drafter check, all before SGLang starts
+BAD_SERVE.update({
+    "a draft path that does not exist": (lambda e, t: {"draft": str(t / "nowhere")}, "DRAFT " + "{tmp}/nowhere: does not exist"),
+    "a draft path that is a file": (lambda e, t: {"draft": _a_file(t)}, "notes.txt: is a file, not a model directory"),
+    "a target path that is a file": (lambda e, t: {"target": _a_file(t)}, "TARGET {tmp}/notes.txt: is a file"),
+    "a target path that does not exist": (lambda e, t: {"target": str(t / "nowhere")}, "TARGET {tmp}/nowhere: does not exist"),
+    "a training run as the draft": (lambda e, t: {"draft": os.path.join(os.path.dirname(e["target"]), "out")},
+                                    "(a training run or checkpoint: serve `pr-specforge export"),
+    "an EAGLE-3 export to the PR script": (_eagle3_export, "not a PR drafter export (serve it with --speculative-algorithm EAGLE3)"),
+    "a port in use, PR script": ("in use PR", "is in use"),
+})
+
+
 @pytest.mark.parametrize("case", sorted(BAD_SERVE))
 def test_the_serve_script_refuses_bad_input_in_one_line_before_sglang_starts(exports, tmp_path, case):
     make, needle = BAD_SERVE[case]
     args = {"target": exports["target"], "draft": exports["sglang"], "port": str(_free_port())}
-    holder = None
-    if make == "in use":
+    holder, script = None, SCRIPT
+    needle = needle.replace("{tmp}", str(tmp_path))
+    if make in ("in use", "in use PR"):
+        script = PR_SCRIPT if make == "in use PR" else SCRIPT
         holder = socket.socket()
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         args["port"] = str(holder.getsockname()[1])
     else:
         args.update(make(exports, tmp_path))
+        script = args.pop("script", SCRIPT)
     try:
-        proc = subprocess.run(["bash", SCRIPT, args["target"], args["draft"], args["port"]], capture_output=True,
+        proc = subprocess.run(["bash", script, args["target"], args["draft"], args["port"]], capture_output=True,
                               text=True, timeout=120, env=dict(ENV, PYTHON=sys.executable))
     finally:
         if holder is not None:

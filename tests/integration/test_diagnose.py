@@ -109,7 +109,10 @@ def test_diagnose_audit_bad_inputs_answer_in_one_line(tied, capsys):
     from pr_specforge.training.diagnose import main
     from tests.helpers import drafter_bad_inputs
 
-    for case, (argv, needles) in drafter_bad_inputs(tied).items():  # in process: an uncaught error fails the test
+    run, held, afile = str(tied["run"]), str(tied["held"]), tied["root"] / "draft.json"
+    own = {"--json naming a directory": ([run, "--features", held, "--json", str(tied["root"])], ("--json", "is a directory; name a file")),
+           "--json under a file": ([run, "--features", held, "--json", str(afile / "d.json")], ("--json", "is a file, not a directory"))}
+    for case, (argv, needles) in {**drafter_bad_inputs(tied), **own}.items():  # in process: an uncaught error fails the test
         try:
             rc = main([*argv, "--no-progress"])
         except SystemExit as e:  # argparse's refusals
@@ -118,3 +121,23 @@ def test_diagnose_audit_bad_inputs_answer_in_one_line(tied, capsys):
         lines = [x for x in out.splitlines() if x.startswith("pr-specforge diagnose:")]
         assert rc == 2 and "Traceback" not in out and len(lines) == 1, f"{case}: {out[-1500:]}"
         assert all(n in lines[0] for n in needles), f"{case}: {lines[0]}"
+
+
+def test_diagnose_interrupted_writes_no_json_and_the_rerun_cleans_a_killed_writers_temp(tied, tmp_path, capsys, monkeypatch):
+    """Ctrl-C mid-forward: one line, exit 130, no --json file; a writer of it killed mid-write leaves its temp
+    file; the same command again writes the JSON whole and removes that temp file."""
+    from pr_specforge.training.diagnose import main
+    from tests.helpers import interrupted_run, kill_a_writer_mid_write
+
+    out = tmp_path / "d.json"
+    argv = [str(tied["run"]), "--features", str(tied["held"]), "--json", str(out), "--no-progress"]
+    interrupted_run(main, argv, capsys, monkeypatch, "diagnose")
+    assert not out.exists()
+    assert kill_a_writer_mid_write(out, env=ENV) and not out.exists()
+    import socket
+
+    live = tmp_path / f".d.json.{socket.gethostname()}-{os.getpid()}.x.tmp"  # a live writer's (this process) is kept
+    live.write_text("in flight")
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["batches"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["d.json", live.name])

@@ -1,16 +1,14 @@
 """kill -9 mid-run and mid-save, resume: the final weights and the loss curve equal an uninterrupted run's, bitwise."""
 
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import torch
 
 from pr_specforge.training.backends.checkpoint import RECIPE_STATE_KEY, SAVE_SLEEP_ENV
 from pr_specforge.training.telemetry import read_metrics
-from tests.helpers import write_workspace
+from tests.helpers import sigkill_when, write_workspace
 
 ENV = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", WANDB_MODE="disabled")
 STEPS = 8
@@ -27,16 +25,7 @@ def _run(recipe, out, *extra):
 
 def _kill_when(recipe, out, ready, env=None, timeout=120):
     """Start a run, SIGKILL it as soon as `ready()` holds."""
-    proc = subprocess.Popen(_cmd(recipe, out), env=env or ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + timeout
-    try:
-        while not ready():
-            assert proc.poll() is None, "the run ended before the kill point"
-            assert time.time() < deadline, "kill point never reached"
-            time.sleep(0.02)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    sigkill_when(_cmd(recipe, out), ready, env=env or ENV, timeout=timeout)
 
 
 def _final_weights(out):
