@@ -1,10 +1,11 @@
 """The positive control per recipe option set: which PR options learn a second pass?
 
-    OMP_NUM_THREADS=1 TORCHDYNAMO_DISABLE=1 python benchmarks/control.py --steps 1200 \
+    OMP_NUM_THREADS=1 TORCHDYNAMO_DISABLE=1 python benchmarks/control.py --steps 400 \
         --json benchmarks/results/control.json --md benchmarks/results/control.md [--sets paper default ...]
 
-For each option set, `pr_specforge.control` trains a tiny PR drafter (hidden 64, R = 1, TTT 2,
-a cycle of N = 6 symbols, every symbol asked once, the answers hidden) with the set's `pr:` options and measures on held-out samples the
+For each option set, `pr_specforge.control` trains a tiny PR drafter (hidden 64, one head, R = 1, TTT 2,
+a cycle of N = 6 symbols drawn per sample from a pool of 2 N, every symbol asked once, the answers hidden)
+with the set's `pr:` options and measures on held-out samples the
 accuracy of depth 0 and depth 1 on 1-hop queries (f(a): one attention pass answers them) and
 2-hop queries (f(f(a)): they need two), and the gate's mean q per depth on each kind. Every
 set but `default` is `recipes/_base/paper-pr.yaml`'s options with the named change; the sets
@@ -71,13 +72,22 @@ def provenance(args, threads: int) -> Dict[str, Any]:
             "command": portable_command("python benchmarks/control.py " + " ".join(sys.argv[1:]))}
 
 
+def _pool(settings: Dict[str, Any]) -> int:
+    """M: a JSON from before the pool existed drew every sample's symbols from N; `None` is 2 N."""
+    if "pool" not in settings:
+        return settings["symbols"]
+    return settings["pool"] or 2 * settings["symbols"]
+
+
 def render(report: Dict[str, Any]) -> str:
     s = report["settings"]
     lines = ["# The positive control per option set", "",
              f"Does the PR objective learn a second pass? A tiny PR drafter (hidden {s['hidden']}, R = {s['max_depth']}, "
-             f"TTT {s['ttt_length']}) sees the shuffled pairs of a random cycle f over N = {s['symbols']} symbols and is "
+             f"TTT {s['ttt_length']}, {s['heads']} attention head(s)) sees the shuffled pairs of a random cycle f over "
+             f"N = {s['symbols']} symbols (drawn per sample from a pool of {_pool(s)}) and is "
              f"asked f(a) (1-hop: one attention pass answers it) or f(f(a)) (2-hop: it needs two); {s['steps']} steps of "
-             f"batch {s['batch']}, {s['eval_samples']} held-out samples. Chance is 1/N = {1 / s['symbols']:.1%}. "
+             f"batch {s['batch']}, {s['eval_samples']} held-out samples. One pass can rule out a, f(a) and the symbol "
+             f"before a, so its bound on 2-hop queries is 1/(N-3) = {1 / max(1, s['symbols'] - 3):.1%}. "
              "A set learns the second pass when depth 1 beats depth 0 on 2-hop queries by "
              f"{report['min_accuracy_gain']:.0%} and the gate's mean depth on 2-hop queries exceeds the 1-hop one by "
              f"{report['min_routing_gap']:.2f}. Rendered from `control.json` by `benchmarks/control.py`.", "",
@@ -111,7 +121,7 @@ def _args(argv: List[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sets", nargs="*", default=list(OPTION_SETS), choices=list(OPTION_SETS), metavar="SET",
                    help=f"option sets to run (default all): {', '.join(OPTION_SETS)}")
-    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--symbols", type=int, default=6)
     p.add_argument("--note", default="", help="a line recorded in the JSON (e.g. why the steps differ from the issue's)")
     p.add_argument("--merge", nargs="*", default=[], help="JSON files of earlier runs (same settings) whose sets join --json")

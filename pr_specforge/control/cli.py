@@ -45,6 +45,12 @@ def verdict_line(verdict: Dict[str, Any]) -> str:
             f"needs >= {verdict['min_routing_gap']:.2f})")
 
 
+def curve_line(point: Dict[str, Any]) -> str:
+    one, two, v = point["result"]["one_hop"], point["result"]["two_hop"], point["verdict"]
+    return (f"step {point['step']}: 1-hop d0 {one['accuracy'][0]:.1%} d1 {max(one['accuracy'][1:]):.1%}, 2-hop d0 "
+            f"{two['accuracy'][0]:.1%} d1 {max(two['accuracy'][1:]):.1%}, routing gap {v['routing_gap']:+.2f}")
+
+
 def _parser() -> argparse.ArgumentParser:
     from pr_specforge.control.run import ControlSettings
 
@@ -54,16 +60,19 @@ def _parser() -> argparse.ArgumentParser:
         description="A positive control for a recipe's PR options, to run before spending GPU hours: train a tiny "
                     "PR drafter where 1-hop queries (f(a)) need one attention pass and 2-hop queries (f(f(a))) two, "
                     "and report whether depth >= 1 answers the 2-hop queries that depth 0 cannot, and whether the "
-                    "gate routes them deeper. Minutes on one CPU core at the default size.",
+                    "gate routes them deeper. About a minute on one CPU core at the default size.",
         epilog="Exit code: 0 = learns the second pass; 1 = does not; 2 = bad input (one-line error).")
     p.add_argument("--recipe", required=True, help="recipe YAML whose pr: options are tested (extends: resolved)")
     p.add_argument("overrides", nargs="*", help="pr.FIELD=VALUE overrides, e.g. pr.recon_grad=isolated")
     p.add_argument("--steps", type=int, default=d.steps, help=f"training steps (default {d.steps})")
     p.add_argument("--symbols", type=int, default=d.symbols, help=f"cycle length N (default {d.symbols})")
+    p.add_argument("--pool", type=int, default=d.pool, help="symbol pool M >= N that each sample's N symbols are drawn from (default 2 N; M = N is the old task)")
+    p.add_argument("--heads", type=int, default=d.heads, help=f"attention heads of the control drafter (default {d.heads})")
     p.add_argument("--queries", type=int, default=None, help="queries per sample K, 1 to N (default N: every symbol asked once)")
     p.add_argument("--max-depth", type=int, default=d.max_depth, help=f"the control drafter's R (default {d.max_depth})")
     p.add_argument("--ttt-length", type=int, default=d.ttt_length, help=f"TTT steps (default {d.ttt_length})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed (default {d.seed})")
+    p.add_argument("--curve-every", type=int, default=0, help="also measure every that many steps and print the curve (default 0: only at the end)")
     p.add_argument("--json", default=None, help="also write the result as JSON to this path")
     return p
 
@@ -79,7 +88,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             check_writable_file("--json", args.json)
         pr = recipe_pr(args.recipe, args.overrides)
         queries = args.symbols if args.queries is None else args.queries
-        settings = ControlSettings(steps=args.steps, symbols=args.symbols, queries=queries, max_depth=args.max_depth,
+        settings = ControlSettings(steps=args.steps, symbols=args.symbols, queries=queries, pool=args.pool, heads=args.heads,
+                                   max_depth=args.max_depth,
                                    ttt_length=args.ttt_length, seed=args.seed)
     except (ConfigError, DataFormatError, ValueError) as e:
         print(f"pr-specforge control: {' '.join(str(e).split())}", file=sys.stderr)  # one line (YAML errors span several)
@@ -87,8 +97,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
-    out = run_control(pr, settings)
-    print(f"control: {args.recipe}, {settings.steps} steps, N = {settings.symbols}, K = {settings.queries}, R = {settings.max_depth}")
+    out = run_control(pr, settings, curve_every=max(0, args.curve_every))
+    for point in out["curve"]:
+        print(curve_line(point))
+    print(f"control: {args.recipe}, {settings.steps} steps, N = {settings.symbols}, M = {settings.task.size}, K = {settings.queries}, heads = {settings.heads}, R = {settings.max_depth}")
     print("\n".join(table_lines(out["result"])))
     print(verdict_line(out["verdict"]))
     if args.json:  # atomically: an interrupt leaves no partial file (nor a temp one)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -40,13 +40,14 @@ WARM_START = "control:eagle3"
 class ControlSettings:
     """The control's size and schedule (its `pr:` options come from the recipe)."""
 
-    symbols: int = 6  # N = 5 lets one pass answer most 2-hop queries (docs/control.md); at 6 depth 0 sits at the bound
+    symbols: int = 6  # N: one pass can hold 2-hop queries to 1/(N-3) = 33% at best (docs/control.md)
     queries: int = 6  # K = N: every symbol is asked once (the answers are hidden, so they cannot help)
+    pool: Optional[int] = None  # M: the symbols each sample's N are drawn from (None: 2 N); M = N is the old task
     hidden: int = 64
-    heads: int = 4
+    heads: int = 1  # one head: with 4 heads and M = N one pass learnt most 2-hop queries (docs/control.md)
     ttt_length: int = 2
     max_depth: int = 1
-    steps: int = 1200
+    steps: int = 400
     warm_steps: Optional[int] = None  # None: `steps`
     batch: int = 32
     lr: float = 5e-3
@@ -65,7 +66,7 @@ class ControlSettings:
 
     @property
     def task(self) -> ControlTask:
-        return ControlTask(symbols=self.symbols, queries=self.queries)
+        return ControlTask(symbols=self.symbols, queries=self.queries, pool=2 * self.symbols if self.pool is None else self.pool)
 
 
 def control_pr(pr: PRConfig, settings: ControlSettings) -> PRConfig:
@@ -85,7 +86,7 @@ def build_drafter(pr: PRConfig, settings: ControlSettings, seed: int):
     task = settings.task
     cfg = LlamaConfig(hidden_size=settings.hidden, intermediate_size=2 * settings.hidden,
                       num_attention_heads=settings.heads, num_key_value_heads=settings.heads, num_hidden_layers=1,
-                      vocab_size=task.vocab_size, draft_vocab_size=task.symbols, max_position_embeddings=4 * task.seq_len,
+                      vocab_size=task.vocab_size, draft_vocab_size=task.size, max_position_embeddings=4 * task.seq_len,
                       rms_norm_eps=1e-6, hidden_act="silu", pad_token_id=0, tie_word_embeddings=False,
                       architectures=["LlamaForCausalLMEagle3"])
     torch.manual_seed(seed)
@@ -99,8 +100,10 @@ def build_drafter(pr: PRConfig, settings: ControlSettings, seed: int):
     return draft
 
 
-def _train(draft, pr: PRConfig, settings: ControlSettings, steps: int, seed: int, model_cls=None) -> float:
-    """`steps` AdamW steps of `model_cls` (default `OnlinePRModel`) on fresh samples; returns seconds taken."""
+def _train(draft, pr: PRConfig, settings: ControlSettings, steps: int, seed: int, model_cls=None,
+           observe: Optional[Callable[[int], None]] = None, every: int = 0) -> float:
+    """`steps` AdamW steps of `model_cls` (default `OnlinePRModel`) on fresh samples; returns seconds taken
+    (training only). `observe(step)` is called after every `every`-th step (0: never)."""
     from pr_specforge.training.objective.ttt import OnlinePRModel
 
     cls = model_cls or OnlinePRModel
@@ -111,8 +114,8 @@ def _train(draft, pr: PRConfig, settings: ControlSettings, steps: int, seed: int
     data_gen = torch.Generator().manual_seed(seed + 2)
     table = settings.task.feature_table(settings.hidden)
     draft.train()
-    start = time.perf_counter()
-    for _ in range(steps):
+    start, observed = time.perf_counter(), 0.0
+    for step in range(1, steps + 1):
         b = settings.task.batch(settings.batch, data_gen, settings.hidden, table)
         out = model(**{k: v for k, v in b.items() if k not in ("kind", "answer")})
         opt.zero_grad(set_to_none=True)
@@ -120,7 +123,11 @@ def _train(draft, pr: PRConfig, settings: ControlSettings, steps: int, seed: int
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
         sched.step()
-    return time.perf_counter() - start
+        if observe is not None and every and (step % every == 0 or step == steps):
+            t = time.perf_counter()
+            observe(step)
+            observed += time.perf_counter() - t
+    return time.perf_counter() - start - observed
 
 
 @torch.no_grad()
@@ -157,11 +164,12 @@ def verdict(result: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def run_control(pr: PRConfig, settings: ControlSettings = ControlSettings(), model_cls=None,
-                warm_cache: Optional[Dict[Any, Dict[str, torch.Tensor]]] = None) -> Dict[str, Any]:
+                warm_cache: Optional[Dict[Any, Dict[str, torch.Tensor]]] = None, curve_every: int = 0) -> Dict[str, Any]:
     """Train the control with `pr`'s options and measure it (see module doc).
 
     `model_cls`: the training model (default `OnlinePRModel`; a test passes a broken one).
-    `warm_cache`: EAGLE-3 warm starts already trained, by settings (the benchmark shares them)."""
+    `warm_cache`: EAGLE-3 warm starts already trained, by settings (the benchmark shares them).
+    `curve_every`: also measure every that many steps (`curve`: step, result, verdict)."""
     from pr_specforge.training import warm_start
 
     cpr = control_pr(pr, settings)
@@ -178,9 +186,15 @@ def run_control(pr: PRConfig, settings: ControlSettings = ControlSettings(), mod
         draft.copy_one_pass_head()
         if cpr.freeze_one_pass:
             warm_start.freeze_one_pass(draft)
-    train_s = _train(draft, cpr, settings, settings.steps, settings.seed, model_cls)
-    result = evaluate(draft, cpr, settings)
-    return {"result": result, "verdict": verdict(result), "warm_start": warm,
+    curve: List[Dict[str, Any]] = []
+
+    def observe(step: int) -> None:
+        res = evaluate(draft, cpr, settings)
+        curve.append({"step": step, "result": res, "verdict": verdict(res)})
+
+    train_s = _train(draft, cpr, settings, settings.steps, settings.seed, model_cls, observe, curve_every)
+    result = curve[-1]["result"] if curve else evaluate(draft, cpr, settings)
+    return {"result": result, "verdict": verdict(result), "warm_start": warm, "curve": curve,
             "train_seconds": train_s + warm_s, "pr": cpr.to_dict()}
 
 

@@ -30,7 +30,7 @@ Owns: `ControlTask` (vocabulary layout, `batch`). Does not own the drafter or th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -47,6 +47,8 @@ class ControlTask:
 
     symbols: int = 8
     queries: int = 4
+    #: the symbols a sample's cycle is drawn from (None: `symbols`, every sample uses them all)
+    pool: Optional[int] = None
     feature_seed: int = 1234
     #: put PAD where each answer stands, so that no answer is in the context (the teacher still is the answer)
     hide_answers: bool = True
@@ -56,7 +58,13 @@ class ControlTask:
             raise ValueError(f"the control needs at least 3 symbols (a 2-hop answer differs from a 1-hop one), got {self.symbols}")
         if not 1 <= self.queries <= self.symbols:
             raise ValueError(f"the control asks 1 to N = {self.symbols} queries per sample (one per symbol), got {self.queries}")
+        if self.pool is not None and self.pool < self.symbols:
+            raise ValueError(f"the control's symbol pool must hold at least N = {self.symbols} symbols, got {self.pool}")
 
+    @property
+    def size(self) -> int:
+        """M: the symbols in the vocabulary (each sample's N are drawn from them)."""
+        return self.symbols if self.pool is None else self.pool
     @property
     def first_key(self) -> int:
         return 3
@@ -64,15 +72,15 @@ class ControlTask:
     @property
     def first_symbol(self) -> int:
         """The first value token: draft token `i` is the value of symbol `i`."""
-        return 3 + self.symbols
+        return 3 + self.size
 
     @property
     def first_query(self) -> int:
-        return 3 + 2 * self.symbols
+        return 3 + 2 * self.size
 
     @property
     def vocab_size(self) -> int:
-        return 3 + 3 * self.symbols
+        return 3 + 3 * self.size
 
     @property
     def seq_len(self) -> int:
@@ -81,8 +89,8 @@ class ControlTask:
     def vocab_map(self):
         """`(t2d, d2t)`: the draft vocabulary is the value tokens (the answers)."""
         t2d = torch.zeros(self.vocab_size, dtype=torch.bool)
-        t2d[self.first_symbol:self.first_symbol + self.symbols] = True
-        d2t = torch.full((self.symbols,), self.first_symbol, dtype=torch.long)
+        t2d[self.first_symbol:self.first_symbol + self.size] = True
+        d2t = torch.full((self.size,), self.first_symbol, dtype=torch.long)
         return t2d, d2t
 
     def embedding_table(self, hidden: int) -> torch.Tensor:
@@ -90,7 +98,7 @@ class ControlTask:
         three copies of a symbol on one row."""
         g = torch.Generator().manual_seed(self.feature_seed)
         emb = torch.randn(self.vocab_size, hidden, generator=g)
-        n = self.symbols
+        n = self.size
         for first in (self.first_symbol, self.first_query):
             emb[first:first + n] = emb[self.first_key:self.first_key + n]
         return emb
@@ -101,7 +109,7 @@ class ControlTask:
         token a random code; the upper two layers are random codes per token."""
         g = torch.Generator().manual_seed(self.feature_seed + 1)
         table = torch.randn(self.vocab_size, 3 * target_hidden, generator=g)
-        keys = slice(self.first_key, self.first_key + self.symbols)
+        keys = slice(self.first_key, self.first_key + self.size)
         table[keys, :target_hidden] = self.embedding_table(target_hidden)[keys]
         return table
 
@@ -111,15 +119,16 @@ class ControlTask:
         toks = torch.empty(batch, self.seq_len, dtype=torch.long)
         kind = torch.zeros(batch, self.seq_len, dtype=torch.long)
         for b in range(batch):
+            sym = torch.randperm(self.size, generator=generator)[:n]  # the sample's N symbols
             order = torch.randperm(n, generator=generator)
             f = torch.empty(n, dtype=torch.long)
             f[order] = order.roll(-1)  # f(order[i]) = order[i + 1]: one cycle through every symbol
             pairs = torch.randperm(n, generator=generator)
-            ctx = torch.stack([pairs + self.first_key, f[pairs] + self.first_symbol], dim=1).reshape(-1)
+            ctx = torch.stack([sym[pairs] + self.first_key, sym[f[pairs]] + self.first_symbol], dim=1).reshape(-1)
             a = torch.randperm(n, generator=generator)[:k]  # distinct: a repeated query would copy the earlier answer
             hops = torch.randint(1, 3, (k,), generator=generator)
             ans = torch.where(hops == 1, f[a], f[f[a]])
-            qs = torch.stack([torch.where(hops == 1, Q1, Q2), a + self.first_query, ans + self.first_symbol], dim=1)
+            qs = torch.stack([torch.where(hops == 1, Q1, Q2), sym[a] + self.first_query, sym[ans] + self.first_symbol], dim=1)
             toks[b] = torch.cat([ctx, qs.reshape(-1)])
             kind[b, 2 * n + 2::3] = hops
         return toks, kind > 0, kind
