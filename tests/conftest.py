@@ -43,7 +43,8 @@ def tiny_config():
 
 #: modules that take a minute or more, started first so that the two workers of `make test` end together
 SLOW_FIRST = ("tests/sglang_live/", "tests/experiment/test_pipeline.py", "tests/training/test_deepspeed.py",
-              "tests/training/test_kill_resume.py", "tests/eval/test_headroom.py", "tests/training/test_online.py",
+              "tests/training/test_kill_resume.py", "tests/eval/test_headroom.py", "tests/control/test_control.py",
+              "tests/training/test_online.py",
               "tests/recipe_options/test_warm_start.py", "tests/integration/test_diagnose.py",
               "tests/data/test_data_smollm2.py", "tests/integration/test_train_cli.py", "tests/data/test_sharded_prep.py",
               "tests/telemetry/test_telemetry.py")
