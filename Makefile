@@ -16,7 +16,7 @@ run: setup
 # The test suite (CPU, tiny random models), on two pytest-xdist workers: one takes the live SGLang tests
 # (they share one trained run and one plain server), the other the rest, slowest modules first (tests/conftest.py).
 test: setup
-	.venv/bin/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder tests $(ARGS)
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests $(ARGS)
 
 bench: setup
 	.venv/bin/python benchmarks/train_step.py --json benchmarks/results/train_step.json

@@ -50,18 +50,29 @@ SLOW_FIRST = ("tests/sglang_live/", "tests/experiment/test_pipeline.py", "tests/
               "tests/telemetry/test_telemetry.py")
 
 
-def pytest_collection_modifyitems(config, items):
-    """For `make test` (`-n 2 --dist loadgroup --no-loadscope-reorder`): a module is one unit of work (its
-    fixtures are built once), the live SGLang package is one unit (its package-scoped trained run and plain
-    server are built once), and the slow units come first. Without xdist the marks and the order are inert."""
-    def group(item):
-        path = item.nodeid.split("::", 1)[0]
-        return "tests/sglang_live/" if path.startswith("tests/sglang_live/") else path
+def _unit(nodeid: str) -> str:
+    """The unit of work of `make test`'s workers: a module (its fixtures are built once), and the live SGLang
+    package as one unit (its package-scoped trained run and plain server are built once)."""
+    path = nodeid.split("::", 1)[0]
+    return "tests/sglang_live/" if path.startswith("tests/sglang_live/") else path
 
+
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` (`-n 2 --dist loadfile --no-loadscope-reorder`) schedules by `_unit`, in collection order.
+    (xdist's own `loadgroup` marks do nothing under pytest 9, whose node ids no longer live in `_nodeid`.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return UnitScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow units first (stable: within a rank, collection order), so the two workers end together."""
     def rank(item):
         path = item.nodeid.split("::", 1)[0]
         return next((i for i, p in enumerate(SLOW_FIRST) if path.startswith(p)), len(SLOW_FIRST))
 
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
-    items.sort(key=rank)  # stable: within a rank, collection order
+    items.sort(key=rank)
