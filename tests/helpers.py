@@ -329,3 +329,34 @@ def interrupted_run(main, argv, capsys, monkeypatch, command):
     lines = [x for x in full.splitlines() if x.startswith(f"pr-specforge {command}:")]
     assert "Traceback" not in full and len(lines) == 1 and "interrupted" in lines[0], full[-2000:]
     return lines[0]
+
+
+def run_cli(*args, cwd, env=None):
+    """`pr-specforge ARGS` from `cwd`: (exit code, stdout + stderr). Every command but `train` runs in this process
+    (a fresh interpreter costs ~8 s of imports on this CPU, most of a tiny command's time); `train` starts SpecForge's
+    process-group and trainer state, so it runs as `python -m pr_specforge.cli train ...` under `env`. In process,
+    the CLI's SIGINT handler and the working directory are restored after; an uncaught exception propagates (the
+    test fails, as a traceback in a subprocess's output would fail it)."""
+    import contextlib
+    import io
+    import signal
+    import subprocess
+    import sys
+
+    argv = [str(a) for a in args]
+    if argv[:1] == ["train"]:
+        proc = subprocess.run([sys.executable, "-m", "pr_specforge.cli", *argv], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=600)
+        return proc.returncode, proc.stdout + proc.stderr
+    from pr_specforge.cli import main
+
+    buf, handler = io.StringIO(), signal.getsignal(signal.SIGINT)
+    try:
+        with contextlib.chdir(cwd), contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            try:
+                rc = main(argv)
+            except SystemExit as e:  # argparse's usage errors and --help
+                rc = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    return rc, buf.getvalue()

@@ -5,7 +5,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 
 from pr_specforge.eval.headroom import Headroom
 from pr_specforge.training.simulate import depth_rows, one_pass_rows
+from tests.helpers import run_cli
 
 ENV = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
 
@@ -66,9 +66,7 @@ def test_headroom_buckets_on_hand_built_logits():
 
 
 def _cli(*args, cwd):
-    proc = subprocess.run([sys.executable, "-m", "pr_specforge.cli", *args], cwd=cwd, env=ENV,
-                          capture_output=True, text=True, timeout=600)
-    return proc.returncode, proc.stdout + proc.stderr
+    return run_cli(*args, cwd=cwd, env=ENV)
 
 
 def _one_line_error(rc, out, *needles):

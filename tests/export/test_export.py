@@ -225,8 +225,10 @@ def test_export_is_atomic_and_does_not_clobber_without_overwrite(trained_pr_run,
 
 
 def test_export_cli_answers_help():
-    proc = subprocess.run([sys.executable, "-m", "pr_specforge.cli", "export", "--help"], env=ENV, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and "--to" in proc.stdout
+    from tests.helpers import run_cli
+
+    rc, out = run_cli("export", "--help", cwd=os.getcwd())
+    assert rc == 0 and "--to" in out
 
 
 # ---------------------------------------------------------------- issue 44: context length and file modes

@@ -2,20 +2,18 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import yaml
 
-from tests.helpers import write_features, write_workspace
+from tests.helpers import run_cli, write_features, write_workspace
 
 ENV = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", WANDB_MODE="disabled")
 
 
-def _run(args, cwd):
-    proc = subprocess.run(args, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300)
-    return proc.returncode, proc.stdout + proc.stderr
+def _cli(*args, cwd):
+    return run_cli(*args, cwd=cwd, env=ENV)
 
 
 @pytest.mark.parametrize("strategy", ["pr", "eagle3"])
@@ -27,16 +25,16 @@ def test_diagnose_matches_specforges_eval_loop_on_the_same_checkpoint(tmp_path, 
     held = tmp_path / "heldout"
     write_features(AutoModelForCausalLM.from_pretrained(str(tmp_path / "target")), str(held), n=5, seed=11)
     # bf16 weights, as the SmolLM2 recipes train: SpecForge's eagle3 eval loop feeds bf16 features uncast
-    rc, out_train = _run([sys.executable, "-m", "pr_specforge.cli", "train", "-c", recipe, "training.save_interval=4",
+    rc, out_train = _cli("train", "-c", recipe, "training.save_interval=4",
                           "model.torch_dtype=bfloat16",
-                          f"data.eval_hidden_states_path={held}", "training.eval_interval=4"], tmp_path)
+                          f"data.eval_hidden_states_path={held}", "training.eval_interval=4", cwd=tmp_path)
     assert rc == 0, out_train[-3000:]
     resolved = yaml.safe_load((tmp_path / "out" / "resolved_recipe.yaml").read_text())
     assert ("pr" in resolved) == (strategy == "pr")  # an eagle3 run's resolved recipe reloads as eagle3
     evals = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl") if '"eval/' in line]
     assert [e["step"] for e in evals] == [4]
-    rc, out = _run([sys.executable, "-m", "pr_specforge.cli", "diagnose", str(tmp_path / "out"), "--features", str(held),
-                    "--json", str(tmp_path / "diag.json"), "--no-progress"], tmp_path)
+    rc, out = _cli("diagnose", str(tmp_path / "out"), "--features", str(held),
+                    "--json", str(tmp_path / "diag.json"), "--no-progress", cwd=tmp_path)
     assert rc == 0, out[-3000:]
     diag = json.loads((tmp_path / "diag.json").read_text())
     assert diag["checkpoint"].endswith("step4") and diag["batches"] == 5
@@ -66,21 +64,17 @@ def test_diagnose_matches_specforges_eval_loop_on_the_same_checkpoint(tmp_path, 
 
 
 def test_diagnose_names_a_missing_run_or_feature_directory(tmp_path):
-    rc, out = _run([sys.executable, "-m", "pr_specforge.cli", "diagnose", str(tmp_path / "nope"),
-                    "--features", str(tmp_path)], tmp_path)
+    rc, out = _cli("diagnose", str(tmp_path / "nope"),
+                    "--features", str(tmp_path), cwd=tmp_path)
     assert rc != 0 and "no resolved_recipe.yaml" in out and "Traceback" not in out
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "resolved_recipe.yaml").write_text("{}")
-    rc, out = _run([sys.executable, "-m", "pr_specforge.cli", "diagnose", str(tmp_path / "run"),
-                    "--features", str(tmp_path / "nofeatures")], tmp_path)
+    rc, out = _cli("diagnose", str(tmp_path / "run"),
+                    "--features", str(tmp_path / "nofeatures"), cwd=tmp_path)
     assert rc == 2 and "--features" in out and "not a directory" in out and "Traceback" not in out
 
 
 # ---- issue 43's audit rows (one block, for merging)
-def _cli(*args, cwd):
-    return _run([sys.executable, "-m", "pr_specforge.cli", *args], cwd)
-
-
 @pytest.fixture(scope="module")
 def tied(tmp_path_factory):
     from tests.helpers import smollm2_layout_run

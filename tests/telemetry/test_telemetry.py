@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from pr_specforge.training.telemetry import METRICS_FILE, MetricsSink, panel_name, plot_run, read_metrics
-from tests.helpers import write_workspace
+from tests.helpers import run_cli, write_workspace
 
 ENV = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
 
@@ -78,15 +78,13 @@ def test_training_writes_metrics_jsonl_and_wandb_offline_run_and_plot_renders(tm
 
     png = plot_run(str(out))
     assert png.endswith(".png") and os.path.getsize(png) > 20_000
-    cli = subprocess.run([sys.executable, "-m", "pr_specforge.cli", "plot", str(out), "-o", str(tmp_path / "p.png")],
-                         env=ENV, capture_output=True, text=True, timeout=120)
-    assert cli.returncode == 0 and (tmp_path / "p.png").is_file(), cli.stderr[-2000:]
+    rc, log = run_cli("plot", out, "-o", tmp_path / "p.png", cwd=tmp_path)
+    assert rc == 0 and (tmp_path / "p.png").is_file(), log[-2000:]
 
 
 def test_plot_refuses_a_dir_without_metrics(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "pr_specforge.cli", "plot", str(tmp_path)], env=ENV,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "no metrics file" in proc.stderr
+    rc, log = run_cli("plot", tmp_path, cwd=tmp_path)
+    assert rc == 2 and "no metrics file" in log
 
 
 # ---------------------------------------------------------------- issue 44: plot's input and panels
