@@ -155,3 +155,29 @@ def plain_server(live_run, tmp_path_factory):
     an idle SGLang scheduler polls (about half a core here), so it must not outlive the live tests."""
     with sglang_server(live_run["target"], tmp_path_factory.mktemp("log") / "plain.log") as port:
         yield port
+
+
+@pytest.fixture(scope="package")
+def our_decoder(live_run):
+    """`decode(steps, k=1, budget=None, prompts=None)`: our evaluator's m = 0 decode of the live prompts (B_w = k)."""
+    from pr_specforge.eval.evaluator import load_target
+    from pr_specforge.modeling import load_drafter
+    from pr_specforge.serving import SpeculativeDecoder, TreeConfig
+    from tests.sglang_live.eagle3 import MAX_NEW
+
+    target, _ = load_target(live_run["target"])
+    drafter = load_drafter(live_run["hf"], "cpu", torch.float32)
+
+    def decode(steps, k=1, budget=None, prompts=None):
+        dec = SpeculativeDecoder(target, drafter, TreeConfig(budget=budget or steps, k=k, bw=k, gamma=steps, m=0))
+        return [dec.generate(p, MAX_NEW, 0.0, 0, None) for p in prompts or live_run["prompts"]]
+
+    return decode
+
+
+@pytest.fixture(scope="package")
+def plain(live_run, plain_server):
+    """Plain greedy serving's output ids for each live prompt."""
+    from tests.sglang_live.eagle3 import MAX_NEW
+
+    return [greedy(plain_server, p, MAX_NEW)["output_ids"] for p in live_run["prompts"]]

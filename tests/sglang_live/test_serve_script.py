@@ -21,12 +21,12 @@ from pr_specforge.sglang_cpu import child_env
 from tests.export.conftest import ENV
 from tests.export.test_export import long_context_target
 from tests.sglang_live.conftest import STEPS, _free_port, greedy, serving
-from tests.sglang_live.test_live_engine import CHAIN_STEPS, MAX_NEW, _tau, ours, plain  # noqa: F401  (fixtures)
+from tests.sglang_live.eagle3 import CHAIN_STEPS, MAX_NEW, served_tau
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "sglang_cpu_serve.sh")
 
 
-def test_the_serve_script_serves_an_export_made_against_a_longer_context_target(live_run, ours, plain, tmp_path):  # noqa: F811
+def test_the_serve_script_serves_an_export_made_against_a_longer_context_target(live_run, our_decoder, plain, tmp_path):
     from pr_specforge.export import main as export_main
 
     root = live_run["root"]
@@ -41,10 +41,10 @@ def test_the_serve_script_serves_an_export_made_against_a_longer_context_target(
     env = child_env(dict(ENV, HF_HUB_OFFLINE="1", PYTHON=sys.executable))
     with serving(["bash", SCRIPT, str(target), str(export), str(port)], port, tmp_path / "server.log", env):
         served = [greedy(port, p, MAX_NEW) for p in live_run["prompts"]]
-    reference = ours(CHAIN_STEPS)  # the script's default: a chain of 3 drafts
+    reference = our_decoder(CHAIN_STEPS)  # the script's default: a chain of 3 drafts
     assert [o["output_ids"] for o in served] == [r.tokens for r in reference] == plain  # lossless
     for out, ref in zip(served, reference):
         meta = out["meta_info"]
         assert (meta["spec_verify_ct"], meta["spec_num_correct_drafts"]) == (ref.rounds, sum(ref.accept_lengths) - ref.rounds)
-    assert _tau(served) > 2.0, f"the trained drafter should accept most drafts on its own distribution, tau {_tau(served)}"
+    assert served_tau(served) > 2.0, f"the trained drafter should accept most drafts on its own distribution, tau {served_tau(served)}"
     assert re.search(r"[(, ]dtype='float32'", (tmp_path / "server.log").read_text())  # the verified default, not 'auto'
