@@ -12,13 +12,18 @@ speculative registry (`SpeculativeAlgorithm.register`). Nothing of SGLang is edi
     SGLang's draft KV pool, and encodes the tree for SGLang's own `build_tree`; verify and
     draft-extend are SGLang's.
   * `checks` - the shape, the refusals, loading the PR drafter from the export.
+  * `timing` - with `PR_EAGLE3_ROUND_TIMES=FILE` only: each decode round's time, phases and model compute, for
+    EAGLE-3 and PR_EAGLE3 alike (`benchmarks/serving_cost.py`).
 
 On a CPU, `pr_specforge.sglang_cpu` (the bridge) is still what makes SGLang's EAGLE path run.
 """
 
 from __future__ import annotations
 
+import os
+
 ALGORITHM = "PR_EAGLE3"
+TIMES_ENV = "PR_EAGLE3_ROUND_TIMES"  # `timing.ENV`, read here without importing SGLang
 
 
 def register() -> None:
@@ -26,3 +31,7 @@ def register() -> None:
     from pr_specforge.sglang_plugin.algorithm import register_algorithm
 
     register_algorithm()
+    if os.environ.get(TIMES_ENV):
+        from pr_specforge.sglang_plugin.timing import install
+
+        install()

@@ -7,8 +7,9 @@ verify, acceptance, the radix cache, chunked prefill, retraction.
 
 `PRDraftWorker.draft` has two row paths, chosen by `PR_EAGLE3_ROWS` (`checks.check_rows`: `sglang` by default
 where SGLang's runner can run the rows):
-  * `ours` (the default): request by request, steps 1-3 below;
-  * `sglang`: one `serving.batched_tree.BatchedTreeBuilder` round for every running request of a (B_w, m),
+  * `ours`: request by request, steps 1-3 below (chosen by itself for adapter drafters and rows that outgrow the
+    draft slots SGLang reserves);
+  * `sglang` (the default): one `serving.batched_tree.BatchedTreeBuilder` round for every running request of a (B_w, m),
     whose rows (all requests' `B_w + m` per step) run in ONE call of SGLang's draft model runner per step
     (`rows.SGLangRows`, the draft model `draft_model.PRDraftModel`, the attention
     `row_attention.RowListAttnBackend` over explicit KV-slot lists); the context stays in SGLang's pool.

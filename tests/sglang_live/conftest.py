@@ -6,7 +6,8 @@
   target says on prompts of that distribution), exported `--to sglang` (PR), as EAGLE-3 (the PR
   tensors dropped) and `--to hf` (for our evaluator).
 * `sglang_server(...)`: `python -m sglang.launch_server`, bound to 127.0.0.1 on a
-  free port, stopped (its whole process group) when the context exits, also on failure.
+  free port, stopped (its whole process group) when the context exits, also on failure
+  (`pr_specforge.sglang_cpu.server`, which benchmarks/serving_cost.py uses too).
 """
 
 from __future__ import annotations
@@ -14,41 +15,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 import torch
 
+from pr_specforge.sglang_cpu.server import ServerFailed, free_port, launch_command, post, serving  # noqa: F401
 from tests.export.conftest import ENV, train_workspace
 
 STEPS = 48
-START_TIMEOUT = 300
 
 
 def _free_port() -> int:
-    """A free loopback port below 40000 (SGLang derives more ports from it, up to +10000 and more)."""
-    for port in random.Random(os.getpid() + time.time_ns()).sample(range(20000, 40000), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-40000 on 127.0.0.1")
-
-
-def post(port: int, path: str, body: dict, timeout: float = 600) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+    return free_port()
 
 
 def greedy(port: int, ids, max_new_tokens: int) -> dict:
@@ -56,52 +35,15 @@ def greedy(port: int, ids, max_new_tokens: int) -> dict:
         "temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}})
 
 
-class ServerFailed(RuntimeError):
-    """The server exited before it answered; the message holds the end of its log."""
-
-
 @contextlib.contextmanager
 def sglang_server(model: str, log_path, *args: str, dtype: str = "float32", env=None):
     """Yield the port of a live `launch_server` for `model` (extra CLI `args`, extra environment `env`); stop it on exit."""
-    from pr_specforge.sglang_cpu import SERVER_FLAGS, child_env
+    from pr_specforge.sglang_cpu import child_env
 
-    port = _free_port()
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--dtype", dtype,
-           *SERVER_FLAGS, "--host", "127.0.0.1", "--port", str(port), "--max-total-tokens", "4096", *args]
+    port = free_port()
+    cmd = launch_command(model, port, *args, dtype=dtype)
     with serving(cmd, port, log_path, child_env(dict(ENV, HF_HUB_OFFLINE="1", **(env or {})))):
         yield port
-
-
-@contextlib.contextmanager
-def serving(cmd, port: int, log_path, env):
-    """Run the server command `cmd` (in its own process group) until it answers on `port`; stop it on exit."""
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.time() + START_TIMEOUT
-        while True:
-            if proc.poll() is not None:
-                raise ServerFailed(open(log_path).read()[-6000:])
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    if r.status == 200 and "fired up" in open(log_path).read():
-                        break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                raise ServerFailed(f"no answer after {START_TIMEOUT} s:\n" + open(log_path).read()[-6000:])
-            time.sleep(2)
-        yield proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        log.close()
 
 
 def spec_args(draft: str, steps: int, topk: int, draft_tokens: int):
@@ -152,7 +94,7 @@ def live_run(tmp_path_factory):
 @pytest.fixture(scope="package")
 def plain_server(live_run, tmp_path_factory):
     """The port of SGLang serving the target alone (plain greedy; with its tokenizer and chat template). Package-scoped:
-    an idle SGLang scheduler polls (about half a core here), so it must not outlive the live tests."""
+    one start-up for every live module (its scheduler sleeps on idle, `--sleep-on-idle`)."""
     with sglang_server(live_run["target"], tmp_path_factory.mktemp("log") / "plain.log") as port:
         yield port
 

@@ -1,0 +1,279 @@
+"""What a served round costs: PR_EAGLE3 against SGLang's EAGLE3, live, side by side in one run.
+
+    TORCHDYNAMO_DISABLE=1 python benchmarks/serving_cost.py --target work/smollm2/target \
+        --draft work/smollm2/export/pr-sglang --machine "quiet 2-core CPU" \
+        --json benchmarks/results/serving_cost.json --md benchmarks/results/serving_cost.md
+
+(`make run` makes the target and the export.) For each tree shape (`--shapes`: `paper` = k 6, gamma 8, B 48;
+`small` = k 2, gamma 3, B 6; B_w = k) two SGLang 0.5.14 servers run at once through the CPU bridge, fp32,
+greedy, each on 127.0.0.1 and stopped at the end, also on failure:
+  eagle3  `--speculative-algorithm EAGLE3`, SGLang's own draft (the same export, read as plain EAGLE-3);
+  pr      `--speculative-algorithm PR_EAGLE3`, our plugin; each request sets its m
+          (`custom_params.pr_eagle3.m`): `pr_m0` (m = 0: the plugin's round with no reconsideration row)
+          and `pr_m3` (m = `--m`, default 3: co-forwarded reconsideration rows every step).
+Both servers sleep on idle, so the one not being asked does not take a core. For each number of concurrent
+requests (`--requests`, default 1 and 4) and `--repeats` times, the three ways are asked in turn (the order
+rotating every repeat) with the same prompts (MT-Bench's first turns through the target's chat template,
+`--max-new` tokens, `ignore_eos`). Each server times its rounds (`pr_specforge.sglang_plugin.timing`, the
+same wrappers for both algorithms):
+  round_s   one decode round of SGLang's V2 worker: draft + target verify + draft-extend;
+  floor_s   the round's model compute alone: the target's and the draft model runner's forwards, and for PR
+            our drafter's head and gate readouts (SGLang's EAGLE3 runs those inside its draft forward);
+  the rest  (round_s - floor_s) is bookkeeping: the tree, SGLang's top-k selection, the verify input;
+  draft_s, draft_floor_s  the draft phase alone and its model compute (the part the two algorithms differ in:
+            verify and draft-extend are SGLang's in both).
+Rounds whose batch is not all of a cell's requests (requests finish at different rounds) are left out. Per
+cell: the median round, floor and phases, tau (tokens per verify round) and tokens per second end to end
+(output tokens of the cell's requests over the wall time from sending to the last answer, prefill included).
+The ratios and the issue's targets: `m0_over_eagle3` (round time, target <= 1.05), `m3_over_m0` against the
+floor's own ratio (target, as we read "within 0.05x of the compute floor": m3_over_m0 <= m3_floor_over_m0_floor
++ 0.05 on a CPU; m3_over_m0 <= 1.05 on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SHAPES = {"paper": dict(k=6, gamma=8, budget=48), "small": dict(k=2, gamma=3, budget=6)}
+WAYS = ("eagle3", "pr_m0", "pr_m3")
+PHASES = ("round_s", "floor_s", "draft_s", "verify_s", "extend_s", "target_compute_s", "draft_compute_s",
+          "readout_compute_s")
+
+
+def spec_args(algorithm: str, draft: str, shape: dict) -> List[str]:
+    return ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", draft,
+            "--speculative-num-steps", str(shape["gamma"]), "--speculative-eagle-topk", str(shape["k"]),
+            "--speculative-num-draft-tokens", str(shape["budget"] + 1)]
+
+
+def prompt_ids(target: str, n: int) -> List[List[int]]:
+    """The first turns of MT-Bench's first `n` prompts, through the target's chat template."""
+    from transformers import AutoTokenizer
+
+    from pr_specforge.data.prompts import load_prompts
+    from pr_specforge.eval.evaluator import _encoder
+
+    encode = _encoder(AutoTokenizer.from_pretrained(target))
+    return [encode([{"role": "user", "content": p.turns[0]}]) for p in load_prompts("mtbench", limit=n)]
+
+
+def ask(port: int, ids: List[List[int]], max_new: int, m=None) -> dict:
+    """`len(ids)` concurrent requests; their answers and the wall time from sending to the last answer."""
+    from pr_specforge.sglang_cpu.server import post
+
+    params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+    if m is not None:
+        params["custom_params"] = {"pr_eagle3": {"m": m}}
+    body = lambda p: {"input_ids": p, "sampling_params": params}  # noqa: E731
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(ids)) as pool:
+        outs = list(pool.map(lambda p: post(port, "/generate", body(p)), ids))
+    wall = time.perf_counter() - t0
+    metas = [o["meta_info"] for o in outs]
+    return {"wall_s": wall, "rids": [mt["id"] for mt in metas], "tokens": sum(len(o["output_ids"]) for o in outs),
+            "rounds": sum(int(mt["spec_verify_ct"]) for mt in metas), "outputs": [o["output_ids"] for o in outs]}
+
+
+def read_times(path: str) -> List[dict]:
+    if not os.path.exists(path):
+        return []
+    return [json.loads(line) for line in open(path) if line.strip()]
+
+
+def cell_summary(asks: List[dict], rounds: List[dict], n: int) -> dict:
+    """A cell's medians from its asks (one per repeat) and the timed rounds of their requests."""
+    rids = {rid for a in asks for rid in a["rids"]}
+    full = [r for r in rounds if r["batch"] == n and set(r["rids"]) <= rids]
+    if not full:
+        raise RuntimeError(f"no timed round with all {n} requests of a cell: is PR_EAGLE3_ROUND_TIMES reaching the server?")
+    out = {k: statistics.median(r.get(k, 0.0) for r in full) for k in PHASES}
+    out["bookkeeping_s"] = statistics.median(r["round_s"] - r["floor_s"] for r in full)
+    draft_floor = [r.get("draft.draft_compute_s", 0.0) + r.get("draft.readout_compute_s", 0.0) for r in full]
+    out["draft_floor_s"] = statistics.median(draft_floor)
+    out["draft_bookkeeping_s"] = statistics.median(r["draft_s"] - f for r, f in zip(full, draft_floor))
+    out["rounds_timed"] = len(full)
+    out["tau"] = sum(a["tokens"] for a in asks) / max(1, sum(a["rounds"] for a in asks))
+    out["tokens_per_s"] = statistics.median(a["tokens"] / a["wall_s"] for a in asks)
+    return out
+
+
+def ratios(cells: Dict[str, dict], gpu: bool) -> dict:
+    e, m0, m3 = (cells[w] for w in WAYS)
+    r = {"m0_over_eagle3": m0["round_s"] / e["round_s"], "m0_floor_over_eagle3_floor": m0["floor_s"] / e["floor_s"],
+         "m3_over_m0": m3["round_s"] / m0["round_s"], "m3_floor_over_m0_floor": m3["floor_s"] / m0["floor_s"],
+         "draft_m0_over_eagle3": m0["draft_s"] / e["draft_s"], "draft_m3_over_m0": m3["draft_s"] / m0["draft_s"],
+         "draft_floor_m3_over_m0": m3["draft_floor_s"] / m0["draft_floor_s"]}
+    r["target_m0_within_1.05_of_eagle3"] = r["m0_over_eagle3"] <= 1.05
+    if gpu:
+        r["target_m3_within_1.05_of_m0"] = r["m3_over_m0"] <= 1.05
+    else:
+        r["target_m3_within_0.05_of_floor_ratio"] = r["m3_over_m0"] <= r["m3_floor_over_m0_floor"] + 0.05
+    return r
+
+
+def markdown(result: dict) -> str:
+    ms = lambda x: f"{1000 * x:.1f}"  # noqa: E731
+    lines = [f"# Served round cost: PR_EAGLE3 vs SGLang's EAGLE3 ({result['machine']}, {result['dtype']})", "",
+             f"Commit {result['commit']}, {result['date']}, {result['cpu']}, torch threads {result['threads']}; "
+             f"target {result['target_name']}, drafter {result['draft_name']}; {result['max_new']} new tokens a "
+             f"request, {result['repeats']} repeats; medians over rounds whose batch is all of a cell's requests.", "",
+             "| shape | requests | way | round ms | floor ms | bookkeeping ms | draft ms | draft floor ms | verify ms "
+             "| extend ms | tau | tokens/s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, block in result["cells"].items():
+        shape, n = key.split("/")
+        for w in WAYS:
+            c = block["ways"][w]
+            lines.append(f"| {shape} | {n} | {w} | {ms(c['round_s'])} | {ms(c['floor_s'])} | {ms(c['bookkeeping_s'])} "
+                         f"| {ms(c['draft_s'])} | {ms(c['draft_floor_s'])} | {ms(c['verify_s'])} | {ms(c['extend_s'])} | {c['tau']:.3f} "
+                         f"| {c['tokens_per_s']:.2f} |")
+    lines += ["", "Ratios of the whole round (round, floor) and of its draft phase alone (draft, draft floor):", "",
+              "| shape | requests | m0 / eagle3 round | m0 / eagle3 floor | m3 / m0 round | m3 / m0 floor "
+              "| m0 / eagle3 draft | m3 / m0 draft | m3 / m0 draft floor "
+              "| m0 within 1.05x of EAGLE3 | m3 within 0.05 of the floor ratio |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, block in result["cells"].items():
+        shape, n = key.split("/")
+        r = block["ratios"]
+        third = r.get("target_m3_within_0.05_of_floor_ratio", r.get("target_m3_within_1.05_of_m0"))
+        lines.append(f"| {shape} | {n} | {r['m0_over_eagle3']:.3f} | {r['m0_floor_over_eagle3_floor']:.3f} "
+                     f"| {r['m3_over_m0']:.3f} | {r['m3_floor_over_m0_floor']:.3f} | {r['draft_m0_over_eagle3']:.3f} "
+                     f"| {r['draft_m3_over_m0']:.3f} | {r['draft_floor_m3_over_m0']:.3f} "
+                     f"| {'met' if r['target_m0_within_1.05_of_eagle3'] else 'not met'} | {'met' if third else 'not met'} |")
+    lines += ["", f"Command: `{result['command']}`", ""]
+    return "\n".join(lines)
+
+
+def commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).resolve().parent).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                               cwd=Path(__file__).resolve().parent).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} x {os.cpu_count()}"
+    return f"{platform.processor() or platform.machine()} x {os.cpu_count()}"
+
+
+def check_inputs(args) -> None:
+    for name, path, need in (("--target", args.target, "config.json"), ("--draft", args.draft, "config.json")):
+        if not os.path.isfile(os.path.join(path, need)):
+            raise SystemExit(f"serving_cost: {name} {path}: no {need} there (make run makes "
+                             "work/smollm2/target and work/smollm2/export/pr-sglang)")
+    if not any(str(k).startswith("pr_") for k in json.load(open(os.path.join(args.draft, "config.json")))):
+        raise SystemExit(f"serving_cost: --draft {args.draft}: not a PR export (no pr_* field in config.json)")
+    for s in args.shapes:
+        if s not in SHAPES:
+            raise SystemExit(f"serving_cost: --shapes: {s!r} is not one of {', '.join(SHAPES)}")
+
+
+def run_shape(args, shape_name: str, prompts, work: str, log) -> Dict[str, dict]:
+    from pr_specforge.sglang_cpu import child_env
+    from pr_specforge.sglang_cpu.server import free_port, launch_command, serving
+
+    shape = SHAPES[shape_name]
+    times = {a: os.path.join(work, f"{shape_name}-{a}-rounds.jsonl") for a in ("eagle3", "pr")}
+    ports, stack, asks = {}, contextlib.ExitStack(), {}
+    with stack:
+        for alg, name in (("eagle3", "EAGLE3"), ("pr", "PR_EAGLE3")):
+            port = free_port()
+            env = child_env(dict(os.environ, HF_HUB_OFFLINE="1", PR_EAGLE3_ROUND_TIMES=times[alg],
+                                 PR_EAGLE3_BW=str(shape["k"]), PR_EAGLE3_M=str(args.m)))
+            log(f"{shape_name}: starting {name} on 127.0.0.1:{port}")
+            cmd = launch_command(args.target, port, *spec_args(name, args.draft, shape),
+                                 max_total_tokens=args.max_total_tokens)
+            stack.enter_context(serving(cmd, port, os.path.join(work, f"{shape_name}-{alg}.log"), env))
+            ports[alg] = port
+        call = {"eagle3": lambda ids: ask(ports["eagle3"], ids, args.max_new),
+                "pr_m0": lambda ids: ask(ports["pr"], ids, args.max_new, m=0),
+                "pr_m3": lambda ids: ask(ports["pr"], ids, args.max_new, m=args.m)}
+        for w in WAYS:  # warm-up: one request each, not timed
+            call[w](prompts[:1])
+        for rep in range(args.repeats):
+            for n in args.requests:
+                order = WAYS[rep % 3:] + WAYS[: rep % 3]
+                for w in order:
+                    a = call[w](prompts[rep * n % len(prompts):][:n] if len(prompts) >= n else prompts[:n])
+                    asks.setdefault((n, w), []).append(a)
+                    log(f"{shape_name} n={n} {w} repeat {rep + 1}/{args.repeats}: {a['tokens']} tokens in "
+                        f"{a['wall_s']:.1f} s, tau {a['tokens'] / max(1, a['rounds']):.2f}")
+    rounds = {"eagle3": read_times(times["eagle3"]), "pr": read_times(times["pr"])}
+    out = {}
+    for n in args.requests:
+        cells = {w: cell_summary(asks[(n, w)], rounds["eagle3" if w == "eagle3" else "pr"], n) for w in WAYS}
+        same = all(a["outputs"] == b["outputs"] for w in WAYS[1:] for a, b in zip(asks[(n, "eagle3")], asks[(n, w)]))
+        out[f"{shape_name}/{n}"] = {"ways": cells, "ratios": ratios(cells, gpu=False), "outputs_equal_eagle3": same}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="work/smollm2/target")
+    p.add_argument("--draft", default="work/smollm2/export/pr-sglang", help="a PR export (`--to sglang`)")
+    p.add_argument("--shapes", type=lambda s: s.split(","), default=["paper", "small"])
+    p.add_argument("--requests", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    p.add_argument("--m", type=int, default=3, help="the reconsideration rows per step of the pr_m3 way")
+    p.add_argument("--max-new", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-total-tokens", type=int, default=8192)
+    p.add_argument("--machine", default="quiet machine")
+    p.add_argument("--work", default=None, help="where the servers' logs and round times go (default: a temp dir)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--md", default=None)
+    args = p.parse_args(argv)
+    check_inputs(args)
+    if min(args.requests) < 1 or args.repeats < 1 or args.max_new < 2 or args.m < 1:
+        raise SystemExit("serving_cost: --requests, --repeats and --m must be >= 1, --max-new >= 2")
+    import torch
+
+    from pr_specforge.data.io import atomic_write_json, atomic_write_text
+
+    def log(msg):
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    prompts = prompt_ids(args.target, max(args.requests) * args.repeats)
+    work = args.work or tempfile.mkdtemp(prefix="serving_cost-")
+    os.makedirs(work, exist_ok=True)
+    t0 = time.time()
+    cells = {}
+    for s in args.shapes:
+        cells.update(run_shape(args, s, prompts, work, log))
+    result = {"machine": args.machine, "cpu": cpu_name(), "commit": commit(), "date": time.strftime("%Y-%m-%d"),
+              "threads": torch.get_num_threads(), "dtype": "float32", "device": "cpu",
+              "target_name": os.path.basename(os.path.normpath(args.target)),
+              "draft_name": os.path.basename(os.path.normpath(args.draft)), "max_new": args.max_new,
+              "repeats": args.repeats, "m": args.m, "shapes": {s: SHAPES[s] for s in args.shapes},
+              "wall_s": time.time() - t0, "cells": cells,
+              "command": "python benchmarks/serving_cost.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    table = markdown(result)
+    print(table)
+    if args.json:
+        atomic_write_json(args.json, result)
+    if args.md:
+        atomic_write_text(args.md, table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""A local SGLang server for a test or a benchmark: bound to 127.0.0.1, on a free port, stopped on exit.
+
+  * `free_port()` - a free loopback port below 40000 (SGLang derives more ports from it);
+  * `launch_command(model, port, *args)` - `python -m sglang.launch_server` with the CPU bridge's flags;
+  * `serving(cmd, port, log_path, env)` - run a server command in its own process group until it answers on
+    `port` (its `/health` and the "fired up" line of its log), yield, and stop the whole group on exit, also on
+    failure; `ServerFailed` carries the end of the log when it exits or does not answer in time;
+  * `post(port, path, body)` - one JSON request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Dict, Iterator, Sequence
+
+START_TIMEOUT = 300
+
+
+class ServerFailed(RuntimeError):
+    """The server exited before it answered, or did not answer in time; the message holds the end of its log."""
+
+
+def free_port() -> int:
+    """A free loopback port in 20000-40000 (SGLang derives more ports from it, up to +10000 and more)."""
+    for port in random.Random(os.getpid() + time.time_ns()).sample(range(20000, 40000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-40000 on 127.0.0.1")
+
+
+def post(port: int, path: str, body: dict, timeout: float = 600) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def launch_command(model: str, port: int, *args: str, dtype: str = "float32", max_total_tokens: int = 4096):
+    """`launch_server` for `model` on 127.0.0.1:`port` with the CPU bridge's `SERVER_FLAGS` and extra `args`."""
+    from pr_specforge.sglang_cpu import SERVER_FLAGS
+
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--dtype", dtype, *SERVER_FLAGS,
+            "--host", "127.0.0.1", "--port", str(port), "--max-total-tokens", str(max_total_tokens), *args]
+
+
+@contextlib.contextmanager
+def serving(cmd: Sequence[str], port: int, log_path, env: Dict[str, str],
+            start_timeout: float = START_TIMEOUT) -> Iterator[subprocess.Popen]:
+    """Run the server command `cmd` (in its own process group) until it answers on `port`; stop it on exit."""
+    log = open(log_path, "w")
+    proc = subprocess.Popen(list(cmd), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + start_timeout
+        while True:
+            if proc.poll() is not None:
+                raise ServerFailed(open(log_path).read()[-6000:])
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200 and "fired up" in open(log_path).read():
+                        break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                raise ServerFailed(f"no answer after {start_timeout:.0f} s:\n" + open(log_path).read()[-6000:])
+            time.sleep(2)
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        log.close()
