@@ -46,6 +46,26 @@ def sglang_server(model: str, log_path, *args: str, dtype: str = "float32", env=
         yield port
 
 
+def assert_round_times(path, outs) -> None:
+    """`PR_EAGLE3_ROUND_TIMES` (`pr_specforge.sglang_plugin.timing`) for requests that ran one at a time (`outs`,
+    their responses): one line per verify round of each, with phases that fit inside the round and compute inside
+    its phases."""
+    lines = [json.loads(x) for x in open(path) if x.strip()]
+    for out in outs:
+        rid, rounds = out["meta_info"]["id"], out["meta_info"]["spec_verify_ct"]
+        mine = [t for t in lines if t["rids"] == [rid]]
+        assert len(mine) == rounds, f"{len(mine)} timed rounds for a request of {rounds} verify rounds"
+        for t in mine:
+            assert t["batch"] == 1 and t["round_s"] > 0 and t["verify.target_compute_s"] > 0
+            assert t["draft_s"] + t["verify_s"] + t["extend_s"] <= t["round_s"]
+            assert 0 < t["floor_s"] <= t["round_s"]
+            assert t["floor_s"] == pytest.approx(sum(t.get(k, 0.0) for k in
+                                                     ("target_compute_s", "draft_compute_s", "readout_compute_s")))
+            assert t["verify.target_compute_s"] <= t["verify_s"] and t["draft.draft_compute_s"] > 0
+            assert t["draft.draft_compute_s"] + t.get("draft.readout_compute_s", 0.0) <= t["draft_s"]
+            assert 0 < t["extend.draft_compute_s"] <= t["extend_s"]
+
+
 def spec_args(draft: str, steps: int, topk: int, draft_tokens: int):
     return ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft,
             "--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),

@@ -8,9 +8,9 @@ CHAIN_STEPS = 3
 MAX_NEW = 24
 
 
-def serve_prompts(live_run, log, *args):
-    """Each live prompt's greedy response from a server of the live target started with `args`."""
-    with sglang_server(live_run["target"], log, *args) as port:
+def serve_prompts(live_run, log, *args, env=None):
+    """Each live prompt's greedy response from a server of the live target started with `args` (and `env`)."""
+    with sglang_server(live_run["target"], log, *args, env=env) as port:
         return [greedy(port, p, MAX_NEW) for p in live_run["prompts"]]
 
 

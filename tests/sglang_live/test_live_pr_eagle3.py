@@ -7,11 +7,14 @@ target's and drafter's margins; a near-tie would fail every run, the test is see
 reconsideration rows and kept reconsidered nodes, and every round's tree, node for node. The drafter is
 the live run's PR drafter as trained (its gate is not edited): reconsidered nodes survive the cut in some
 rounds, which the test asserts. Per request, `custom_params` sets m = 0 (our evaluator's m = 0 tree).
+The server times its rounds (`PR_EAGLE3_ROUND_TIMES`): every equality here holds with the timing wrappers on,
+and the times are checked.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -20,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.export.conftest import ENV
-from tests.sglang_live.conftest import _free_port, greedy
+from tests.sglang_live.conftest import _free_port, assert_round_times, greedy
 from tests.sglang_live.pr_eagle3 import MAX_NEW, Ours, Shape, assert_same, generate, pr_server, round_log, served_counts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,7 +38,8 @@ def ours(live_run):
 
 @pytest.fixture(scope="module")
 def server(live_run, tmp_path_factory):
-    ctx, rounds = pr_server(live_run, tmp_path_factory.mktemp("pr_eagle3"), SHAPE)
+    log_dir = tmp_path_factory.mktemp("pr_eagle3")
+    ctx, rounds = pr_server(live_run, log_dir, SHAPE, times=log_dir / "round_times.jsonl")
     with ctx as port:
         yield port, rounds
 
@@ -62,6 +66,18 @@ def test_m0_serves_exactly_our_evaluators_m0_tree(live_run, server, ours):
     served = [served_counts(o, round_log(rounds)) for o in outs]
     assert all(s["recon_rows"] == 0 for s in served)
     assert_same(served, ours.decode(Shape(k=2, bw=2, m=0, gamma=3, budget=6), live_run["prompts"]))
+
+
+def test_the_rounds_are_timed_for_m0_and_m1_and_reconsideration_rows_are_draft_compute(live_run, server):
+    port, rounds = server
+    outs = [generate(port, live_run["prompts"][1], m=m) for m in (0, 1)]
+    times = rounds.parent / "round_times.jsonl"
+    assert_round_times(times, outs)
+    lines = [json.loads(x) for x in open(times) if x.strip()]
+    for out in outs:  # our drafter's readouts run in the draft phase only
+        mine = [t for t in lines if t["rids"] == [out["meta_info"]["id"]]]
+        assert all(t["draft.readout_compute_s"] > 0 and t["readout_compute_s"] == t["draft.readout_compute_s"]
+                   for t in mine)
 
 
 def test_four_concurrent_requests_give_what_four_sequential_ones_gave(live_run, server, sequential):

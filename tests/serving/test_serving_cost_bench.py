@@ -1,0 +1,71 @@
+"""`benchmarks/serving_cost.py` without servers: a cell keeps only the rounds whose batch is all of its requests,
+its medians and ratios come from those rounds, the targets are read as documented, and bad inputs stop in one line.
+(The timing lines themselves are checked live: tests/sglang_live/test_live_tree.py and test_live_pr_eagle3.py.)"""
+
+import json
+
+import pytest
+
+from tests.helpers import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("serving_cost")
+
+
+def _round(rids, round_s, floor_s, draft_s=0.02, draft_floor=0.01):
+    return {"batch": len(rids), "rids": rids, "round_s": round_s, "floor_s": floor_s, "draft_s": draft_s,
+            "verify_s": 0.1, "extend_s": 0.01, "target_compute_s": floor_s - draft_floor,
+            "draft_compute_s": draft_floor, "draft.draft_compute_s": draft_floor}
+
+
+def test_a_cell_keeps_full_batches_only_and_takes_medians(bench):
+    asks = [{"rids": ["a", "b"], "tokens": 20, "rounds": 10, "wall_s": 2.0},
+            {"rids": ["c", "d"], "tokens": 30, "rounds": 10, "wall_s": 2.0}]
+    rounds = [_round(["a", "b"], 0.2, 0.15), _round(["c", "d"], 0.4, 0.3), _round(["c", "d"], 0.3, 0.2),
+              _round(["a"], 9.0, 9.0),  # the batch shrank: left out
+              _round(["x", "y"], 9.0, 9.0)]  # another cell's requests: left out
+    cell = bench.cell_summary(asks, rounds, 2)
+    assert cell["rounds_timed"] == 3
+    assert cell["round_s"] == pytest.approx(0.3) and cell["floor_s"] == pytest.approx(0.2)
+    assert cell["bookkeeping_s"] == pytest.approx(0.1)
+    assert cell["draft_floor_s"] == pytest.approx(0.01) and cell["draft_bookkeeping_s"] == pytest.approx(0.01)
+    assert cell["tau"] == pytest.approx(2.5)
+    assert cell["tokens_per_s"] == pytest.approx(12.5)
+    with pytest.raises(RuntimeError, match="no timed round"):
+        bench.cell_summary(asks, rounds[3:], 2)
+
+
+def test_ratios_and_targets(bench):
+    cell = lambda r, f, d, df: {"round_s": r, "floor_s": f, "bookkeeping_s": r - f, "draft_s": d,  # noqa: E731
+                                "draft_floor_s": df}
+    cells = {"eagle3": cell(1.0, 0.9, 0.1, 0.08), "pr_m0": cell(1.04, 0.92, 0.12, 0.09),
+             "pr_m3": cell(1.20, 1.08, 0.2, 0.15)}
+    r = bench.ratios(cells, gpu=False)
+    assert r["m0_over_eagle3"] == pytest.approx(1.04) and r["target_m0_within_1.05_of_eagle3"]
+    assert r["m3_floor_over_m0_floor"] == pytest.approx(1.08 / 0.92)
+    assert r["target_m3_within_0.05_of_floor_ratio"] == (1.20 / 1.04 <= 1.08 / 0.92 + 0.05)
+    assert not bench.ratios(cells, gpu=True)["target_m3_within_1.05_of_m0"]
+    result = {"machine": "m", "dtype": "float32", "commit": "c", "date": "d", "cpu": "cpu", "threads": 2,
+              "target_name": "t", "draft_name": "p", "max_new": 8, "repeats": 1, "command": "python x",
+              "cells": {"paper/1": {"ways": {w: dict(c, verify_s=0.1, extend_s=0.01, tau=1.5, tokens_per_s=3.0)
+                                             for w, c in cells.items()}, "ratios": r}}}
+    table = bench.markdown(result)
+    assert "| paper | 1 | pr_m3 | 1200.0 |" in table and "| met |" in table
+
+
+def test_bad_inputs_stop_in_one_line(bench, tmp_path):
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    with pytest.raises(SystemExit, match=r"--target .*: no config.json there"):
+        bench.main(["--target", str(target), "--draft", str(draft)])
+    target.mkdir(), draft.mkdir()
+    (target / "config.json").write_text("{}")
+    (draft / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    with pytest.raises(SystemExit, match="not a PR export"):
+        bench.main(["--target", str(target), "--draft", str(draft)])
+    (draft / "config.json").write_text(json.dumps({"pr_config": {}}))
+    with pytest.raises(SystemExit, match="'huge' is not one of paper, small"):
+        bench.main(["--target", str(target), "--draft", str(draft), "--shapes", "huge"])
+    with pytest.raises(SystemExit, match="must be >= 1"):
+        bench.main(["--target", str(target), "--draft", str(draft), "--requests", "0"])
