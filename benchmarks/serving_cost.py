@@ -22,6 +22,8 @@ same wrappers for both algorithms):
   the rest  (round_s - floor_s) is bookkeeping: the tree, SGLang's top-k selection, the verify input;
   draft_s, draft_floor_s  the draft phase alone and its model compute (the part the two algorithms differ in:
             verify and draft-extend are SGLang's in both).
+`--readouts` sets the PR server's `PR_EAGLE3_READOUTS` (default `batched`: our drafter's heads and gate read every
+request's rows of a step in one call); the result records it and what the server logged of its row invariance.
 Rounds whose batch is not all of a cell's requests (requests finish at different rounds) are left out. Per
 cell: the median round, floor and phases, tau (tokens per verify round) and tokens per second end to end
 (output tokens of the cell's requests over the wall time from sending to the last answer, prefill included).
@@ -130,7 +132,8 @@ def markdown(result: dict) -> str:
     lines = [f"# Served round cost: PR_EAGLE3 vs SGLang's EAGLE3 ({result['machine']}, {result['dtype']})", "",
              f"Commit {result['commit']}, {result['date']}, {result['cpu']}, torch threads {result['threads']}; "
              f"target {result['target_name']}, drafter {result['draft_name']}; {result['max_new']} new tokens a "
-             f"request, {result['repeats']} repeats; medians over rounds whose batch is all of a cell's requests.", "",
+             f"request, {result['repeats']} repeats; medians over rounds whose batch is all of a cell's requests. "
+             f"PR_EAGLE3's readouts: {readouts_note(result)}.", "",
              "| shape | requests | way | round ms | floor ms | bookkeeping ms | draft ms | draft floor ms | verify ms "
              "| extend ms | tau | tokens/s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, block in result["cells"].items():
@@ -155,6 +158,15 @@ def markdown(result: dict) -> str:
                      f"| {'met' if r['target_m0_within_1.05_of_eagle3'] else 'not met'} | {'met' if third else 'not met'} |")
     lines += ["", f"Command: `{result['command']}`", ""]
     return "\n".join(lines)
+
+
+def readouts_note(result: dict) -> str:
+    """The PR server's readout mode and, as it logged it, whether a row's readouts were call-independent there."""
+    said = [block["readouts"] for block in result["cells"].values() if block.get("readouts")]
+    if not said:
+        return "one call per request"
+    modes, same = "/".join(sorted({s["mode"] for s in said})), all(s["row_invariant"] for s in said)
+    return f"{modes} (a row's readouts the same bits in any call on that machine: {'yes' if same else 'no'})"
 
 
 def commit() -> str:
@@ -199,7 +211,8 @@ def run_shape(args, shape_name: str, prompts, work: str, log) -> Dict[str, dict]
         for alg, name in (("eagle3", "EAGLE3"), ("pr", "PR_EAGLE3")):
             port = free_port()
             env = child_env(dict(os.environ, HF_HUB_OFFLINE="1", PR_EAGLE3_ROUND_TIMES=times[alg],
-                                 PR_EAGLE3_BW=str(shape["k"]), PR_EAGLE3_M=str(args.m)))
+                                 PR_EAGLE3_BW=str(shape["k"]), PR_EAGLE3_M=str(args.m),
+                                 PR_EAGLE3_READOUTS=args.readouts))
             log(f"{shape_name}: starting {name} on 127.0.0.1:{port}")
             cmd = launch_command(args.target, port, *spec_args(name, args.draft, shape),
                                  max_total_tokens=args.max_total_tokens)
@@ -219,12 +232,24 @@ def run_shape(args, shape_name: str, prompts, work: str, log) -> Dict[str, dict]
                     log(f"{shape_name} n={n} {w} repeat {rep + 1}/{args.repeats}: {a['tokens']} tokens in "
                         f"{a['wall_s']:.1f} s, tau {a['tokens'] / max(1, a['rounds']):.2f}")
     rounds = {"eagle3": read_times(times["eagle3"]), "pr": read_times(times["pr"])}
-    out = {}
+    out = {"readouts": served_readouts(os.path.join(work, f"{shape_name}-pr.log"))}
     for n in args.requests:
         cells = {w: cell_summary(asks[(n, w)], rounds["eagle3" if w == "eagle3" else "pr"], n) for w in WAYS}
         same = all(a["outputs"] == b["outputs"] for w in WAYS[1:] for a, b in zip(asks[(n, "eagle3")], asks[(n, w)]))
-        out[f"{shape_name}/{n}"] = {"ways": cells, "ratios": ratios(cells, gpu=False), "outputs_equal_eagle3": same}
+        out[f"{shape_name}/{n}"] = {"ways": cells, "ratios": ratios(cells, gpu=False), "outputs_equal_eagle3": same,
+                                    "readouts": out["readouts"]}
+    del out["readouts"]
     return out
+
+
+def served_readouts(log_path: str) -> dict:
+    """What the PR server said of its readouts at start-up (the worker's `PR_EAGLE3 readouts:` log line)."""
+    import re
+
+    found = re.search(r"PR_EAGLE3 readouts: (\w+); .* on this machine: (True|False)", open(log_path).read())
+    if not found:
+        raise RuntimeError(f"{log_path}: the PR_EAGLE3 server did not log its readouts")
+    return {"mode": found.group(1), "row_invariant": found.group(2) == "True"}
 
 
 def main(argv=None) -> int:
@@ -237,6 +262,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-new", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-total-tokens", type=int, default=8192)
+    p.add_argument("--readouts", choices=("batched", "request"), default="batched",
+                   help="PR_EAGLE3_READOUTS of the PR server: the heads and gate in one call per step for the batch "
+                        "(batched) or one per request")
     p.add_argument("--machine", default="quiet machine")
     p.add_argument("--work", default=None, help="where the servers' logs and round times go (default: a temp dir)")
     p.add_argument("--json", default=None)
@@ -264,6 +292,7 @@ def main(argv=None) -> int:
               "target_name": os.path.basename(os.path.normpath(args.target)),
               "draft_name": os.path.basename(os.path.normpath(args.draft)), "max_new": args.max_new,
               "repeats": args.repeats, "m": args.m, "shapes": {s: SHAPES[s] for s in args.shapes},
+              "readouts": args.readouts,
               "wall_s": time.time() - t0, "cells": cells,
               "command": "python benchmarks/serving_cost.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     table = markdown(result)

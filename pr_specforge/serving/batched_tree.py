@@ -8,9 +8,13 @@ Owns:
     admission and halting, Eq. 9 repricing, the global cut and the result's packing are tensor
     operations over `[batch, ...]` buffers, one set of kernels per step for the whole batch;
     the batch's results come to the host in ONE copy per round (`host_reads` counts them).
-  * `RuntimeRows` — the row forwards (calls of `M`, self-query inputs, readouts and gate),
-    request by request through each request's own runtime with the per-request builder's
-    calls (`tensor_tree.root_readout`, `tensor_tree.forward_step_rows`). An engine's batched
+  * `RuntimeRows` — the row forwards (calls of `M`, self-query inputs), request by request
+    through each request's own runtime with the per-request builder's calls
+    (`tensor_tree.step_row_features`), and the readouts and gate: `batched` (the default), one
+    call per head and step for every request's rows (`tensor_tree.batch_step_readouts`, the same
+    bits as request by request where `drafter_runtime.readouts_row_invariant` holds: every
+    readout pads its rows, see `DrafterRuntime.READOUT_ROWS`), or `request`, the per-request
+    builder's (`tensor_tree.root_readout`, `tensor_tree.forward_step_rows`). An engine's batched
     forward (one call of `M` over every request's rows) replaces it through the same three
     methods: `begin` (the round's requests), `root`, `step`.
 
@@ -21,7 +25,8 @@ its runtime, its root and its generator, which the round draws `uniform_count(cf
 from exactly as the per-request builder does. Buffers are allocated once per batch size and
 reused (fixed shapes for each batch size, as an engine captures graphs per batch size).
 
-Equal to the per-request builder bit for bit (tested in fp32): the layout is the same
+Equal to the per-request builder bit for bit (tested in fp32; with batched readouts, where the machine's
+readouts are row-invariant, as on this project's CPU): the layout is the same
 (`tensor_tree.TreeShape`), selections are stable sorts and top-k along the last dimension,
 elementwise operations do not depend on their neighbours, integer and 0/1 products are exact, and
 the sums whose order matters only in a comparison with 0 (`repriced`) are of non-negative
@@ -48,8 +53,11 @@ from pr_specforge.serving.tensor_tree import (
     TensorTreeBuilder,
     TreeShape,
     _Step,
+    batch_root_readout,
+    batch_step_readouts,
     forward_step_rows,
     root_readout,
+    step_row_features,
     unpack_round,
 )
 from pr_specforge.serving.tree import TreeConfig, round_uniforms, uniform_count
@@ -65,8 +73,24 @@ class BatchRequest:
     generator: Optional[torch.Generator] = None
 
 
+READOUTS = ("batched", "request")
+
+
+def check_readouts(readouts: str) -> str:
+    if readouts not in READOUTS:
+        raise ValueError(f"readouts={readouts!r} is not one of {', '.join(READOUTS)}")
+    return readouts
+
+
 class RuntimeRows:
-    """The batch's row forwards through each request's own runtime, with the per-request builder's calls."""
+    """The batch's row forwards through each request's own runtime, with the per-request builder's calls.
+
+    `readouts`: `batched` (the default) reads every request's rows in one call per head and step
+    (`tensor_tree.batch_step_readouts`: the same bits as `request` where `readouts_row_invariant` holds);
+    `request` reads them request by request, as the per-request builder does."""
+
+    def __init__(self, readouts: str = "batched") -> None:
+        self.readouts = check_readouts(readouts)
 
     def begin(self, tb: TreeShape, rts: Sequence[DrafterRuntime]) -> None:
         """The round's requests: room for their tree rows, and each one's additive tree-attention mask."""
@@ -79,6 +103,8 @@ class RuntimeRows:
 
     def root(self, feats: torch.Tensor, logp_out: torch.Tensor) -> Optional[torch.Tensor]:
         """Root readouts `[b, 1, Vd]` written into `logp_out`; lambda_0 `[b, 1]` with a pool."""
+        if self.readouts == "batched":
+            return batch_root_readout(self.rts[0], feats, self.tb.pool_on, logp_out)
         lams = [root_readout(rt, feats[b], self.tb.pool_on, logp_out[b])[1] for b, rt in enumerate(self.rts)]
         return torch.stack(lams) if self.tb.pool_on else None
 
@@ -89,9 +115,14 @@ class RuntimeRows:
         for b, rt in enumerate(self.rts):
             mask = self.masks[b][st.r0 : st.r0 + tb.per_step]
             mask[:, self.ctx[b] :] = torch.where(visible[b], 0.0, NEG)
-            lams.append(forward_step_rows(
-                tb, rt, ids[b], hidden[b], None if rec_feat is None else rec_feat[b], pos[b], self.ctx[b] + st.r0,
-                mask, rt.length - 1 + tb.cfg.gamma, feat_out[b], logp_out[b])[1])
+            args = (tb, rt, ids[b], hidden[b], None if rec_feat is None else rec_feat[b], pos[b], self.ctx[b] + st.r0,
+                    mask, rt.length - 1 + tb.cfg.gamma, feat_out[b])
+            if self.readouts == "batched":
+                step_row_features(*args)
+            else:
+                lams.append(forward_step_rows(*args, logp_out[b])[1])
+        if self.readouts == "batched":
+            return batch_step_readouts(tb, self.rts[0], feat_out, logp_out)
         return torch.stack(lams) if tb.m else None
 
 

@@ -159,16 +159,42 @@ class DrafterRuntime:
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    # --------------------------------------------------------------- readouts
+    # Every readout (heads, gate) runs on its rows padded with zero rows to a multiple of `readout_rows`, and the
+    # gate's sigmoid on a vector padded to a multiple of `GATE_SIGMOID_PAD`, so that a row's readout is the same
+    # bits whether it is read alone, with its request's other rows, or with every running request's rows in one
+    # call (`batch_step_readouts`). Why: a BLAS picks its kernel by the call's row count, and the kernel for a
+    # short tail of rows sums in another order (MKL's sgemm on a 2-core AMD EPYC: rows past the last full group of
+    # 4 differ by ~1e-6 when the call has under 12 rows); ATen's vectorised elementwise loops take the vector
+    # path two vectors at a time and a scalar path for the tail. Padding costs little where a readout is bound by
+    # reading the head's weight, as at serving sizes. `readouts_row_invariant` checks the property on the machine
+    # it runs on; nothing relies on it but bit-for-bit comparisons.
+    READOUT_ROWS = 4
+    GATE_SIGMOID_PAD = 64
+
+    @property
+    def readout_rows(self) -> int:
+        return self.READOUT_ROWS
+
+    def _pad_rows(self, feature: torch.Tensor):
+        n, extra = feature.shape[0], -feature.shape[0] % self.readout_rows
+        if extra:
+            feature = torch.cat([feature, feature.new_zeros((extra,) + tuple(feature.shape[1:]))])
+        return feature, n
+
     @torch.no_grad()
     def depth_logits(self, feature: torch.Tensor, depth: Union[int, torch.Tensor] = 0) -> torch.Tensor:
         """The readout of features reached at reconsideration depth `depth` (an int, or one per row).
 
         Both tree builders read every row's proposals through this one method; it is the drafter's
         `depth_logits` (the second head for depths >= 1 with `pr.recon_head: separate`, else the
-        one-pass `norm` + `lm_head`), and `compute_logits` for an EAGLE-3 drafter."""
+        one-pass `norm` + `lm_head`), and `compute_logits` for an EAGLE-3 drafter. Rows padded (see above)."""
+        x, n = self._pad_rows(feature)
+        if torch.is_tensor(depth) and depth.dim() and x.shape[0] != n:
+            depth = torch.cat([depth.reshape(-1), depth.new_zeros(x.shape[0] - n)])
         if self.is_pr:
-            return self.drafter.depth_logits(feature, depth)
-        return self.drafter.compute_logits(feature)
+            return self.drafter.depth_logits(x, depth)[:n]
+        return self.drafter.compute_logits(x)[:n]
 
     @torch.no_grad()
     def log_probs(self, feature: torch.Tensor, depth: Union[int, torch.Tensor] = 0,
@@ -176,9 +202,19 @@ class DrafterRuntime:
         """`log pi_depth(. | v)` over the draft vocabulary, fp32, `[N, Vd]` (written into `out` when given)."""
         return torch.log_softmax(self.depth_logits(feature, depth).float(), dim=-1, out=out)
 
+    def _gate(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """lambda of the first `n` of the padded gate inputs `x` (the drafter's `HaltGate`, its sigmoid padded)."""
+        logit = self.drafter.pr_halt_gate.linear(x).squeeze(-1).float()
+        extra = -logit.shape[0] % self.GATE_SIGMOID_PAD
+        if extra:
+            logit = torch.cat([logit, logit.new_zeros(extra)])
+        return torch.sigmoid(logit)[:n]
+
     @torch.no_grad()
     def halt_probability(self, feature: torch.Tensor) -> torch.Tensor:
-        return self.drafter.halt_probability(feature)
+        """The drafter's lambda per row (`halt_probability`: the gate reads `norm(f)` or `f`), rows padded."""
+        x, n = self._pad_rows(feature)
+        return self._gate(self.drafter.norm(x) if self.drafter.pr_settings.gate_reads_normed else x, n)
 
     @torch.no_grad()
     def readout_and_halt(self, feature: torch.Tensor, out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -187,8 +223,9 @@ class DrafterRuntime:
         d = self.drafter
         if not (d.norm_output and d.pr_settings.gate_reads_normed):
             return self.log_probs(feature, 0, out), self.halt_probability(feature)
-        normed = d.norm(feature)
-        return torch.log_softmax(d.lm_head(normed).float(), dim=-1, out=out), d.pr_halt_gate(normed)
+        x, n = self._pad_rows(feature)
+        normed = d.norm(x)
+        return torch.log_softmax(d.lm_head(normed).float()[:n], dim=-1, out=out), self._gate(normed, n)
 
     @torch.no_grad()
     def feedback(self, feature: torch.Tensor) -> torch.Tensor:
@@ -331,3 +368,29 @@ class DrafterRuntime:
         scores = scores * self.scale + mask[None].to(scores.dtype)
         w = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
         return torch.matmul(w, self.v_buf[heads, :span]).transpose(0, 1)  # [N, H, Dh]
+
+
+def readouts_row_invariant(rt: DrafterRuntime, rows: int = 48, seed: int = 0) -> bool:
+    """Whether, on this machine, a row's readouts (every head, the gate) are the same bits whatever call it is read
+    in: random rows read at once against every count 1-12, 16, 24, 32 and 48 of them at offsets 0, 1 and 3.
+
+    A BLAS picks its kernel by shape (not by value), so the answer holds for the drafter's shapes, dtype, device
+    and thread count. Where it is True, reading every running request's rows in one call
+    (`tensor_tree.batch_step_readouts`) gives each request the trees of reading its rows alone, bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows + 3, rt.drafter.config.hidden_size, generator=g).to(rt.device, rt.dtype)
+    reads = [lambda f: rt.log_probs(f, 0)]
+    if rt.is_pr:
+        reads.append(rt.halt_probability)
+        if rt.max_depth and hasattr(rt.drafter, "pr_recon_head"):
+            reads.append(lambda f: rt.log_probs(f, 1))
+        if rt.drafter.norm_output and rt.drafter.pr_settings.gate_reads_normed:
+            reads += [lambda f: rt.readout_and_halt(f)[0], lambda f: rt.readout_and_halt(f)[1]]
+    counts = [c for c in list(range(1, 13)) + [16, 24, 32, 48] if c <= rows]
+    for read in reads:
+        whole = read(x)
+        for c in counts:
+            for at in (0, 1, 3):
+                if not torch.equal(read(x[at : at + c]), whole[at : at + c]):
+                    return False
+    return True

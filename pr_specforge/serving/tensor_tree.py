@@ -216,6 +216,13 @@ def forward_step_rows(tb: TreeShape, rt: DrafterRuntime, ids, hidden, rec_feat, 
     """ONE call of `M` over a step's rows of one request: the frontier rows (draft ids `ids`, their parents'
     features `hidden`) and, with a pool, the carried rows (their current depth's features `rec_feat`, else None).
     Writes the features into `feat_out` and the readouts into `logp_out`; returns `(logp_out, lambda or None)`."""
+    feats = step_row_features(tb, rt, ids, hidden, rec_feat, pos, col, mask, max_pos, feat_out)
+    return step_readouts(tb, rt, feats, logp_out)
+
+
+def step_row_features(tb: TreeShape, rt: DrafterRuntime, ids, hidden, rec_feat, pos, col: int, mask, max_pos: int,
+                      feat_out: torch.Tensor) -> torch.Tensor:
+    """`forward_step_rows` without the readouts: the step's row features, written into `feat_out` (returned)."""
     bw = tb.bw
     emb = rt.embed(rt.to_target_ids(ids))
     if rec_feat is not None:  # Eq. 3's input slots for the carried rows, from their current depth's feature
@@ -229,7 +236,7 @@ def forward_step_rows(tb: TreeShape, rt: DrafterRuntime, ids, hidden, rec_feat, 
             rt.forward_tree_rows(emb[:bw], hidden[:bw], pos[:bw], col, mask[:bw], max_pos, recon[:bw]),
             rt.forward_tree_rows(emb[bw:], hidden[bw:], pos[bw:], col + bw, mask[bw:], max_pos, recon[bw:])])
     feat_out.copy_(feats)
-    return step_readouts(tb, rt, feats, logp_out)
+    return feat_out
 
 
 def step_readouts(tb: TreeShape, rt: DrafterRuntime, feats: torch.Tensor, logp_out: torch.Tensor):
@@ -245,6 +252,34 @@ def step_readouts(tb: TreeShape, rt: DrafterRuntime, feats: torch.Tensor, logp_o
     else:
         lam = rt.readout_and_halt(feats, out=logp_out)[1]
     return logp_out, lam.double()
+
+
+def batch_root_readout(rt: DrafterRuntime, feats: torch.Tensor, pool_on: bool, out: torch.Tensor):
+    """`root_readout` of every request's root row `feats [b, 1, d]` in ONE call; lambda_0 `[b, 1]` with a pool."""
+    b = feats.shape[0]
+    logp, lam = root_readout(rt, feats.reshape(b, -1), pool_on, None)
+    out.copy_(logp.view(b, 1, -1))
+    return None if lam is None else lam.view(b, 1)
+
+
+def batch_step_readouts(tb: TreeShape, rt: DrafterRuntime, feats: torch.Tensor, logp_out: torch.Tensor):
+    """`step_readouts` of every request's step rows `feats [b, B_w + m, d]` in ONE call per head (not one per
+    request): written into `logp_out [b, B_w + m, Vd]`; lambda `[b, B_w + m]` (float64) with a pool, else None.
+    Each request's values equal `step_readouts` of its rows alone where `readouts_row_invariant` holds."""
+    b, p, d = feats.shape
+    flat = feats.reshape(b * p, d)
+    if not tb.m:
+        logp_out.copy_(rt.log_probs(flat, 0).view(b, p, -1))
+        return None
+    if tb.split_readout:
+        bw = tb.bw
+        logp_out[:, :bw].copy_(rt.log_probs(feats[:, :bw].reshape(-1, d), 0).view(b, bw, -1))
+        logp_out[:, bw:].copy_(rt.log_probs(feats[:, bw:].reshape(-1, d), 1).view(b, p - bw, -1))
+        lam = rt.halt_probability(flat)
+    else:
+        logp, lam = rt.readout_and_halt(flat)
+        logp_out.copy_(logp.view(b, p, -1))
+    return lam.view(b, p).double()
 
 
 class TensorTreeBuilder(TreeShape):

@@ -252,7 +252,18 @@ def check_export_and_shape(server_args) -> PRServeShape:
     check_shape(shape)
     check_drafter(server_args.speculative_draft_model_path, export_config)
     check_rows(shape, export_config)
+    check_readouts()
     return shape
+
+
+def check_readouts() -> str:
+    """`PR_EAGLE3_READOUTS` (`rows.readouts_mode`), refused in one line when it is not a mode."""
+    from pr_specforge.sglang_plugin.rows import readouts_mode
+
+    try:
+        return readouts_mode()
+    except ValueError as e:
+        raise PRServeError(str(e)) from None
 
 
 @torch.no_grad()

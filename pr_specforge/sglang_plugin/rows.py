@@ -10,8 +10,11 @@ Owns:
     defines) through SGLang: each step's `B_w + m` rows of every request are one DECODE `ForwardBatch` of
     SGLang's draft model runner (`draft_model.PRDraftModel`), each row with its position, its token, its
     hidden slot, and its explicit KV-slot list (`row_attention.row_kv_lists`) in `spec_info.kv_indptr /
-    kv_indices`, run under `row_attention.RowListAttnBackend`. Readouts (heads and gate) are the builder's
-    own (`tensor_tree.step_readouts`, request by request, as the per-request builder reads them).
+    kv_indices`, run under `row_attention.RowListAttnBackend`. Readouts (heads and gate), by
+    `PR_EAGLE3_READOUTS`: `batched` (the default) reads every request's rows of a step in one call per head
+    (`tensor_tree.batch_step_readouts`; the per-request values bit for bit where
+    `drafter_runtime.readouts_row_invariant` holds, which the worker checks at start-up and logs); `request` reads
+    them request by request (`tensor_tree.step_readouts`), as the per-request builder does.
 
 KV slots. Tree row `r` of a round (row 0: the root, the last context row) lives at `req_to_token[req,
 seq_len - 1 + r]`, the layout our runtime's buffer has: rows `1 ..` take the draft slots SGLang reserved
@@ -31,13 +34,14 @@ from typing import Optional, Sequence
 
 import torch
 
-from pr_specforge.serving.batched_tree import RuntimeRows
+from pr_specforge.serving.batched_tree import READOUTS, RuntimeRows, check_readouts
 from pr_specforge.serving.drafter_runtime import DrafterRuntime
-from pr_specforge.serving.tensor_tree import TreeShape, step_readouts
+from pr_specforge.serving.tensor_tree import TreeShape, batch_step_readouts, step_readouts
 from pr_specforge.sglang_plugin.row_attention import RowListAttnBackend, row_kv_lists
 
 ROWS_ENV = "PR_EAGLE3_ROWS"
 ROWS_MODES = ("ours", "sglang")
+READOUTS_ENV = "PR_EAGLE3_READOUTS"
 
 
 def rows_mode() -> Optional[str]:
@@ -49,6 +53,16 @@ def rows_mode() -> Optional[str]:
     if mode not in ROWS_MODES:
         raise ValueError(f"PR_EAGLE3: {ROWS_ENV}={mode!r} is not one of {', '.join(ROWS_MODES)}")
     return mode
+
+
+def readouts_mode() -> str:
+    """`PR_EAGLE3_READOUTS`: `batched` (the default: every request's rows of a step in one call per head) or
+    `request` (request by request); ValueError, one line, for anything else. Read by the `sglang` row path."""
+    raw = (os.environ.get(READOUTS_ENV) or "").strip().lower() or "batched"
+    try:
+        return check_readouts(raw)
+    except ValueError:
+        raise ValueError(f"PR_EAGLE3: {READOUTS_ENV}={raw!r} is not one of {', '.join(READOUTS)}") from None
 
 
 @dataclass
@@ -64,8 +78,8 @@ class PoolContext:
 class SGLangRows(RuntimeRows):
     """The row forwards of `BatchedTreeBuilder` through SGLang's draft model runner (see the module doc)."""
 
-    def __init__(self, draft_runner, rt: DrafterRuntime) -> None:
-        self.runner, self.rt = draft_runner, rt
+    def __init__(self, draft_runner, rt: DrafterRuntime, readouts: str = "batched") -> None:
+        self.runner, self.rt, self.readouts = draft_runner, rt, check_readouts(readouts)
         self.backend = RowListAttnBackend(draft_runner)
         self.batch = self.draft_input = None
 
@@ -126,5 +140,7 @@ class SGLangRows(RuntimeRows):
             feats = self.runner.forward(fb).logits_output.hidden_states  # ONE call: every request's rows
         feats = feats.reshape(b, p, -1).to(feat_out.dtype)
         feat_out.copy_(feats)
+        if self.readouts == "batched":  # one call per head for every request's rows
+            return batch_step_readouts(tb, rt, feat_out, logp_out)
         lams = [step_readouts(tb, rt, feats[i], logp_out[i])[1] for i in range(b)]
         return torch.stack(lams) if tb.m else None

@@ -10,7 +10,9 @@ where SGLang's runner can run the rows):
   * `ours`: request by request, steps 1-3 below (chosen by itself for adapter drafters and rows that outgrow the
     draft slots SGLang reserves);
   * `sglang` (the default): one `serving.batched_tree.BatchedTreeBuilder` round for every running request of a (B_w, m),
-    whose rows (all requests' `B_w + m` per step) run in ONE call of SGLang's draft model runner per step
+    whose rows (all requests' `B_w + m` per step) run in ONE call of SGLang's draft model runner per step, and
+    whose readouts run in one call per head and step (`PR_EAGLE3_READOUTS=batched`, the default; `request`: one
+    per request)
     (`rows.SGLangRows`, the draft model `draft_model.PRDraftModel`, the attention
     `row_attention.RowListAttnBackend` over explicit KV-slot lists); the context stays in SGLang's pool.
     The tree logic, the encoding (3) and the verify input are the same for both.
@@ -43,9 +45,10 @@ from sglang.srt.speculative.eagle_info import EagleVerifyInput
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
 
 from pr_specforge.serving.batched_tree import BatchedTreeBuilder, BatchRequest
-from pr_specforge.serving.drafter_runtime import DrafterRuntime
+from pr_specforge.serving.drafter_runtime import DrafterRuntime, readouts_row_invariant
 from pr_specforge.serving.tensor_tree import TensorTreeBuilder
-from pr_specforge.sglang_plugin.checks import check_server_args, load_pr_drafter, request_shape, rows_for, rows_room
+from pr_specforge.sglang_plugin.checks import (
+    check_readouts, check_server_args, load_pr_drafter, request_shape, rows_for, rows_room)
 from pr_specforge.sglang_plugin.draft_model import use_for_draft
 from pr_specforge.sglang_plugin.encoding import encode_tree
 from pr_specforge.sglang_plugin.rows import PoolContext, SGLangRows
@@ -71,7 +74,12 @@ class PRDraftWorker(EagleDraftWorker):
         drafter = load_pr_drafter(self.server_args.speculative_draft_model_path, embed.device, dtype, embed)
         self.pr_rt = DrafterRuntime(drafter)
         self.pr_builders = {}
-        self.pr_rows = SGLangRows(self.draft_runner, self.pr_rt) if self.pr_mode == "sglang" else None
+        self.pr_rows = None
+        if self.pr_mode == "sglang":
+            self.pr_rows = SGLangRows(self.draft_runner, self.pr_rt, check_readouts())
+            self.pr_row_invariant = readouts_row_invariant(self.pr_rt)
+            log.info("PR_EAGLE3 readouts: %s; a row's readouts are the same bits in any call on this machine: %s",
+                     self.pr_rows.readouts, self.pr_row_invariant)
         self.pr_layer_id = next(m.layer_id for m in self.draft_runner.model.modules() if isinstance(m, RadixAttention))
 
     def _builder(self, req):
@@ -126,7 +134,9 @@ class PRDraftWorker(EagleDraftWorker):
         stats["recon_kept"] += tree.recon_kept
         stats["repriced_kept"] += tree.repriced_kept
         if self.pr_log:
-            line = {"rid": rid, "seq_len": seq_len, "rows": self.pr_mode, "batch": batch_size, "kv_room": kv_room,
+            readouts = self.pr_rows.readouts if self.pr_rows is not None else "request"
+            line = {"rid": rid, "seq_len": seq_len, "rows": self.pr_mode, "readouts": readouts,
+                    "row_invariant": getattr(self, "pr_row_invariant", None), "batch": batch_size, "kv_room": kv_room,
                     "tokens": tree.tokens(), "parents": tree.parents(),
                     "recon_rows": tree.recon_rows, "recon_kept": tree.recon_kept, "repriced_kept": tree.repriced_kept}
             with open(self.pr_log, "a") as f:

@@ -53,6 +53,19 @@ def test_ratios_and_targets(bench):
                                              for w, c in cells.items()}, "ratios": r}}}
     table = bench.markdown(result)
     assert "| paper | 1 | pr_m3 | 1200.0 |" in table and "| met |" in table
+    assert "PR_EAGLE3's readouts: one call per request." in table  # a result from before the readouts switch
+    result["cells"]["paper/1"]["readouts"] = {"mode": "batched", "row_invariant": True}
+    assert "readouts: batched (a row's readouts the same bits in any call on that machine: yes)" in bench.markdown(result)
+
+
+def test_the_pr_servers_readouts_are_read_from_its_log(bench, tmp_path):
+    log = tmp_path / "paper-pr.log"
+    log.write_text("[t] PR_EAGLE3 draft worker ready\n[t] PR_EAGLE3 readouts: batched; a row's readouts are the same "
+                   "bits in any call on this machine: False\n")
+    assert bench.served_readouts(str(log)) == {"mode": "batched", "row_invariant": False}
+    log.write_text("[t] PR_EAGLE3 draft worker ready\n")
+    with pytest.raises(RuntimeError, match="paper-pr.log: the PR_EAGLE3 server did not log its readouts"):
+        bench.served_readouts(str(log))
 
 
 def test_bad_inputs_stop_in_one_line(bench, tmp_path):

@@ -88,6 +88,10 @@ def test_four_concurrent_requests_give_what_four_sequential_ones_gave(live_run, 
     concurrent = [served_counts(o, log) for o in outs]
     assert len(concurrent) == 4
     assert concurrent == sequential
+    mine = [r for o in outs for r in log[o["meta_info"]["id"]]]  # their rounds: rows and readouts batched
+    assert all(r["rows"] == "sglang" and r["readouts"] == "batched" and isinstance(r["row_invariant"], bool)
+               for r in mine)
+    assert max(r["batch"] for r in mine) == 4
 
 
 def test_a_radix_cache_hit_gives_the_same_result(live_run, server, sequential):

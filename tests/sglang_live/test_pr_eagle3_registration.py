@@ -199,3 +199,16 @@ def test_the_rows_switch_refuses_a_bad_value_and_rows_that_outgrow_the_draft_slo
     monkeypatch.setenv("PR_EAGLE3_ROWS", "theirs")
     with pytest.raises(PRServeError, match="PR_EAGLE3_ROWS='theirs' is not one of ours, sglang"):
         check_server_args(args)
+
+
+def test_the_readouts_switch_defaults_to_batched_and_refuses_a_bad_value(live_run, cpu_engine, monkeypatch):
+    from pr_specforge.sglang_plugin.checks import PRServeError, check_readouts, check_server_args
+
+    args = _server_args(live_run, live_run["pr"], steps=5, topk=2, tokens=7)
+    monkeypatch.delenv("PR_EAGLE3_READOUTS", raising=False)
+    assert check_readouts() == "batched"
+    monkeypatch.setenv("PR_EAGLE3_READOUTS", " Request ")
+    assert check_readouts() == "request" and check_server_args(args).k == 2
+    monkeypatch.setenv("PR_EAGLE3_READOUTS", "grouped")
+    with pytest.raises(PRServeError, match="PR_EAGLE3_READOUTS='grouped' is not one of batched, request$"):
+        check_server_args(args)
