@@ -232,13 +232,12 @@ def run_shape(args, shape_name: str, prompts, work: str, log) -> Dict[str, dict]
                     log(f"{shape_name} n={n} {w} repeat {rep + 1}/{args.repeats}: {a['tokens']} tokens in "
                         f"{a['wall_s']:.1f} s, tau {a['tokens'] / max(1, a['rounds']):.2f}")
     rounds = {"eagle3": read_times(times["eagle3"]), "pr": read_times(times["pr"])}
-    out = {"readouts": served_readouts(os.path.join(work, f"{shape_name}-pr.log"))}
+    readouts, out = served_readouts(os.path.join(work, f"{shape_name}-pr.log")), {}
     for n in args.requests:
         cells = {w: cell_summary(asks[(n, w)], rounds["eagle3" if w == "eagle3" else "pr"], n) for w in WAYS}
         same = all(a["outputs"] == b["outputs"] for w in WAYS[1:] for a, b in zip(asks[(n, "eagle3")], asks[(n, w)]))
         out[f"{shape_name}/{n}"] = {"ways": cells, "ratios": ratios(cells, gpu=False), "outputs_equal_eagle3": same,
-                                    "readouts": out["readouts"]}
-    del out["readouts"]
+                                    "readouts": readouts}
     return out
 
 

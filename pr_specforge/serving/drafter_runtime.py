@@ -160,7 +160,7 @@ class DrafterRuntime:
         return draft_ids + self.d2t[draft_ids]
 
     # --------------------------------------------------------------- readouts
-    # Every readout (heads, gate) runs on its rows padded with zero rows to a multiple of `readout_rows`, and the
+    # Every readout (heads, gate) runs on its rows padded with zero rows to a multiple of `READOUT_ROWS`, and the
     # gate's sigmoid on a vector padded to a multiple of `GATE_SIGMOID_PAD`, so that a row's readout is the same
     # bits whether it is read alone, with its request's other rows, or with every running request's rows in one
     # call (`batch_step_readouts`). Why: a BLAS picks its kernel by the call's row count, and the kernel for a
@@ -172,15 +172,15 @@ class DrafterRuntime:
     READOUT_ROWS = 4
     GATE_SIGMOID_PAD = 64
 
-    @property
-    def readout_rows(self) -> int:
-        return self.READOUT_ROWS
+    @staticmethod
+    def _pad(t: torch.Tensor, multiple: int) -> torch.Tensor:
+        """`t` with zero rows appended up to a multiple of `multiple` rows."""
+        extra = -t.shape[0] % multiple
+        return torch.cat([t, t.new_zeros((extra,) + tuple(t.shape[1:]))]) if extra else t
 
     def _pad_rows(self, feature: torch.Tensor):
-        n, extra = feature.shape[0], -feature.shape[0] % self.readout_rows
-        if extra:
-            feature = torch.cat([feature, feature.new_zeros((extra,) + tuple(feature.shape[1:]))])
-        return feature, n
+        """`(feature padded to a multiple of READOUT_ROWS rows, its own row count)`."""
+        return self._pad(feature, self.READOUT_ROWS), feature.shape[0]
 
     @torch.no_grad()
     def depth_logits(self, feature: torch.Tensor, depth: Union[int, torch.Tensor] = 0) -> torch.Tensor:
@@ -190,8 +190,8 @@ class DrafterRuntime:
         `depth_logits` (the second head for depths >= 1 with `pr.recon_head: separate`, else the
         one-pass `norm` + `lm_head`), and `compute_logits` for an EAGLE-3 drafter. Rows padded (see above)."""
         x, n = self._pad_rows(feature)
-        if torch.is_tensor(depth) and depth.dim() and x.shape[0] != n:
-            depth = torch.cat([depth.reshape(-1), depth.new_zeros(x.shape[0] - n)])
+        if torch.is_tensor(depth) and depth.dim():
+            depth = self._pad(depth.reshape(-1), self.READOUT_ROWS)
         if self.is_pr:
             return self.drafter.depth_logits(x, depth)[:n]
         return self.drafter.compute_logits(x)[:n]
@@ -205,10 +205,7 @@ class DrafterRuntime:
     def _gate(self, x: torch.Tensor, n: int) -> torch.Tensor:
         """lambda of the first `n` of the padded gate inputs `x` (the drafter's `HaltGate`, its sigmoid padded)."""
         logit = self.drafter.pr_halt_gate.linear(x).squeeze(-1).float()
-        extra = -logit.shape[0] % self.GATE_SIGMOID_PAD
-        if extra:
-            logit = torch.cat([logit, logit.new_zeros(extra)])
-        return torch.sigmoid(logit)[:n]
+        return torch.sigmoid(self._pad(logit, self.GATE_SIGMOID_PAD))[:n]
 
     @torch.no_grad()
     def halt_probability(self, feature: torch.Tensor) -> torch.Tensor:
@@ -379,18 +376,18 @@ def readouts_row_invariant(rt: DrafterRuntime, rows: int = 48, seed: int = 0) ->
     (`tensor_tree.batch_step_readouts`) gives each request the trees of reading its rows alone, bit for bit."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows + 3, rt.drafter.config.hidden_size, generator=g).to(rt.device, rt.dtype)
-    reads = [lambda f: rt.log_probs(f, 0)]
+    reads = [lambda f: (rt.log_probs(f, 0),)]  # each read: a tuple of per-row results
     if rt.is_pr:
-        reads.append(rt.halt_probability)
+        reads.append(lambda f: (rt.halt_probability(f),))
         if rt.max_depth and hasattr(rt.drafter, "pr_recon_head"):
-            reads.append(lambda f: rt.log_probs(f, 1))
+            reads.append(lambda f: (rt.log_probs(f, 1),))
         if rt.drafter.norm_output and rt.drafter.pr_settings.gate_reads_normed:
-            reads += [lambda f: rt.readout_and_halt(f)[0], lambda f: rt.readout_and_halt(f)[1]]
+            reads.append(rt.readout_and_halt)
     counts = [c for c in list(range(1, 13)) + [16, 24, 32, 48] if c <= rows]
     for read in reads:
         whole = read(x)
         for c in counts:
             for at in (0, 1, 3):
-                if not torch.equal(read(x[at : at + c]), whole[at : at + c]):
+                if not all(torch.equal(got, w[at : at + c]) for got, w in zip(read(x[at : at + c]), whole)):
                     return False
     return True

@@ -74,7 +74,7 @@ class PRDraftWorker(EagleDraftWorker):
         drafter = load_pr_drafter(self.server_args.speculative_draft_model_path, embed.device, dtype, embed)
         self.pr_rt = DrafterRuntime(drafter)
         self.pr_builders = {}
-        self.pr_rows = None
+        self.pr_rows = self.pr_row_invariant = None
         if self.pr_mode == "sglang":
             self.pr_rows = SGLangRows(self.draft_runner, self.pr_rt, check_readouts())
             self.pr_row_invariant = readouts_row_invariant(self.pr_rt)
@@ -136,7 +136,7 @@ class PRDraftWorker(EagleDraftWorker):
         if self.pr_log:
             readouts = self.pr_rows.readouts if self.pr_rows is not None else "request"
             line = {"rid": rid, "seq_len": seq_len, "rows": self.pr_mode, "readouts": readouts,
-                    "row_invariant": getattr(self, "pr_row_invariant", None), "batch": batch_size, "kv_room": kv_room,
+                    "row_invariant": self.pr_row_invariant, "batch": batch_size, "kv_room": kv_room,
                     "tokens": tree.tokens(), "parents": tree.parents(),
                     "recon_rows": tree.recon_rows, "recon_kept": tree.recon_kept, "repriced_kept": tree.repriced_kept}
             with open(self.pr_log, "a") as f:
