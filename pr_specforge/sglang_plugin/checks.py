@@ -253,7 +253,20 @@ def check_export_and_shape(server_args) -> PRServeShape:
     check_drafter(server_args.speculative_draft_model_path, export_config)
     check_rows(shape, export_config)
     check_readouts()
+    check_row_attention()
     return shape
+
+
+def check_row_attention(device=None) -> str:
+    """`PR_EAGLE3_ROW_ATTENTION` (`row_attention.row_attention_mode`), refused in one line when it is not a mode;
+    with `device` (the draft model's), the backend it resolves to there (`resolve_row_attention`)."""
+    from pr_specforge.sglang_plugin.row_attention import resolve_row_attention, row_attention_mode
+
+    try:
+        mode = row_attention_mode()
+        return mode if device is None else resolve_row_attention(mode, device)
+    except ValueError as e:
+        raise PRServeError(str(e)) from None
 
 
 def check_readouts() -> str:

@@ -1,4 +1,4 @@
-"""Draft attention over explicit KV-slot lists: the layout of a PR draft step's rows, and its CPU backend.
+"""Draft attention over explicit KV-slot lists: the layout of a PR draft step's rows, and its two backends.
 
 Owns:
   * `row_kv_lists` - a step's rows as SGLang's draft decode metadata: `kv_indptr [N + 1]` (int32) and
@@ -6,20 +6,29 @@ Owns:
     `kv_indices[kv_indptr[i] : kv_indptr[i + 1]]`: its request's context before the root, then the tree
     rows it sees (its node's ancestors' rows and its own new slot), in row order. This is the layout
     SGLang's Triton decode kernel reads from `spec_info.kv_indptr / kv_indices` (one query row per
-    list; `layers/attention/triton_backend.py`, `init_forward_metadata` of a decode with spec info),
-    so a GPU backend takes the same lists.
-  * `RowListAttnBackend` - the CPU bridge's draft decode over those lists: SGLang's
-    `TorchNativeAttnBackend` whose `forward_decode` writes the rows' K/V to their slots
-    (`out_cache_loc`) and lets each row attend to its own list (one gather and one masked softmax
-    for all rows). It replaces, for the PR rows only, the bridge's `CpuMultiStepDraftBackend`
-    (which attends to "prefix + own lane", SGLang's approximate tree) and torch_native's decode (which
-    attends to `req_to_token[req, :seq_len]`).
+    list; `layers/attention/triton_backend.py`, `init_forward_metadata` of a decode with spec info).
+    Built with no host read and no data-dependent shape (a scatter into a buffer of `N (C + R)` slots whose
+    tail past `kv_indptr[-1]` no row reads), so a captured graph can rebuild it in place.
+  * The row attention, `PR_EAGLE3_ROW_ATTENTION` (`row_attention_mode`, `resolve_row_attention`):
+      - `torch_native` - `RowListAttnBackend`, the CPU bridge's draft decode over those lists: SGLang's
+        `TorchNativeAttnBackend` whose `forward_decode` writes the rows' K/V to their slots
+        (`out_cache_loc`) and lets each row attend to its own list (one gather and one masked softmax
+        for all rows). It replaces, for the PR rows only, the bridge's `CpuMultiStepDraftBackend`
+        (which attends to "prefix + own lane", SGLang's approximate tree) and torch_native's decode (which
+        attends to `req_to_token[req, :seq_len]`).
+      - `triton` - SGLang's own `TritonAttnBackend` over the draft model runner (`triton_row_backend`): its
+        `init_forward_metadata` takes a decode's lists from `spec_info.kv_indptr / kv_indices` as they are,
+        and its `decode_attention_fwd` kernel attends each row to its list; nothing of it is replaced. The
+        GPU path (over the same MHA KV pool whichever backend SGLang's own draft-extend uses); on a CPU it
+        runs under Triton's interpreter (`TRITON_INTERPRET=1`, which the bridge's `child_env` sets), slowly.
+      - `auto` (the default) - `triton` where the draft model runs on a CUDA device, `torch_native` elsewhere.
 
 Does not own: which rows run and what they see (`serving.batched_tree`), running them (`sglang_plugin.rows`).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Tuple
 
 import torch
@@ -30,19 +39,63 @@ except ImportError:  # pragma: no cover - SGLang is a dependency of the plugin
     TorchNativeAttnBackend = object
 
 
+ATTENTION_ENV = "PR_EAGLE3_ROW_ATTENTION"
+ROW_ATTENTIONS = ("auto", "torch_native", "triton")
+
+
 def row_kv_lists(ctx_slots: torch.Tensor, ctx_len: torch.Tensor, row_slots: torch.Tensor,
                  visible: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """`ctx_slots [b, C]` (request b's context slots, the first `ctx_len[b]` valid), `row_slots [b, R]` (the slot
     of each tree row of b), `visible [b, p, R]` bool (the tree rows each of b's p rows sees, itself included)
-    -> `(kv_indptr [b p + 1] int32, kv_indices int64)`, rows in request-major order."""
+    -> `(kv_indptr [b p + 1] int32, kv_indices [b p (C + R)] int64)`, rows in request-major order; entries past
+    `kv_indptr[-1]` are zero and belong to no row. No host read: every shape follows from the inputs' shapes."""
     b, p, _ = visible.shape
-    cols = torch.arange(ctx_slots.shape[1], device=ctx_slots.device)
+    dev = ctx_slots.device
+    cols = torch.arange(ctx_slots.shape[1], device=dev)
     ctx_ok = (cols[None, :] < ctx_len[:, None])[:, None, :].expand(b, p, -1)
-    ok = torch.cat([ctx_ok, visible], dim=-1)
+    ok = torch.cat([ctx_ok, visible], dim=-1).reshape(b * p, -1)
     slots = torch.cat([ctx_slots[:, None, :].expand(b, p, -1), row_slots[:, None, :].expand(b, p, -1)], dim=-1)
-    indptr = torch.zeros(b * p + 1, dtype=torch.int32, device=ctx_slots.device)
-    torch.cumsum(ok.reshape(b * p, -1).sum(-1), 0, out=indptr[1:])
-    return indptr, slots[ok].to(torch.int64)
+    n, width = ok.shape
+    indptr = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+    torch.cumsum(ok.sum(-1), 0, out=indptr[1:])
+    place = indptr[:-1, None].long() + ok.long().cumsum(-1) - 1  # a kept slot's place: its row's start + its rank
+    place = torch.where(ok, place, n * width)  # the rest land in one spare entry past the end
+    indices = torch.zeros(n * width + 1, dtype=torch.int64, device=dev)
+    indices.scatter_(0, place.reshape(-1), slots.reshape(-1).to(torch.int64))
+    return indptr, indices[:-1]
+
+
+def row_attention_mode() -> str:
+    """`PR_EAGLE3_ROW_ATTENTION`: `auto` (unset), `torch_native` or `triton`; ValueError, one line, for anything else."""
+    mode = (os.environ.get(ATTENTION_ENV) or "").strip().lower() or "auto"
+    if mode not in ROW_ATTENTIONS:
+        raise ValueError(f"PR_EAGLE3: {ATTENTION_ENV}={mode!r} is not one of {', '.join(ROW_ATTENTIONS)}")
+    return mode
+
+
+def resolve_row_attention(mode: str, device) -> str:
+    """The backend `mode` means on `device`: `auto` is `triton` on CUDA and `torch_native` elsewhere; `triton` off
+    CUDA needs Triton's interpreter (`TRITON_INTERPRET=1`), else ValueError (one line)."""
+    on_cuda = torch.device(device).type == "cuda"
+    if mode == "auto":
+        return "triton" if on_cuda else "torch_native"
+    if mode == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"PR_EAGLE3: {ATTENTION_ENV}=triton on {torch.device(device).type} runs SGLang's Triton "
+                         "kernel in Triton's interpreter: set TRITON_INTERPRET=1 (the CPU bridge's environment does)")
+    return mode
+
+
+def triton_row_backend(draft_runner):
+    """SGLang's `TritonAttnBackend` over the draft model runner (decode only: `skip_prefill`): a DECODE batch whose
+    `spec_info` carries `kv_indptr / kv_indices` attends each row to its list (`init_forward_metadata`)."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    return TritonAttnBackend(draft_runner, skip_prefill=True)
+
+
+def row_backend(draft_runner, attention: str):
+    """The PR rows' attention backend for a resolved `attention` (`resolve_row_attention`)."""
+    return triton_row_backend(draft_runner) if attention == "triton" else RowListAttnBackend(draft_runner)
 
 
 def gather_plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

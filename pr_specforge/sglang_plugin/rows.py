@@ -10,7 +10,8 @@ Owns:
     defines) through SGLang: each step's `B_w + m` rows of every request are one DECODE `ForwardBatch` of
     SGLang's draft model runner (`draft_model.PRDraftModel`), each row with its position, its token, its
     hidden slot, and its explicit KV-slot list (`row_attention.row_kv_lists`) in `spec_info.kv_indptr /
-    kv_indices`, run under `row_attention.RowListAttnBackend`. Readouts (heads and gate), by
+    kv_indices`, run under the row attention `PR_EAGLE3_ROW_ATTENTION` picks (`row_attention`: our
+    `RowListAttnBackend` on a CPU, SGLang's own `TritonAttnBackend` on CUDA or when asked). Readouts (heads and gate), by
     `PR_EAGLE3_READOUTS`: `batched` (the default) reads every request's rows of a step in one call per head
     (`tensor_tree.batch_step_readouts`; the per-request values bit for bit where
     `drafter_runtime.readouts_row_invariant` holds, which the worker checks at start-up and logs); `request` reads
@@ -37,7 +38,7 @@ import torch
 from pr_specforge.serving.batched_tree import READOUTS, RuntimeRows, check_readouts
 from pr_specforge.serving.drafter_runtime import DrafterRuntime
 from pr_specforge.serving.tensor_tree import TreeShape, batch_step_readouts, step_readouts
-from pr_specforge.sglang_plugin.row_attention import RowListAttnBackend, row_kv_lists
+from pr_specforge.sglang_plugin.row_attention import row_backend, row_kv_lists
 
 ROWS_ENV = "PR_EAGLE3_ROWS"
 ROWS_MODES = ("ours", "sglang")
@@ -77,9 +78,11 @@ class PoolContext:
 class SGLangRows(RuntimeRows):
     """The row forwards of `BatchedTreeBuilder` through SGLang's draft model runner (see the module doc)."""
 
-    def __init__(self, draft_runner, rt: DrafterRuntime, readouts: str = "batched") -> None:
+    def __init__(self, draft_runner, rt: DrafterRuntime, readouts: str = "batched",
+                 attention: str = "torch_native") -> None:
         self.runner, self.rt, self.readouts = draft_runner, rt, check_readouts(readouts)
-        self.backend = RowListAttnBackend(draft_runner)
+        self.attention = attention  # resolved (`row_attention.resolve_row_attention`): torch_native or triton
+        self.backend = row_backend(draft_runner, attention)
         self.batch = self.draft_input = None
 
     def prepare(self, batch, draft_input) -> None:

@@ -13,8 +13,9 @@ where SGLang's runner can run the rows):
     whose rows (all requests' `B_w + m` per step) run in ONE call of SGLang's draft model runner per step, and
     whose readouts run in one call per head and step (`PR_EAGLE3_READOUTS=batched`, the default; `request`: one
     per request)
-    (`rows.SGLangRows`, the draft model `draft_model.PRDraftModel`, the attention
-    `row_attention.RowListAttnBackend` over explicit KV-slot lists); the context stays in SGLang's pool.
+    (`rows.SGLangRows`, the draft model `draft_model.PRDraftModel`, the attention over explicit KV-slot lists
+    that `PR_EAGLE3_ROW_ATTENTION` picks: `row_attention.RowListAttnBackend` on a CPU, SGLang's
+    `TritonAttnBackend` on CUDA); the context stays in SGLang's pool.
     The tree logic, the encoding (3) and the verify input are the same for both.
 Path `ours`, request by request:
   1. the request's committed drafter context is its rows of SGLang's draft KV pool (slots
@@ -48,7 +49,7 @@ from pr_specforge.serving.batched_tree import BatchedTreeBuilder, BatchRequest
 from pr_specforge.serving.drafter_runtime import DrafterRuntime, readouts_row_invariant
 from pr_specforge.serving.tensor_tree import TensorTreeBuilder
 from pr_specforge.sglang_plugin.checks import (
-    check_readouts, check_server_args, load_pr_drafter, request_shape, rows_for, rows_room)
+    check_readouts, check_row_attention, check_server_args, load_pr_drafter, request_shape, rows_for, rows_room)
 from pr_specforge.sglang_plugin.draft_model import use_for_draft
 from pr_specforge.sglang_plugin.encoding import encode_tree
 from pr_specforge.sglang_plugin.rows import PoolContext, SGLangRows
@@ -76,10 +77,11 @@ class PRDraftWorker(EagleDraftWorker):
         self.pr_builders = {}
         self.pr_rows = self.pr_row_invariant = None
         if self.pr_mode == "sglang":
-            self.pr_rows = SGLangRows(self.draft_runner, self.pr_rt, check_readouts())
+            attention = check_row_attention(embed.device)
+            self.pr_rows = SGLangRows(self.draft_runner, self.pr_rt, check_readouts(), attention)
             self.pr_row_invariant = readouts_row_invariant(self.pr_rt)
-            log.info("PR_EAGLE3 readouts: %s; a row's readouts are the same bits in any call on this machine: %s",
-                     self.pr_rows.readouts, self.pr_row_invariant)
+            log.info("PR_EAGLE3 rows' attention: %s; readouts: %s; a row's readouts are the same bits in any call on "
+                     "this machine: %s", attention, self.pr_rows.readouts, self.pr_row_invariant)
         self.pr_layer_id = next(m.layer_id for m in self.draft_runner.model.modules() if isinstance(m, RadixAttention))
 
     def _builder(self, req):
@@ -135,7 +137,8 @@ class PRDraftWorker(EagleDraftWorker):
         stats["repriced_kept"] += tree.repriced_kept
         if self.pr_log:
             readouts = self.pr_rows.readouts if self.pr_rows is not None else "request"
-            line = {"rid": rid, "seq_len": seq_len, "rows": self.pr_mode, "readouts": readouts,
+            attention = self.pr_rows.attention if self.pr_rows is not None else "ours"
+            line = {"rid": rid, "seq_len": seq_len, "rows": self.pr_mode, "readouts": readouts, "attention": attention,
                     "row_invariant": self.pr_row_invariant, "batch": batch_size, "kv_room": kv_room,
                     "tokens": tree.tokens(), "parents": tree.parents(),
                     "recon_rows": tree.recon_rows, "recon_kept": tree.recon_kept, "repriced_kept": tree.repriced_kept}

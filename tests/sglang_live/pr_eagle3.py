@@ -37,14 +37,16 @@ def pr_args(draft: str, shape: Shape):
             "--speculative-num-draft-tokens", str(shape.budget + 1))
 
 
-def pr_server(live_run, log_dir, shape: Shape, times=None):
+def pr_server(live_run, log_dir, shape: Shape, times=None, env=None, args=()):
     """`sglang_server` serving the PR export at `shape` (B_w and m through the environment); its round log.
-    With `times` (a path), the server also times its rounds there (`PR_EAGLE3_ROUND_TIMES`)."""
+    With `times` (a path), the server also times its rounds there (`PR_EAGLE3_ROUND_TIMES`); `env` and `args`:
+    more environment and launch flags."""
     rounds = log_dir / "rounds.jsonl"
-    env = {"PR_EAGLE3_BW": str(shape.bw), "PR_EAGLE3_M": str(shape.m), "PR_EAGLE3_ROUND_LOG": str(rounds)}
+    env = {"PR_EAGLE3_BW": str(shape.bw), "PR_EAGLE3_M": str(shape.m), "PR_EAGLE3_ROUND_LOG": str(rounds), **(env or {})}
     if times is not None:
         env["PR_EAGLE3_ROUND_TIMES"] = str(times)
-    return sglang_server(live_run["target"], log_dir / "server.log", *pr_args(live_run["pr"], shape), env=env), rounds
+    return sglang_server(live_run["target"], log_dir / "server.log", *pr_args(live_run["pr"], shape), *args,
+                         env=env), rounds
 
 
 def generate(port: int, ids, bw=None, m=None) -> dict:

@@ -212,3 +212,23 @@ def test_the_readouts_switch_defaults_to_batched_and_refuses_a_bad_value(live_ru
     monkeypatch.setenv("PR_EAGLE3_READOUTS", "grouped")
     with pytest.raises(PRServeError, match="PR_EAGLE3_READOUTS='grouped' is not one of batched, request$"):
         check_server_args(args)
+
+
+def test_the_row_attention_switch_picks_triton_on_cuda_and_refuses_a_bad_value(live_run, cpu_engine, monkeypatch):
+    from pr_specforge.sglang_plugin.checks import PRServeError, check_row_attention, check_server_args
+
+    args = _server_args(live_run, live_run["pr"], steps=5, topk=2, tokens=7)
+    monkeypatch.delenv("PR_EAGLE3_ROW_ATTENTION", raising=False)
+    assert check_row_attention() == "auto"
+    assert check_row_attention("cpu") == "torch_native" and check_row_attention("cuda:0") == "triton"
+    monkeypatch.setenv("PR_EAGLE3_ROW_ATTENTION", " Triton ")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert check_row_attention("cpu") == "triton" and check_server_args(args).k == 2
+    monkeypatch.delenv("TRITON_INTERPRET")  # Triton off CUDA only runs in its interpreter
+    with pytest.raises(PRServeError, match="PR_EAGLE3_ROW_ATTENTION=triton on cpu runs SGLang's Triton kernel in "
+                                           "Triton's interpreter: set TRITON_INTERPRET=1"):
+        check_row_attention("cpu")
+    monkeypatch.setenv("PR_EAGLE3_ROW_ATTENTION", "flashinfer")
+    with pytest.raises(PRServeError, match="PR_EAGLE3_ROW_ATTENTION='flashinfer' is not one of auto, torch_native, "
+                                           "triton$"):
+        check_server_args(args)

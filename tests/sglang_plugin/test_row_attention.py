@@ -1,11 +1,15 @@
-"""The CPU draft backend of `PR_EAGLE3_ROWS=sglang` (`sglang_plugin.row_attention`), on SGLang's real KV pool,
-attention layer and forward batch: each row attends to exactly its `kv_indptr / kv_indices` list (equal to
+"""The draft backends of `PR_EAGLE3_ROWS=sglang` (`sglang_plugin.row_attention`). The CPU one, on SGLang's real KV
+pool, attention layer and forward batch: each row attends to exactly its `kv_indptr / kv_indices` list (equal to
 a dense attention over the whole pool with that list as a boolean mask), after writing its own K/V to its
-slot; and a step's lists say context before the root, then the tree rows the row sees, in row order."""
+slot. SGLang's Triton decode kernel (the GPU path, here in Triton's interpreter) reads the same lists to the
+same result. A step's lists say context before the root, then the tree rows the row sees, in row order, and
+are built with no host read (they build on the meta device, where any data-dependent shape fails)."""
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
@@ -88,3 +92,44 @@ def test_a_steps_lists_are_context_then_the_visible_tree_rows():
     assert indptr.dtype == torch.int32 and indices.dtype == torch.int64  # what Triton's decode reads
     assert [indices[indptr[i]:indptr[i + 1]].tolist() for i in range(4)] == want
 
+
+
+def test_a_steps_lists_build_without_a_host_read_so_a_graph_can_capture_them():
+    from pr_specforge.sglang_plugin.row_attention import row_kv_lists
+
+    b, p, c, r = 3, 4, 9, 7
+    meta = dict(device="meta")
+    indptr, indices = row_kv_lists(torch.empty(b, c, dtype=torch.long, **meta), torch.empty(b, dtype=torch.long, **meta),
+                                   torch.empty(b, r, dtype=torch.long, **meta), torch.empty(b, p, r, dtype=torch.bool, **meta))
+    assert indptr.shape == (b * p + 1,) and indices.shape == (b * p * (c + r),)  # shapes from the inputs' shapes only
+
+
+KERNEL = """
+import torch
+from sglang.srt.layers.attention.triton_ops.decode_attention import decode_attention_fwd
+from pr_specforge.sglang_plugin.row_attention import attend_lists, gather_plan, row_kv_lists
+g = torch.Generator().manual_seed(0)
+b, p, c, r, h, hkv, d, splits = 2, 3, 6, 5, 4, 2, 16, 2
+ctx_slots = torch.randperm(40, generator=g)[: b * c].view(b, c)
+row_slots = 40 + torch.arange(b * r).view(b, r)
+visible = torch.rand(b, p, r, generator=g) < 0.5
+visible[..., 0] = True
+indptr, indices = row_kv_lists(ctx_slots, torch.tensor([4, 6]), row_slots, visible)
+q = torch.randn(b * p, h, d, generator=g)
+kb, vb = (torch.randn(60, hkv, d, generator=g) for _ in range(2))
+o = torch.empty_like(q)
+logits, lse = torch.empty(b * p, h, splits, d), torch.empty(b * p, h, splits)
+decode_attention_fwd(q, kb, vb, o, indptr, indices, logits, lse, torch.full((b * p,), splits, dtype=torch.int32),
+                     splits, d ** -0.5, 1.0, 1.0)
+torch.testing.assert_close(o, attend_lists(q, kb, vb, *gather_plan(indptr, indices), d ** -0.5), rtol=1e-5, atol=1e-6)
+print("same")
+"""
+
+
+def test_sglangs_triton_decode_kernel_reads_the_lists_as_the_cpu_backend_does():
+    """The GPU path's kernel (`decode_attention_fwd`, which `TritonAttnBackend.forward_decode` calls with the lists),
+    run by Triton's interpreter in a process of its own (the interpreter is chosen when SGLang defines the kernel)."""
+    from pr_specforge.sglang_cpu import child_env
+
+    out = subprocess.run([sys.executable, "-c", KERNEL], env=child_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("same"), out.stderr[-3000:]
