@@ -5,7 +5,8 @@
         --json benchmarks/results/serving_cost.json --md benchmarks/results/serving_cost.md
 
 (`make run` makes the target and the export.) For each tree shape (`--shapes`: `paper` = k 6, gamma 8, B 48;
-`small` = k 2, gamma 3, B 6; B_w = k) two SGLang 0.5.14 servers run at once through the CPU bridge, fp32,
+`small` = k 2, gamma 3, B 6; B_w = k) two SGLang 0.5.14 servers run at once through the CPU bridge (or on a GPU:
+`--device cuda`, Triton attention, `--cuda-graph` for SGLang's graphs), fp32 (`--dtype`),
 greedy, each on 127.0.0.1 and stopped at the end, also on failure:
   eagle3  `--speculative-algorithm EAGLE3`, SGLang's own draft (the same export, read as plain EAGLE-3);
   pr      `--speculative-algorithm PR_EAGLE3`, our plugin; each request sets its m
@@ -130,7 +131,8 @@ def ratios(cells: Dict[str, dict], gpu: bool) -> dict:
 def markdown(result: dict) -> str:
     ms = lambda x: f"{1000 * x:.1f}"  # noqa: E731
     lines = [f"# Served round cost: PR_EAGLE3 vs SGLang's EAGLE3 ({result['machine']}, {result['dtype']})", "",
-             f"Commit {result['commit']}, {result['date']}, {result['cpu']}, torch threads {result['threads']}; "
+             f"Commit {result['commit']}, {result['date']}, {result['cpu']}, torch threads {result['threads']}"
+             f"{device_note(result)}; "
              f"target {result['target_name']}, drafter {result['draft_name']}; {result['max_new']} new tokens a "
              f"request, {result['repeats']} repeats; medians over rounds whose batch is all of a cell's requests. "
              f"PR_EAGLE3's readouts: {readouts_note(result)}.", "",
@@ -158,6 +160,13 @@ def markdown(result: dict) -> str:
                      f"| {'met' if r['target_m0_within_1.05_of_eagle3'] else 'not met'} | {'met' if third else 'not met'} |")
     lines += ["", f"Command: `{result['command']}`", ""]
     return "\n".join(lines)
+
+
+def device_note(result: dict) -> str:
+    """`, GPU name, CUDA graphs on|off` for a GPU run (older results, and CPU runs, have none)."""
+    if result.get("device") != "cuda":
+        return ""
+    return f", {result.get('gpu')}, SGLang's CUDA graphs {'on' if result.get('cuda_graph') else 'off'}"
 
 
 def readouts_note(result: dict) -> str:
@@ -201,8 +210,7 @@ def check_inputs(args) -> None:
 
 
 def run_shape(args, shape_name: str, prompts, work: str, log) -> Dict[str, dict]:
-    from pr_specforge.sglang_cpu import child_env
-    from pr_specforge.sglang_cpu.server import free_port, launch_command, serving
+    from pr_specforge.sglang_cpu.server import free_port, launch_command, server_env, serving
 
     shape = SHAPES[shape_name]
     times = {a: os.path.join(work, f"{shape_name}-{a}-rounds.jsonl") for a in ("eagle3", "pr")}
@@ -210,12 +218,14 @@ def run_shape(args, shape_name: str, prompts, work: str, log) -> Dict[str, dict]
     with stack:
         for alg, name in (("eagle3", "EAGLE3"), ("pr", "PR_EAGLE3")):
             port = free_port()
-            env = child_env(dict(os.environ, HF_HUB_OFFLINE="1", PR_EAGLE3_ROUND_TIMES=times[alg],
-                                 PR_EAGLE3_BW=str(shape["k"]), PR_EAGLE3_M=str(args.m),
-                                 PR_EAGLE3_READOUTS=args.readouts))
-            log(f"{shape_name}: starting {name} on 127.0.0.1:{port}")
-            cmd = launch_command(args.target, port, *spec_args(name, args.draft, shape),
-                                 max_total_tokens=args.max_total_tokens)
+            env = server_env(args.device, dict(os.environ, HF_HUB_OFFLINE="1", PR_EAGLE3_ROUND_TIMES=times[alg],
+                                               PR_EAGLE3_BW=str(shape["k"]), PR_EAGLE3_M=str(args.m),
+                                               PR_EAGLE3_READOUTS=args.readouts))
+            log(f"{shape_name}: starting {name} on 127.0.0.1:{port} ({args.device}, CUDA graphs "
+                f"{'on' if args.cuda_graph else 'off'})")
+            cmd = launch_command(args.target, port, *spec_args(name, args.draft, shape), dtype=args.dtype,
+                                 max_total_tokens=args.max_total_tokens, device=args.device,
+                                 cuda_graph=args.cuda_graph)
             stack.enter_context(serving(cmd, port, os.path.join(work, f"{shape_name}-{alg}.log"), env))
             ports[alg] = port
         call = {"eagle3": lambda ids: ask(ports["eagle3"], ids, args.max_new),
@@ -236,7 +246,7 @@ def run_shape(args, shape_name: str, prompts, work: str, log) -> Dict[str, dict]
     for n in args.requests:
         cells = {w: cell_summary(asks[(n, w)], rounds["eagle3" if w == "eagle3" else "pr"], n) for w in WAYS}
         same = all(a["outputs"] == b["outputs"] for w in WAYS[1:] for a, b in zip(asks[(n, "eagle3")], asks[(n, w)]))
-        out[f"{shape_name}/{n}"] = {"ways": cells, "ratios": ratios(cells, gpu=False), "outputs_equal_eagle3": same,
+        out[f"{shape_name}/{n}"] = {"ways": cells, "ratios": ratios(cells, gpu=args.device == "cuda"), "outputs_equal_eagle3": same,
                                     "readouts": readouts}
     return out
 
@@ -264,12 +274,23 @@ def main(argv=None) -> int:
     p.add_argument("--readouts", choices=("batched", "request"), default="batched",
                    help="PR_EAGLE3_READOUTS of the PR server: the heads and gate in one call per step for the batch "
                         "(batched) or one per request")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: through the CPU bridge; cuda: a stock GPU launch (Triton attention, PR rows on Triton)")
+    p.add_argument("--cuda-graph", action="store_true", help="on --device cuda: SGLang's CUDA graphs on (default off)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--machine", default="quiet machine")
     p.add_argument("--work", default=None, help="where the servers' logs and round times go (default: a temp dir)")
     p.add_argument("--json", default=None)
     p.add_argument("--md", default=None)
     args = p.parse_args(argv)
     check_inputs(args)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("serving_cost: --device cuda: torch sees no CUDA device here")
+    elif args.cuda_graph:
+        raise SystemExit("serving_cost: --cuda-graph needs --device cuda (the CPU bridge runs without graphs)")
     if min(args.requests) < 1 or args.repeats < 1 or args.max_new < 2 or args.m < 1:
         raise SystemExit("serving_cost: --requests, --repeats and --m must be >= 1, --max-new >= 2")
     import torch
@@ -287,7 +308,8 @@ def main(argv=None) -> int:
     for s in args.shapes:
         cells.update(run_shape(args, s, prompts, work, log))
     result = {"machine": args.machine, "cpu": cpu_name(), "commit": commit(), "date": time.strftime("%Y-%m-%d"),
-              "threads": torch.get_num_threads(), "dtype": "float32", "device": "cpu",
+              "threads": torch.get_num_threads(), "dtype": args.dtype, "device": args.device,
+              "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None, "cuda_graph": args.cuda_graph,
               "target_name": os.path.basename(os.path.normpath(args.target)),
               "draft_name": os.path.basename(os.path.normpath(args.draft)), "max_new": args.max_new,
               "repeats": args.repeats, "m": args.m, "shapes": {s: SHAPES[s] for s in args.shapes},

@@ -1,7 +1,9 @@
 """A local SGLang server for a test or a benchmark: bound to 127.0.0.1, on a free port, stopped on exit.
 
   * `free_port()` - a free loopback port below 40000 (SGLang derives more ports from it);
-  * `launch_command(model, port, *args)` - `python -m sglang.launch_server` with the CPU bridge's flags;
+  * `launch_command(model, port, *args)` - `python -m sglang.launch_server` with the CPU bridge's flags, or with
+    `device="cuda"` a stock GPU launch (`GPU_SERVER_FLAGS`: Triton attention, no overlap schedule, CUDA graphs
+    on or off); `server_env(device)` - the environment either needs (the bridge's `child_env` on a CPU only);
   * `serving(cmd, port, log_path, env)` - run a server command in its own process group until it answers on
     `port` (its `/health` and the "fired up" line of its log), yield, and stop the whole group on exit, also on
     failure; `ServerFailed` carries the end of the log when it exits or does not answer in time;
@@ -48,12 +50,37 @@ def post(port: int, path: str, body: dict, timeout: float = 600) -> dict:
         return json.loads(r.read())
 
 
-def launch_command(model: str, port: int, *args: str, dtype: str = "float32", max_total_tokens: int = 4096):
-    """`launch_server` for `model` on 127.0.0.1:`port` with the CPU bridge's `SERVER_FLAGS` and extra `args`."""
+DEVICES = ("cpu", "cuda")
+#: a GPU launch: SGLang's Triton attention (the backend PR_EAGLE3's rows use there too), no overlap schedule
+#: (PR_EAGLE3 drafts synchronously; EAGLE3 gets the same so the two compare), idle schedulers asleep
+GPU_SERVER_FLAGS = ("--device", "cuda", "--attention-backend", "triton", "--disable-overlap-schedule", "--sleep-on-idle")
+
+
+def check_device(device: str) -> str:
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r} is not one of {', '.join(DEVICES)}")
+    return device
+
+
+def launch_command(model: str, port: int, *args: str, dtype: str = "float32", max_total_tokens: int = 4096,
+                   device: str = "cpu", cuda_graph: bool = False):
+    """`launch_server` for `model` on 127.0.0.1:`port` with extra `args`: on `cpu` the CPU bridge's `SERVER_FLAGS`
+    (no graphs), on `cuda` `GPU_SERVER_FLAGS` and SGLang's CUDA graphs when `cuda_graph`."""
     from pr_specforge.sglang_cpu import SERVER_FLAGS
 
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--dtype", dtype, *SERVER_FLAGS,
+    if check_device(device) == "cpu":
+        flags = SERVER_FLAGS
+    else:
+        flags = GPU_SERVER_FLAGS + (() if cuda_graph else ("--disable-cuda-graph",))
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--dtype", dtype, *flags,
             "--host", "127.0.0.1", "--port", str(port), "--max-total-tokens", str(max_total_tokens), *args]
+
+
+def server_env(device: str, base: Dict[str, str]) -> Dict[str, str]:
+    """`base` plus what a server on `device` needs: the CPU bridge (`child_env`) on a CPU, nothing more on CUDA."""
+    from pr_specforge.sglang_cpu import child_env
+
+    return child_env(base) if check_device(device) == "cpu" else dict(base)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ its medians and ratios come from those rounds, the targets are read as documente
 import json
 
 import pytest
+import torch
 
 from tests.helpers import load_benchmark
 
@@ -82,3 +83,43 @@ def test_bad_inputs_stop_in_one_line(bench, tmp_path):
         bench.main(["--target", str(target), "--draft", str(draft), "--shapes", "huge"])
     with pytest.raises(SystemExit, match="must be >= 1"):
         bench.main(["--target", str(target), "--draft", str(draft), "--requests", "0"])
+    with pytest.raises(SystemExit, match=r"--cuda-graph needs --device cuda \(the CPU bridge runs without graphs\)$"):
+        bench.main(["--target", str(target), "--draft", str(draft), "--cuda-graph"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="--device cuda: torch sees no CUDA device here$"):
+            bench.main(["--target", str(target), "--draft", str(draft), "--device", "cuda"])
+
+
+def test_a_gpu_result_names_its_gpu_and_graphs_and_a_cpu_result_does_not(bench):
+    assert bench.device_note({"device": "cuda", "gpu": "NVIDIA H200", "cuda_graph": True}) == \
+        ", NVIDIA H200, SGLang's CUDA graphs on"
+    assert bench.device_note({"device": "cpu"}) == "" and bench.device_note({}) == ""
+
+
+def test_the_gpu_launch_is_stock_sglang_on_triton_and_the_cpu_launch_goes_through_the_bridge():
+    from pr_specforge.sglang_cpu.server import launch_command, server_env
+
+    gpu = launch_command("T", 30000, "--x", device="cuda")
+    assert gpu[gpu.index("--device") + 1] == "cuda" and gpu[gpu.index("--attention-backend") + 1] == "triton"
+    assert "--disable-overlap-schedule" in gpu and "--disable-cuda-graph" in gpu and gpu[-1] == "--x"
+    assert "--disable-cuda-graph" not in launch_command("T", 30000, device="cuda", cuda_graph=True)
+    cpu = launch_command("T", 30000)
+    assert cpu[cpu.index("--device") + 1] == "cpu" and cpu[cpu.index("--attention-backend") + 1] == "torch_native"
+    assert server_env("cpu", {})["TRITON_INTERPRET"] == "1" and server_env("cuda", {"A": "1"}) == {"A": "1"}
+    with pytest.raises(ValueError, match="device 'tpu' is not one of cpu, cuda"):
+        launch_command("T", 30000, device="tpu")
+
+
+def test_the_gpu_check_script_stops_in_one_line_without_a_gpu(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the script would run")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([os.path.join(root, "scripts", "gpu_pr_eagle3_check.sh"), str(tmp_path)], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHON=sys.executable), timeout=120)
+    assert out.returncode == 2
+    assert out.stdout.strip().splitlines() == [f"gpu_pr_eagle3_check: {sys.executable} sees no CUDA device: run it on "
+                                               "a GPU machine"]

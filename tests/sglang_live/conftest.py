@@ -35,14 +35,21 @@ def greedy(port: int, ids, max_new_tokens: int) -> dict:
         "temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}})
 
 
+#: where the live servers run: this CPU through the bridge (the default), or with `PR_SPECFORGE_LIVE_DEVICE=cuda` a
+#: GPU (`scripts/gpu_pr_eagle3_check.sh`; `PR_SPECFORGE_LIVE_CUDA_GRAPH=1` turns SGLang's CUDA graphs on)
+LIVE_DEVICE = os.environ.get("PR_SPECFORGE_LIVE_DEVICE", "cpu")
+LIVE_CUDA_GRAPH = os.environ.get("PR_SPECFORGE_LIVE_CUDA_GRAPH") == "1"
+
+
 @contextlib.contextmanager
 def sglang_server(model: str, log_path, *args: str, dtype: str = "float32", env=None):
-    """Yield the port of a live `launch_server` for `model` (extra CLI `args`, extra environment `env`); stop it on exit."""
-    from pr_specforge.sglang_cpu import child_env
+    """Yield the port of a live `launch_server` for `model` (extra CLI `args`, extra environment `env`) on
+    `LIVE_DEVICE`; stop it on exit."""
+    from pr_specforge.sglang_cpu.server import server_env
 
     port = free_port()
-    cmd = launch_command(model, port, *args, dtype=dtype)
-    with serving(cmd, port, log_path, child_env(dict(ENV, HF_HUB_OFFLINE="1", **(env or {})))):
+    cmd = launch_command(model, port, *args, dtype=dtype, device=LIVE_DEVICE, cuda_graph=LIVE_CUDA_GRAPH)
+    with serving(cmd, port, log_path, server_env(LIVE_DEVICE, dict(ENV, HF_HUB_OFFLINE="1", **(env or {})))):
         yield port
 
 
