@@ -284,16 +284,14 @@ def main(argv=None) -> int:
     p.add_argument("--md", default=None)
     args = p.parse_args(argv)
     check_inputs(args)
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise SystemExit("serving_cost: --device cuda: torch sees no CUDA device here")
-    elif args.cuda_graph:
-        raise SystemExit("serving_cost: --cuda-graph needs --device cuda (the CPU bridge runs without graphs)")
     if min(args.requests) < 1 or args.repeats < 1 or args.max_new < 2 or args.m < 1:
         raise SystemExit("serving_cost: --requests, --repeats and --m must be >= 1, --max-new >= 2")
     import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("serving_cost: --device cuda: torch sees no CUDA device here")
+    if args.device == "cpu" and args.cuda_graph:
+        raise SystemExit("serving_cost: --cuda-graph needs --device cuda (the CPU bridge runs without graphs)")
 
     from pr_specforge.data.io import atomic_write_json, atomic_write_text
 

@@ -15,16 +15,7 @@ mkdir -p "$OUTDIR"
 export TORCHDYNAMO_DISABLE=1 WANDB_MODE=disabled HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 status=0
-run() {  # run NAME CMD...: log to OUTDIR/NAME.log, record pass/fail
-  local name=$1; shift
-  echo "== $name: $*"
-  local t0=$SECONDS
-  if "$@" > "$OUTDIR/$name.log" 2>&1; then
-    echo "   ok ($((SECONDS - t0)) s)"; tail -8 "$OUTDIR/$name.log"
-  else
-    echo "   FAILED ($((SECONDS - t0)) s)"; tail -30 "$OUTDIR/$name.log"; status=1
-  fi
-}
+. scripts/lib/run_step.sh  # run NAME CMD...
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 "$PY" -c 'import torch, transformers, specforge; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, "specforge ok")'
 run serving "$PY" scripts/gpu_serving_check.py --device cuda --json "$OUTDIR/gpu_serving.json"

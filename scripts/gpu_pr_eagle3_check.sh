@@ -30,16 +30,8 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 "$PY" -c 'import torch, sglang; print("torch", torch.__version__, "cuda", torch.version.cuda, "sglang", sglang.__version__)'
 status=0
-run() {  # run NAME CMD...: log to OUTDIR/NAME.log, record pass/fail
-  local name=$1; shift
-  echo "== $name: $*"
-  local t0=$SECONDS
-  if "$@" > "$OUTDIR/$name.log" 2>&1; then
-    echo "   ok ($((SECONDS - t0)) s)"; tail -4 "$OUTDIR/$name.log"
-  else
-    echo "   FAILED ($((SECONDS - t0)) s)"; tail -30 "$OUTDIR/$name.log"; status=1
-  fi
-}
+. scripts/lib/run_step.sh  # run NAME CMD...
+RUN_OK_TAIL=4
 LIVE=(tests/sglang_live/test_live_pr_eagle3.py tests/sglang_live/test_live_pr_eagle3_b16.py
       tests/sglang_live/test_live_pr_eagle3_b48.py tests/sglang_live/test_live_pr_eagle3_triton.py)
 for graphs in 0 1; do

@@ -258,9 +258,10 @@ def check_export_and_shape(server_args) -> PRServeShape:
 
 
 def check_row_attention(device=None) -> str:
-    """`PR_EAGLE3_ROW_ATTENTION` (`row_attention.row_attention_mode`), refused in one line when it is not a mode;
+    """`PR_EAGLE3_ROW_ATTENTION` (`rows.row_attention_mode`), refused in one line when it is not a mode;
     with `device` (the draft model's), the backend it resolves to there (`resolve_row_attention`)."""
-    from pr_specforge.sglang_plugin.row_attention import resolve_row_attention, row_attention_mode
+    from pr_specforge.sglang_plugin.row_attention import resolve_row_attention
+    from pr_specforge.sglang_plugin.rows import row_attention_mode
 
     try:
         mode = row_attention_mode()

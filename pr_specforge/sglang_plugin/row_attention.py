@@ -9,14 +9,14 @@ Owns:
     list; `layers/attention/triton_backend.py`, `init_forward_metadata` of a decode with spec info).
     Built with no host read and no data-dependent shape (a scatter into a buffer of `N (C + R)` slots whose
     tail past `kv_indptr[-1]` no row reads), so a captured graph can rebuild it in place.
-  * The row attention, `PR_EAGLE3_ROW_ATTENTION` (`row_attention_mode`, `resolve_row_attention`):
+  * The row attention, `PR_EAGLE3_ROW_ATTENTION` (read by `rows.row_attention_mode`; `resolve_row_attention`):
       - `torch_native` - `RowListAttnBackend`, the CPU bridge's draft decode over those lists: SGLang's
         `TorchNativeAttnBackend` whose `forward_decode` writes the rows' K/V to their slots
         (`out_cache_loc`) and lets each row attend to its own list (one gather and one masked softmax
         for all rows). It replaces, for the PR rows only, the bridge's `CpuMultiStepDraftBackend`
         (which attends to "prefix + own lane", SGLang's approximate tree) and torch_native's decode (which
         attends to `req_to_token[req, :seq_len]`).
-      - `triton` - SGLang's own `TritonAttnBackend` over the draft model runner (`triton_row_backend`): its
+      - `triton` - SGLang's own `TritonAttnBackend` over the draft model runner (`row_backend`): its
         `init_forward_metadata` takes a decode's lists from `spec_info.kv_indptr / kv_indices` as they are,
         and its `decode_attention_fwd` kernel attends each row to its list; nothing of it is replaced. The
         GPU path (over the same MHA KV pool whichever backend SGLang's own draft-extend uses); on a CPU it
@@ -65,14 +65,6 @@ def row_kv_lists(ctx_slots: torch.Tensor, ctx_len: torch.Tensor, row_slots: torc
     return indptr, indices[:-1]
 
 
-def row_attention_mode() -> str:
-    """`PR_EAGLE3_ROW_ATTENTION`: `auto` (unset), `torch_native` or `triton`; ValueError, one line, for anything else."""
-    mode = (os.environ.get(ATTENTION_ENV) or "").strip().lower() or "auto"
-    if mode not in ROW_ATTENTIONS:
-        raise ValueError(f"PR_EAGLE3: {ATTENTION_ENV}={mode!r} is not one of {', '.join(ROW_ATTENTIONS)}")
-    return mode
-
-
 def resolve_row_attention(mode: str, device) -> str:
     """The backend `mode` means on `device`: `auto` is `triton` on CUDA and `torch_native` elsewhere; `triton` off
     CUDA needs Triton's interpreter (`TRITON_INTERPRET=1`), else ValueError (one line)."""
@@ -85,17 +77,15 @@ def resolve_row_attention(mode: str, device) -> str:
     return mode
 
 
-def triton_row_backend(draft_runner):
-    """SGLang's `TritonAttnBackend` over the draft model runner (decode only: `skip_prefill`): a DECODE batch whose
-    `spec_info` carries `kv_indptr / kv_indices` attends each row to its list (`init_forward_metadata`)."""
+def row_backend(draft_runner, attention: str):
+    """The PR rows' attention backend for a resolved `attention` (`resolve_row_attention`): for `triton`, SGLang's
+    `TritonAttnBackend` over the draft model runner (decode only: `skip_prefill`), whose `init_forward_metadata`
+    attends each row of a DECODE batch to its list in `spec_info.kv_indptr / kv_indices`."""
+    if attention != "triton":
+        return RowListAttnBackend(draft_runner)
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
     return TritonAttnBackend(draft_runner, skip_prefill=True)
-
-
-def row_backend(draft_runner, attention: str):
-    """The PR rows' attention backend for a resolved `attention` (`resolve_row_attention`)."""
-    return triton_row_backend(draft_runner) if attention == "triton" else RowListAttnBackend(draft_runner)
 
 
 def gather_plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

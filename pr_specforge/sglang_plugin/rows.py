@@ -1,7 +1,7 @@
 """A PR draft step's rows through SGLang's draft model runner: ONE call per step for every running request.
 
 Owns:
-  * `rows_mode` - the switch `PR_EAGLE3_ROWS`: `sglang` (this module; the default where it can serve, see
+  * `env_mode` - how every `PR_EAGLE3_*` mode switch is read; `rows_mode` - the switch `PR_EAGLE3_ROWS`: `sglang` (this module; the default where it can serve, see
     `checks.check_rows`) or `ours` (each request's context is copied into our eager `DrafterRuntime`, which
     runs the rows request by request).
   * `PoolContext` - a request's committed drafter context as it lies in SGLang's draft KV pool (its
@@ -38,31 +38,37 @@ import torch
 from pr_specforge.serving.batched_tree import READOUTS, RuntimeRows, check_readouts
 from pr_specforge.serving.drafter_runtime import DrafterRuntime
 from pr_specforge.serving.tensor_tree import TreeShape, batch_step_readouts, step_readouts
-from pr_specforge.sglang_plugin.row_attention import row_backend, row_kv_lists
+from pr_specforge.sglang_plugin.row_attention import ATTENTION_ENV, ROW_ATTENTIONS, row_backend, row_kv_lists
 
 ROWS_ENV = "PR_EAGLE3_ROWS"
 ROWS_MODES = ("ours", "sglang")
 READOUTS_ENV = "PR_EAGLE3_READOUTS"
 
 
+def env_mode(name: str, modes: Sequence[str], default: Optional[str]) -> Optional[str]:
+    """The switch `name` of the environment, stripped and lower-cased, `default` when unset or blank; ValueError,
+    one line, for a value that is not one of `modes`. Every `PR_EAGLE3_*` mode switch reads through it."""
+    mode = (os.environ.get(name) or "").strip().lower() or default
+    if mode is not None and mode not in modes:
+        raise ValueError(f"PR_EAGLE3: {name}={mode!r} is not one of {', '.join(modes)}")
+    return mode
+
+
 def rows_mode() -> Optional[str]:
     """`PR_EAGLE3_ROWS` as set (None when unset: `checks.check_rows` picks); ValueError, one line, for anything else."""
-    raw = os.environ.get(ROWS_ENV)
-    if raw is None or not raw.strip():
-        return None
-    mode = raw.strip().lower()
-    if mode not in ROWS_MODES:
-        raise ValueError(f"PR_EAGLE3: {ROWS_ENV}={mode!r} is not one of {', '.join(ROWS_MODES)}")
-    return mode
+    return env_mode(ROWS_ENV, ROWS_MODES, None)
 
 
 def readouts_mode() -> str:
     """`PR_EAGLE3_READOUTS`: `batched` (the default: every request's rows of a step in one call per head) or
     `request` (request by request); ValueError, one line, for anything else. Read by the `sglang` row path."""
-    mode = (os.environ.get(READOUTS_ENV) or "").strip().lower() or "batched"
-    if mode not in READOUTS:
-        raise ValueError(f"PR_EAGLE3: {READOUTS_ENV}={mode!r} is not one of {', '.join(READOUTS)}")
-    return mode
+    return env_mode(READOUTS_ENV, READOUTS, "batched")
+
+
+def row_attention_mode() -> str:
+    """`PR_EAGLE3_ROW_ATTENTION`: `auto` (unset), `torch_native` or `triton` (`row_attention.resolve_row_attention`
+    says what each means on a device); ValueError, one line, for anything else."""
+    return env_mode(ATTENTION_ENV, ROW_ATTENTIONS, "auto")
 
 
 @dataclass
