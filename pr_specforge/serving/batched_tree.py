@@ -16,7 +16,8 @@ Owns:
     readout pads its rows, see `DrafterRuntime.READOUT_ROWS`), or `request`, the per-request
     builder's (`tensor_tree.root_readout`, `tensor_tree.forward_step_rows`). An engine's batched
     forward (one call of `M` over every request's rows) replaces it through the same three
-    methods: `begin` (the round's requests), `root`, `step`.
+    methods: `begin` (the round's requests), `root`, `step`, and `run` (how the round's device part runs:
+    `BatchedTreeBuilder._body`, free of host reads, so that it can be captured as one graph).
 
 The batch is rebuilt every round from the requests passed to `build`: a request joins by being
 passed and leaves by not being passed. Nothing of a round outlives it (the per-request builder's
@@ -101,6 +102,11 @@ class RuntimeRows:
             self.ctx.append(ctx)
             self.masks.append(torch.zeros((tb.n_rows, ctx + tb.n_rows), device=rt.device, dtype=rt.dtype))
 
+    def run(self, tb: TreeShape, size: int, body):
+        """The round's device part for `size` requests, `body()` -> (packed result, kept nodes): run here as it
+        is (`sglang_plugin.rows.SGLangRows` may replay it as a captured graph)."""
+        return body()
+
     def root(self, feats: torch.Tensor, logp_out: torch.Tensor) -> Optional[torch.Tensor]:
         """Root readouts `[b, 1, Vd]` written into `logp_out`; lambda_0 `[b, 1]` with a pool."""
         if self.readouts == "batched":
@@ -152,6 +158,7 @@ class _Batch:
         self.u, self.bid_base, self.survive = (torch.zeros(size, r, **f64) for _ in range(3))
         self.depth_r, self.cur_row = torch.zeros(size, r, **i64), torch.zeros(size, r, **i64)
         self.root_tok = torch.zeros(size, **i64)
+        self.root_pos = torch.zeros(size, 1, **i64)  # the root row's position
 
     def reset(self) -> None:
         for t in (self.shifted, self.pooled, self.depth_r):
@@ -185,17 +192,10 @@ class BatchedTreeBuilder(TreeShape):
             return []
         rts = [self._check(i, req) for i, req in enumerate(requests)]
         x = self._batches.get(len(requests)) or self._batches.setdefault(len(requests), _Batch(self, len(requests)))
-        x.reset()
         self.rows.begin(self, rts)
-        self.root_pos = torch.tensor([rt.length - 1 for rt in rts], device=self.rt.device)[:, None]
-        if self.pool_on:
-            u = torch.stack([round_uniforms(uniform_count(self.cfg), req.generator) for req in requests])
-            x.u[:, : self.n_rows].copy_(u, non_blocking=True)
-        self._root(x, requests)
-        for st in self.steps:
-            self._step(x, st)
-        kept, ok, where = self._cut(x)
-        host = self._pack(x, kept, ok, where).cpu()  # the round's one synchronisation, for the whole batch
+        self._load(x, requests, rts)
+        packed, kept = self.rows.run(self, x.size, lambda: self._body(x))
+        host = packed.cpu()  # the round's one synchronisation, for the whole batch
         self.host_reads += 1
         trees = []
         for b, rt in enumerate(rts):
@@ -205,13 +205,29 @@ class BatchedTreeBuilder(TreeShape):
             trees.append(tree)
         return trees
 
-    # ---------------------------------------------------------------- round
-    def _root(self, x: _Batch, requests: Sequence[BatchRequest]) -> None:
-        k = self.k
+    def _load(self, x: _Batch, requests: Sequence[BatchRequest], rts: Sequence[DrafterRuntime]) -> None:
+        """The round's host inputs into the batch's fixed buffers: root tokens, features and positions, uniforms."""
         x.root_tok.copy_(torch.tensor([int(req.root_token) for req in requests]))
-        feats = torch.stack([req.root_feature.reshape(-1) for req in requests]).to(self.rt.dtype)
-        x.row_feat[:, 0] = feats
-        lam = self.rows.root(feats[:, None], x.row_logp[:, :1])
+        x.row_feat[:, 0] = torch.stack([req.root_feature.reshape(-1) for req in requests]).to(self.rt.dtype)
+        x.root_pos.copy_(torch.tensor([[rt.length - 1] for rt in rts]))
+        if self.pool_on:
+            u = torch.stack([round_uniforms(uniform_count(self.cfg), req.generator) for req in requests])
+            x.u[:, : self.n_rows].copy_(u, non_blocking=True)
+
+    def _body(self, x: _Batch):
+        """The round on the device, from the loaded buffers to the packed result `[b, L]` and the kept nodes: no host
+        read and no data-dependent shape (what `sglang_plugin.round_graph` captures as one graph per batch size)."""
+        x.reset()
+        self._root(x)
+        for st in self.steps:
+            self._step(x, st)
+        kept, ok, where = self._cut(x)
+        return self._pack(x, kept, ok, where), kept
+
+    # ---------------------------------------------------------------- round
+    def _root(self, x: _Batch) -> None:
+        k = self.k
+        lam = self.rows.root(x.row_feat[:, :1], x.row_logp[:, :1])
         top = torch.topk(x.row_logp[:, 0], k, dim=-1)
         x.row_topv[:, 0], x.draft[:, 1 : 1 + k] = top.values, top.indices
         x.score[:, 1 : 1 + k] = x.row_topv[:, 0]
@@ -271,7 +287,7 @@ class BatchedTreeBuilder(TreeShape):
         rows = slice(st.r0, st.r0 + self.per_step)
         hidden = self.rt.feedback(x.row_feat[x.bi, self.slot_row[adv]])  # post-norm feedback when the drafter has it
         rec_feat = x.row_feat[x.bi, x.cur_row.gather(1, rec)] if self.m else None
-        pos = anc.sum(-1) + (self.root_pos - 1)  # position = root's + depth
+        pos = anc.sum(-1) + (x.root_pos - 1)  # position = root's + depth
         visible = torch.matmul(anc.float(), self.src_onehot) + st.own > 0  # exact: sums of 0/1
         lam = self.rows.step(st, x.draft.gather(1, adv), hidden, rec_feat, pos, visible,
                              x.row_feat[:, rows], x.row_logp[:, rows])

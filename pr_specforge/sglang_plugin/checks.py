@@ -254,6 +254,7 @@ def check_export_and_shape(server_args) -> PRServeShape:
     check_rows(shape, export_config)
     check_readouts()
     check_row_attention()
+    check_round_graph()
     return shape
 
 
@@ -268,6 +269,20 @@ def check_row_attention(device=None) -> str:
         return mode if device is None else resolve_row_attention(mode, device)
     except ValueError as e:
         raise PRServeError(str(e)) from None
+
+
+def check_round_graph(device=None, server_args=None) -> str:
+    """`PR_EAGLE3_ROUND_GRAPH` (`rows.round_graph_mode`), refused in one line when it is not a mode; with `device`
+    (the draft model's), what it resolves to there with `server_args`' decode graphs (`resolve_round_graph`):
+    `capture`, `guard` or `off`."""
+    from pr_specforge.sglang_plugin.round_graph import decode_graphs, resolve_round_graph
+    from pr_specforge.sglang_plugin.rows import round_graph_mode
+
+    try:
+        mode = round_graph_mode()
+    except ValueError as e:
+        raise PRServeError(str(e)) from None
+    return mode if device is None else resolve_round_graph(mode, device, decode_graphs(server_args))
 
 
 def check_readouts() -> str:

@@ -88,10 +88,16 @@ def row_backend(draft_runner, attention: str):
     return TritonAttnBackend(draft_runner, skip_prefill=True)
 
 
-def gather_plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The lists as a padded gather: `index [N, L]` (slots; padding repeats slot 0 of the list) and `valid [N, L]`."""
+def gather_plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                fixed: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The lists as a padded gather: `index [N, L]` (slots; padding repeats slot 0 of the list) and `valid [N, L]`.
+    L: the longest list (a host read), or with `fixed` the lists' buffer width `len(kv_indices) // N` (`row_kv_lists`
+    gives each row that many entries: no host read, for a captured round)."""
     lens = (kv_indptr[1:] - kv_indptr[:-1]).long()
-    width = int(lens.max()) if lens.numel() else 0
+    if fixed:
+        width = kv_indices.numel() // max(lens.numel(), 1)
+    else:
+        width = int(lens.max()) if lens.numel() else 0
     col = torch.arange(width, device=kv_indices.device)
     valid = col[None, :] < lens[:, None]
     at = torch.where(valid, kv_indptr[:-1, None].long() + col[None, :], kv_indptr[:-1, None].long())
@@ -118,6 +124,12 @@ class RowListAttnBackend(TorchNativeAttnBackend):
         super().init_forward_metadata(forward_batch)
         spec = forward_batch.spec_info
         self.plan = gather_plan(spec.kv_indptr, spec.kv_indices)
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = True) -> None:
+        """The metadata of a captured round (`TritonAttnBackend`'s name): the plan at the lists' fixed width."""
+        super().init_forward_metadata(forward_batch)
+        spec = forward_batch.spec_info
+        self.plan = gather_plan(spec.kv_indptr, spec.kv_indices, fixed=True)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         from sglang.srt.mem_cache.memory_pool import KVWriteLoc

@@ -17,6 +17,13 @@ Owns:
     `drafter_runtime.readouts_row_invariant` holds, which the worker checks at start-up and logs); `request` reads
     them request by request (`tensor_tree.step_readouts`), as the per-request builder does.
 
+Captured rounds (`round_graph`, `PR_EAGLE3_ROUND_GRAPH`). A round whose step rows fit `graph_rows` runs on fixed
+buffers, one set per B_w, m and batch size: the requests' whole `req_to_token` rows (so a list's context part has
+the table's width, its tail past `kv_indptr[-1]` unread), their context lengths and tree-row slots, the
+reconsideration rows' places and a `ForwardBatch` built once; each step plans the attention with the backend's
+captured-decode metadata (`init_forward_metadata_out_graph(in_capture=True)`: the lists as they are, fixed work
+buffers), and `run` hands the body to `RoundGraphs` (replayed from a CUDA graph, or guarded on a CPU).
+
 KV slots. Tree row `r` of a round (row 0: the root, the last context row) lives at `req_to_token[req,
 seq_len - 1 + r]`, the layout our runtime's buffer has: rows `1 ..` take the draft slots SGLang reserved
 after the context (`(gamma - 1)(B_w + m)` of them; a decode reserves `2 max(steps k, B + 1)` there,
@@ -31,6 +38,7 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Optional, Sequence
 
 import torch
@@ -38,6 +46,7 @@ import torch
 from pr_specforge.serving.batched_tree import READOUTS, RuntimeRows, check_readouts
 from pr_specforge.serving.drafter_runtime import DrafterRuntime
 from pr_specforge.serving.tensor_tree import TreeShape, batch_step_readouts, step_readouts
+from pr_specforge.sglang_plugin.round_graph import GRAPH_ENV, GRAPH_MODES, RoundGraphs
 from pr_specforge.sglang_plugin.row_attention import ATTENTION_ENV, ROW_ATTENTIONS, row_backend, row_kv_lists
 
 ROWS_ENV = "PR_EAGLE3_ROWS"
@@ -65,6 +74,12 @@ def readouts_mode() -> str:
     return env_mode(READOUTS_ENV, READOUTS, "batched")
 
 
+def round_graph_mode() -> str:
+    """`PR_EAGLE3_ROUND_GRAPH`: `auto` (unset), `on` or `off` (`round_graph.resolve_round_graph` says what each means
+    on a device); ValueError, one line, for anything else."""
+    return env_mode(GRAPH_ENV, GRAPH_MODES, "auto")
+
+
 def row_attention_mode() -> str:
     """`PR_EAGLE3_ROW_ATTENTION`: `auto` (unset), `torch_native` or `triton` (`row_attention.resolve_row_attention`
     says what each means on a device); ValueError, one line, for anything else."""
@@ -85,11 +100,18 @@ class SGLangRows(RuntimeRows):
     """The row forwards of `BatchedTreeBuilder` through SGLang's draft model runner (see the module doc)."""
 
     def __init__(self, draft_runner, rt: DrafterRuntime, readouts: str = "batched",
-                 attention: str = "torch_native") -> None:
+                 attention: str = "torch_native", graphs: Optional[RoundGraphs] = None, graph_rows: int = 0) -> None:
         self.runner, self.rt, self.readouts = draft_runner, rt, check_readouts(readouts)
         self.attention = attention  # resolved (`row_attention.resolve_row_attention`): torch_native or triton
         self.backend = row_backend(draft_runner, attention)
         self.batch = self.draft_input = None
+        # `round_graph`: rounds whose B_w + m rows of every request fit `graph_rows` rows per step run on fixed
+        # buffers (`self.fixed`, one set per B_w, m and batch size), captured or guarded by `graphs`
+        self.graphs, self.graph_rows, self.fixed, self.in_graph = graphs, graph_rows, {}, False
+        if graphs is not None and attention == "triton":  # the decode's fixed work buffers; SGLang's own slot table
+            # buffer is not used (the lists are the rows'), so it gets one entry
+            self.backend.init_cuda_graph_state(graph_rows, graph_rows,
+                                               kv_indices_buf=torch.zeros(1, dtype=torch.int64, device=rt.device))
 
     def prepare(self, batch, draft_input) -> None:
         """The round's SGLang batch (a DECODE batch) and its draft input; call before `BatchedTreeBuilder.build`."""
@@ -104,13 +126,46 @@ class SGLangRows(RuntimeRows):
                                    f"request slot {c.req_pool_index} has {c.allocated - c.length + 1}")
         pool = self.runner.req_to_token_pool.req_to_token
         table = pool[torch.tensor([c.req_pool_index for c in ctxs], device=pool.device)].to(dev)
-        self.ctx_len = torch.tensor([c.length - 1 for c in ctxs], device=dev)
+        ctx_len = torch.tensor([c.length - 1 for c in ctxs], device=dev)
+        b, p = len(ctxs), tb.per_step
+        self.in_graph = self.graphs is not None and b * p <= self.graph_rows
+        if self.in_graph:  # the fixed buffers of this B_w, m and batch size; the whole table's width
+            f = self.fixed.get(self._key(tb, b)) or self.fixed.setdefault(self._key(tb, b), self._fixed(tb, b, table))
+            f.ctx_slots.copy_(table)
+            f.ctx_len.copy_(ctx_len)
+            torch.gather(f.ctx_slots, 1, f.ctx_len[:, None] + torch.arange(tb.n_rows, device=dev), out=f.row_slots)
+            self.ctx_slots, self.ctx_len, self.row_slots = f.ctx_slots, f.ctx_len, f.row_slots
+            self.recon_index, self.fb, self.spec = f.recon_index, f.fb, f.spec
+            return
+        self.ctx_len = ctx_len
         self.ctx_slots = table[:, : max(c.length - 1 for c in ctxs)].long()
         cols = self.ctx_len[:, None] + torch.arange(tb.n_rows, device=dev)
         self.row_slots = table.gather(1, cols).long()
-        b, p = len(ctxs), tb.per_step
-        self.recon_index = (torch.arange(b, device=dev)[:, None] * p + torch.arange(tb.bw, p, device=dev)).reshape(-1)
+        self.recon_index = self._recon_index(tb, b)
         self.fb, self.spec = self._forward_batch(b * p)
+
+    @staticmethod
+    def _key(tb: TreeShape, b: int) -> str:
+        return f"B_w {tb.bw}, m {tb.m}, batch {b}"
+
+    def _recon_index(self, tb: TreeShape, b: int) -> torch.Tensor:
+        """The reconsideration rows' places among a step's `b (B_w + m)` rows (request-major)."""
+        dev, p = self.rt.device, tb.per_step
+        return (torch.arange(b, device=dev)[:, None] * p + torch.arange(tb.bw, p, device=dev)).reshape(-1)
+
+    def _fixed(self, tb: TreeShape, b: int, table: torch.Tensor) -> SimpleNamespace:
+        """A captured round's fixed buffers: its requests' slot tables, context lengths and tree-row slots, the
+        reconsideration rows' places, and its `ForwardBatch` (built once, from the first such round)."""
+        dev = self.rt.device
+        fb, spec = self._forward_batch(b * tb.per_step)
+        return SimpleNamespace(ctx_slots=torch.zeros(table.shape, dtype=torch.long, device=dev),
+                               ctx_len=torch.zeros(b, dtype=torch.long, device=dev),
+                               row_slots=torch.zeros(b, tb.n_rows, dtype=torch.long, device=dev),
+                               recon_index=self._recon_index(tb, b), fb=fb, spec=spec)
+
+    def run(self, tb: TreeShape, size: int, body):
+        """The round's device part: through `graphs` (replayed or guarded) where `begin` put it on fixed buffers."""
+        return self.graphs.run(self._key(tb, size), body) if self.in_graph else body()
 
     def _forward_batch(self, n: int):
         """A DECODE `ForwardBatch` of `n` rows over the round's requests (SGLang's own constructor); the steps fill it."""
@@ -128,9 +183,16 @@ class SGLangRows(RuntimeRows):
             batch.spec_info, batch.out_cache_loc = saved
         return fb, spec
 
-    def step(self, st, ids, hidden, rec_feat, pos, visible, feat_out, logp_out) -> Optional[torch.Tensor]:
+    def forward_rows(self, fb) -> torch.Tensor:
+        """ONE call of SGLang's draft model for every request's rows of a step (its metadata planned): their
+        pre-norm features. The model's forward itself, as SGLang's eager decode calls it, not `ModelRunner.forward`,
+        whose decode-graph dispatch is for SGLang's own batches."""
         from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
+        with forward_context(ForwardContext(attn_backend=self.backend)):
+            return self.runner.model.forward(fb.input_ids, fb.positions, fb).hidden_states
+
+    def step(self, st, ids, hidden, rec_feat, pos, visible, feat_out, logp_out) -> Optional[torch.Tensor]:
         tb, rt, fb, spec = self.tb, self.rt, self.fb, self.spec
         b, p = ids.shape[0], tb.per_step
         tokens = rt.to_target_ids(ids)
@@ -142,10 +204,12 @@ class SGLangRows(RuntimeRows):
         spec.hidden_states = hidden.reshape(b * p, -1).to(rt.dtype)
         spec.kv_indptr, spec.kv_indices = row_kv_lists(self.ctx_slots, self.ctx_len, self.row_slots, visible)
         spec.pr_recon_index = self.recon_index if tb.m else self.recon_index[:0]
-        self.backend.init_forward_metadata(fb)
+        if self.in_graph:  # the lists as they are, on the backend's fixed work buffers (a decode graph's metadata)
+            self.backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        else:
+            self.backend.init_forward_metadata(fb)
         fb.mark_forward_metadata_ready()
-        with forward_context(ForwardContext(attn_backend=self.backend)):
-            feats = self.runner.forward(fb).logits_output.hidden_states  # ONE call: every request's rows
+        feats = self.forward_rows(fb)
         feats = feats.reshape(b, p, -1).to(feat_out.dtype)
         feat_out.copy_(feats)
         if self.readouts == "batched":  # one call per head for every request's rows

@@ -8,16 +8,18 @@ SGLang process) wraps, in that process and for timing only, the methods a specul
   * the draft phase: `EagleDraftWorker.draft` (SGLang's EAGLE-3) and `PRDraftWorker.draft` (ours) (`draft_s`);
     `EAGLEWorkerV2.verify` (`verify_s`); `EagleDraftWorker._draft_extend_for_decode` (`extend_s`);
   * the model compute, the round's floor: `ModelRunner.forward`, split by runner (`target_compute_s`,
-    `draft_compute_s`: the draft runner's forwards, in the draft phase and in draft-extend), and our PR
-    drafter's rows where they run in our runtime (`PR_EAGLE3_ROWS=ours`: `DrafterRuntime.forward_tree_rows`, as
-    draft compute) and its readouts (`DrafterRuntime.log_probs`, `halt_probability`, `readout_and_halt`: the head and gate
+    `draft_compute_s`: the draft runner's forwards, in the draft phase and in draft-extend), the PR rows' forwards
+    (`PR_EAGLE3_ROWS=sglang`: `rows.SGLangRows.forward_rows`, SGLang's draft model; `ours`: our runtime's
+    `DrafterRuntime.forward_tree_rows`), as draft compute, and our PR drafter's readouts (`DrafterRuntime.log_probs`, `halt_probability`, `readout_and_halt`: the head and gate
     matmuls SGLang's EAGLE-3 runs inside its draft model's forward) as `readout_compute_s`.
 
 Each timed round appends one JSON line to FILE: the batch size, the request ids, the times above, each
 compute time also by the phase it ran in (`draft.draft_compute_s`, `draft.readout_compute_s`, `verify.target_compute_s`,
 ...), and `floor_s` = target + draft + readout compute. Whatever is not compute (tree bookkeeping, SGLang's top-k
 selection, building the verify input, host reads) is `round_s - floor_s`. On CUDA each boundary
-synchronises the device, so a timed server is slower than an untimed one; the ratios stay comparable.
+synchronises the device, so a timed server is slower than an untimed one; the ratios stay comparable. A round
+replayed from a CUDA graph (`round_graph`) runs no Python inside: its draft phase is timed whole (`draft_s`), its
+compute not split out (the round it was captured in counts the capture's Python time).
 Both algorithms are timed in the same way, so a benchmark can read them side by side.
 """
 
@@ -39,8 +41,8 @@ _installed = False
 
 
 def _sync() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and not torch.cuda.is_current_stream_capturing():
+        torch.cuda.synchronize()  # (never inside a capture: `round_graph` records the round there, nothing runs)
 
 
 def _round() -> Optional[Dict[str, float]]:
@@ -138,6 +140,7 @@ def install(path: Optional[str] = None) -> bool:
     from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
 
     from pr_specforge.serving.drafter_runtime import DrafterRuntime
+    from pr_specforge.sglang_plugin.rows import SGLangRows
     from pr_specforge.sglang_plugin.worker import PRDraftWorker
 
     _wrap(EAGLEWorkerV2, "forward_batch_generation", lambda fn: _timed_round(fn, path))
@@ -147,6 +150,7 @@ def install(path: Optional[str] = None) -> bool:
     _wrap(EagleDraftWorker, "_draft_extend_for_decode", lambda fn: _timed("extend_s", fn, phase=True))
     _wrap(ModelRunner, "forward", _timed_forward)
     _wrap(DrafterRuntime, "forward_tree_rows", lambda fn: _timed("draft_compute_s", fn))  # rows path `ours`
+    _wrap(SGLangRows, "forward_rows", lambda fn: _timed("draft_compute_s", fn))  # rows path `sglang`
     for name in ("log_probs", "halt_probability", "readout_and_halt"):
         _wrap(DrafterRuntime, name, lambda fn: _timed("readout_compute_s", fn, outermost="in_readout"))
     _installed = True

@@ -16,6 +16,8 @@ where SGLang's runner can run the rows):
     (`rows.SGLangRows`, the draft model `draft_model.PRDraftModel`, the attention over explicit KV-slot lists
     that `PR_EAGLE3_ROW_ATTENTION` picks: `row_attention.RowListAttnBackend` on a CPU, SGLang's
     `TritonAttnBackend` on CUDA); the context stays in SGLang's pool.
+    The round's device part runs as one CUDA graph per (B_w, m, batch size) where `PR_EAGLE3_ROUND_GRAPH` says
+    (`round_graph`: on CUDA with SGLang's decode graphs on by default; `on` on a CPU runs it under a host-read guard).
     The tree logic, the encoding (3) and the verify input are the same for both.
 Path `ours`, request by request:
   1. the request's committed drafter context is its rows of SGLang's draft KV pool (slots
@@ -49,9 +51,11 @@ from pr_specforge.serving.batched_tree import BatchedTreeBuilder, BatchRequest
 from pr_specforge.serving.drafter_runtime import DrafterRuntime, readouts_row_invariant
 from pr_specforge.serving.tensor_tree import TensorTreeBuilder
 from pr_specforge.sglang_plugin.checks import (
-    check_readouts, check_row_attention, check_server_args, load_pr_drafter, request_shape, rows_for, rows_room)
+    check_readouts, check_round_graph, check_row_attention, check_server_args, load_pr_drafter, request_shape, rows_for,
+    rows_room)
 from pr_specforge.sglang_plugin.draft_model import use_for_draft
 from pr_specforge.sglang_plugin.encoding import encode_tree
+from pr_specforge.sglang_plugin.round_graph import RoundGraphs, decode_graphs
 from pr_specforge.sglang_plugin.rows import PoolContext, SGLangRows
 
 log = logging.getLogger(__name__)
@@ -78,10 +82,15 @@ class PRDraftWorker(EagleDraftWorker):
         self.pr_rows = self.pr_row_invariant = None
         if self.pr_mode == "sglang":
             attention = check_row_attention(embed.device)
-            self.pr_rows = SGLangRows(self.draft_runner, self.pr_rt, check_readouts(), attention)
+            graph = check_round_graph(embed.device, self.server_args)
+            # a captured round's batch: up to SGLang's largest decode graph (in `guard`: any the request pool holds)
+            sizes = decode_graphs(self.server_args) or [self.req_to_token_pool.size]
+            self.pr_rows = SGLangRows(self.draft_runner, self.pr_rt, check_readouts(), attention,
+                                      None if graph == "off" else RoundGraphs(graph),
+                                      max(sizes) * (self.pr_shape.bw + self.pr_shape.m))
             self.pr_row_invariant = readouts_row_invariant(self.pr_rt)
-            log.info("PR_EAGLE3 rows' attention: %s; readouts: %s; a row's readouts are the same bits in any call on "
-                     "this machine: %s", attention, self.pr_rows.readouts, self.pr_row_invariant)
+            log.info("PR_EAGLE3 rows' attention: %s; readouts: %s; round graph: %s; a row's readouts are the same bits "
+                     "in any call on this machine: %s", attention, self.pr_rows.readouts, graph, self.pr_row_invariant)
         self.pr_layer_id = next(m.layer_id for m in self.draft_runner.model.modules() if isinstance(m, RadixAttention))
 
     def _builder(self, req):
@@ -115,6 +124,7 @@ class PRDraftWorker(EagleDraftWorker):
         """Every request's round with `PR_EAGLE3_ROWS=sglang`: one batched build per (B_w, m) in use, each step's
         rows of all its requests in one call of SGLang's draft model runner; the trees in request order."""
         trees, groups = [None] * len(batch.reqs), {}
+        self.pr_graph = ["off"] * len(batch.reqs)  # how each request's round ran (`round_graph`), for the round log
         for b, req in enumerate(batch.reqs):
             groups.setdefault(id(self._builder(req)), []).append(b)
         pool_index = batch.req_pool_indices.tolist()
@@ -125,11 +135,14 @@ class PRDraftWorker(EagleDraftWorker):
                                                  getattr(batch.reqs[b], "kv_allocated_len", None)),
                                      int(bonus[b]), draft_input.hidden_states[b], self._generator(batch.reqs[b]))
                         for b in members]
-            for b, tree in zip(members, builder.build(requests)):
-                trees[b] = tree
+            built = builder.build(requests)
+            graphs = self.pr_rows.graphs
+            graph = "off" if graphs is None else graphs.last if self.pr_rows.in_graph else "eager"
+            for b, tree in zip(members, built):
+                trees[b], self.pr_graph[b] = tree, graph
         return trees
 
-    def _count(self, rid: str, seq_len: int, tree, batch_size: int, kv_room) -> None:
+    def _count(self, rid: str, seq_len: int, tree, batch_size: int, kv_room, graph: str) -> None:
         stats = self.pr_stats.setdefault(rid, {"rounds": 0, "recon_rows": 0, "recon_kept": 0, "repriced_kept": 0})
         stats["rounds"] += 1
         stats["recon_rows"] += tree.recon_rows
@@ -139,6 +152,7 @@ class PRDraftWorker(EagleDraftWorker):
             readouts = self.pr_rows.readouts if self.pr_rows is not None else "request"
             attention = self.pr_rows.attention if self.pr_rows is not None else "ours"
             line = {"rid": rid, "seq_len": seq_len, "rows": self.pr_mode, "readouts": readouts, "attention": attention,
+                    "graph": graph,
                     "row_invariant": self.pr_row_invariant, "batch": batch_size, "kv_room": kv_room,
                     "tokens": tree.tokens(), "parents": tree.parents(),
                     "recon_rows": tree.recon_rows, "recon_kept": tree.recon_kept, "repriced_kept": tree.repriced_kept}
@@ -163,11 +177,13 @@ class PRDraftWorker(EagleDraftWorker):
         trees = self._batched_rounds(batch, draft_input, seq_lens, bonus) if self.pr_rows is not None else \
             [self._round(req, rows[b, : seq_lens[b]].long(), int(bonus[b]), draft_input.hidden_states[b])
              for b, req in enumerate(batch.reqs)]
+        graph = self.pr_graph if self.pr_rows is not None else ["off"] * len(trees)
         for b, (req, tree) in enumerate(zip(batch.reqs, trees)):
             if len(tree.tokens()) != n + 1:
                 raise RuntimeError(f"PR_EAGLE3: a round kept {len(tree.tokens()) - 1} nodes, not B={n}")
             allocated = getattr(req, "kv_allocated_len", None)  # the draft slots after the context, logged
-            self._count(req.rid, seq_lens[b], tree, len(batch.reqs), None if allocated is None else allocated - seq_lens[b])
+            self._count(req.rid, seq_lens[b], tree, len(batch.reqs), None if allocated is None else allocated - seq_lens[b],
+                        graph[b])
             parents, scores = encode_tree(tree.parents(), tree.via_recon_list, k, width)
             order = sorted(range(n), key=scores.__getitem__)
             parent_list[b] = torch.tensor(parents)

@@ -11,15 +11,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.sglang_live.conftest import LIVE_DEVICE
 from tests.sglang_live.pr_eagle3 import Ours, Shape, assert_same, generate, pr_server, round_log, served_counts
 
 SHAPE = Shape(k=2, bw=2, m=1, gamma=3, budget=6)
+GRAPH = "replay" if LIVE_DEVICE == "cuda" else "guard"  # PR_EAGLE3_ROUND_GRAPH=on: captured on CUDA, checked here
 
 
 @pytest.fixture(scope="module")
 def served(live_run, tmp_path_factory):
     ctx, rounds = pr_server(live_run, tmp_path_factory.mktemp("pr_eagle3_triton"), SHAPE,
-                            env={"PR_EAGLE3_ROW_ATTENTION": "triton"}, args=("--triton-attention-num-kv-splits", "2"))
+                            env={"PR_EAGLE3_ROW_ATTENTION": "triton", "PR_EAGLE3_ROUND_GRAPH": "on"}, args=("--triton-attention-num-kv-splits", "2"))
     with ctx as port:
         with ThreadPoolExecutor(4) as pool:
             outs = list(pool.map(lambda p: generate(port, p), live_run["prompts"]))
@@ -33,7 +35,7 @@ def test_triton_rows_four_concurrent_requests_equal_our_decoder(live_run, served
     assert len(concurrent) == 4
     assert_same(concurrent, Ours(live_run).decode(SHAPE, live_run["prompts"]))
     assert sum(s["recon_rows"] for s in concurrent) > 0 and sum(s["recon_kept"] for s in concurrent) > 0
-    assert all(r["rows"] == "sglang" and r["attention"] == "triton" for r in rounds)
+    assert all(r["rows"] == "sglang" and r["attention"] == "triton" and r["graph"] == GRAPH for r in rounds)
     assert max(r["batch"] for r in rounds) == 4
 
 

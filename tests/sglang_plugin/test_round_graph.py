@@ -1,0 +1,148 @@
+"""The PR round as one captured graph (`sglang_plugin.round_graph`, `PR_EAGLE3_ROUND_GRAPH`) and the guard that checks
+it on this CPU (`serving.host_reads.NoHostReads`): the guard refuses each operation a CUDA graph cannot capture and
+lets the rest through; the batched round's body (root readouts, every step, Eq. 9, the cut, the packing) runs under
+it for the issue's shapes, its trees unchanged; the CPU row attention's fixed-width plan is host-free where the eager
+one is not, and attends the same; what each switch value means where; a capture that cannot happen runs eagerly.
+The live server through the captured path's metadata: tests/sglang_live/test_live_pr_eagle3_triton.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from pr_specforge.serving.batched_tree import BatchedTreeBuilder, BatchRequest, RuntimeRows
+from pr_specforge.serving.host_reads import HostReadError, NoHostReads
+from pr_specforge.sglang_plugin.round_graph import RoundGraphs, resolve_round_graph
+from pr_specforge.sglang_plugin.row_attention import attend_lists, gather_plan, row_kv_lists
+from tests.serving.test_serving_batched_tree import PROMPTS, SHAPES, requests
+from tests.serving.test_serving_tree import eager_gate, models  # noqa: F401 (models: a fixture)
+
+T = torch.arange(6.0).view(2, 3)
+REFUSED = {
+    "item": lambda: T.sum().item(),
+    "int": lambda: int(T[0, 0]),
+    "branch": lambda: bool(T.sum() > 0),
+    "bool mask": lambda: T[T > 2],
+    "nonzero": lambda: torch.nonzero(T),
+    "masked_select": lambda: torch.masked_select(T, T > 1),
+    "unique": lambda: torch.unique(T),
+    "host list": lambda: torch.tensor([1, 2, 3]),
+    "repeat_interleave": lambda: torch.repeat_interleave(T.long()[0]),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_the_guard_refuses_what_a_graph_cannot_capture(name):
+    with pytest.raises(HostReadError, match="a CUDA graph cannot capture it") as e:
+        with NoHostReads("a test body"):
+            REFUSED[name]()
+    assert str(e.value).startswith("a test body: aten.") and "\n" not in str(e.value)
+
+
+def test_the_guard_lets_fixed_shape_device_work_through():
+    t = T.clone()
+    with NoHostReads():
+        t[:, 0] = 0  # a Python number: a constant
+        top = torch.topk(t, 2, dim=-1)
+        order = torch.sort(t, dim=-1, descending=True, stable=True).indices
+        t.scatter_(1, order[:, :1], 1.0)
+        picked = t[torch.arange(2)[:, None], order]  # indexing by integer tensors
+        rep = torch.repeat_interleave(torch.ones(3, dtype=torch.long), output_size=3)
+    assert top.values.shape == (2, 2) and picked.shape == (2, 3) and rep.numel() == 3
+
+
+@pytest.mark.parametrize("cfg", SHAPES, ids=lambda c: f"k{c.k}w{c.bw}m{c.m}g{c.gamma}B{c.budget}")
+@pytest.mark.parametrize("m0", [False, True], ids=["m>0", "m0"])
+def test_the_batched_rounds_body_has_no_host_read_and_the_same_trees(models, cfg, m0):
+    """What a capture records, run under the guard: every op of four requests' round, its trees those of the round
+    run plainly (the guard only watches)."""
+    target, _, pr = models
+    eager_gate(pr, -2.0)
+    cfg = dataclasses.replace(cfg, m=0) if m0 else cfg
+
+    class Guarded(RuntimeRows):
+        def run(self, tb, size, body):
+            with NoHostReads("the batched round"):
+                return body()
+
+    reqs = requests(pr, target, PROMPTS)
+
+    def build(rows):
+        batch = [BatchRequest(rt, root, feat, torch.Generator().manual_seed(s)) for rt, root, feat, s in reqs]
+        return BatchedTreeBuilder(reqs[0][0], cfg, rows=rows).build(batch)
+
+    plain, guarded = build(RuntimeRows()), build(Guarded())
+    assert [(t.tokens(), t.parents(), t.recon_rows) for t in guarded] == [(t.tokens(), t.parents(), t.recon_rows)
+                                                                         for t in plain]
+    assert (sum(t.recon_rows for t in plain) > 0) != m0
+
+
+def test_the_cpu_row_attentions_fixed_plan_is_host_free_and_attends_the_same():
+    g = torch.Generator().manual_seed(0)
+    b, p, c, r, h, hkv, d = 2, 3, 6, 5, 4, 2, 16
+    ctx_slots = torch.randperm(40, generator=g)[: b * c].view(b, c)
+    visible = torch.rand(b, p, r, generator=g) < 0.5
+    visible[..., 0] = True
+    indptr, indices = row_kv_lists(ctx_slots, torch.tensor([4, 6]), 40 + torch.arange(b * r).view(b, r), visible)
+    q, kb, vb = torch.randn(b * p, h, d, generator=g), torch.randn(60, hkv, d, generator=g), torch.randn(60, hkv, d)
+    with pytest.raises(HostReadError, match="_local_scalar_dense"):  # the eager plan reads its longest list
+        with NoHostReads():
+            gather_plan(indptr, indices)
+    with NoHostReads():
+        fixed = gather_plan(indptr, indices, fixed=True)
+    assert fixed[0].shape == (b * p, c + r)
+    torch.testing.assert_close(attend_lists(q, kb, vb, *fixed, d ** -0.5),
+                               attend_lists(q, kb, vb, *gather_plan(indptr, indices), d ** -0.5), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode,device,sizes,want", [
+    ("auto", "cuda", [1, 2, 4], "capture"), ("auto", "cuda", None, "off"), ("auto", "cpu", [1, 2], "off"),
+    ("on", "cuda", None, "capture"), ("on", "cpu", None, "guard"), ("off", "cuda", [1, 2], "off"),
+])
+def test_what_each_switch_value_means_where(mode, device, sizes, want):
+    assert resolve_round_graph(mode, device, sizes) == want
+
+
+def test_a_bad_switch_value_is_refused_in_one_line(monkeypatch):
+    from pr_specforge.sglang_plugin.checks import PRServeError, check_round_graph
+
+    monkeypatch.setenv("PR_EAGLE3_ROUND_GRAPH", "always")
+    with pytest.raises(PRServeError, match=r"^PR_EAGLE3: PR_EAGLE3_ROUND_GRAPH='always' is not one of auto, off, on$"):
+        check_round_graph()
+    monkeypatch.setenv("PR_EAGLE3_ROUND_GRAPH", " ON ")
+    assert check_round_graph() == "on"
+    with pytest.raises(ValueError, match="kind 'off'"):
+        RoundGraphs("off")
+
+
+def test_sglangs_decode_graph_sizes_decide_auto():
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    from pr_specforge.sglang_plugin.round_graph import decode_graphs
+
+    def args(backend, bs):
+        return SimpleNamespace(cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend=backend, bs=bs)))
+
+    assert decode_graphs(args(Backend.FULL, [4, 1, 2])) == [1, 2, 4]
+    assert decode_graphs(args(Backend.DISABLED, [1, 2])) is None and decode_graphs(SimpleNamespace()) is None
+
+
+def test_a_round_that_cannot_be_captured_runs_eagerly_once_logged(caplog):
+    """On this CPU a capture fails where CUDA is needed: the round runs eagerly, one warning line, no retry."""
+    graphs, calls = RoundGraphs("capture"), []
+
+    def body():
+        calls.append(1)
+        return (torch.ones(2), torch.zeros(1))
+
+    with caplog.at_level(logging.WARNING, logger="pr_specforge.sglang_plugin.round_graph"):
+        first, second = graphs.run("B_w 2, m 1, batch 1", body), graphs.run("B_w 2, m 1, batch 1", body)
+    assert torch.equal(first[0], torch.ones(2)) and torch.equal(second[0], torch.ones(2)) and len(calls) == 2
+    assert graphs.last == "eager" and graphs.graphs == {"B_w 2, m 1, batch 1": None}
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "runs eagerly, its capture failed" in warnings[0] and "\n" not in warnings[0]
