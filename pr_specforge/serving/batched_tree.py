@@ -190,16 +190,28 @@ class BatchedTreeBuilder(TreeShape):
         """One round for every request passed (in order); the trees `TensorTreeBuilder.build` gives each alone."""
         if not requests:
             return []
+        packed, kept = self.build_packed(requests)
+        host = packed.cpu()  # the round's one synchronisation, for the whole batch
+        self.host_reads += 1
+        return self.unpack(host, kept, [req.rt.length for req in requests], keep_state)
+
+    def build_packed(self, requests: Sequence[BatchRequest]):
+        """The round on the device, no host read: `(packed [b, L], kept [b, B + 1])`, `packed` in
+        `tensor_tree.unpack_round`'s layout (`serving`'s engines encode their verify input from it on the device,
+        `sglang_plugin.encoding.encode_packed`). Valid until the next round of this batch size."""
         rts = [self._check(i, req) for i, req in enumerate(requests)]
         x = self._batches.get(len(requests)) or self._batches.setdefault(len(requests), _Batch(self, len(requests)))
         self.rows.begin(self, rts)
         self._load(x, requests, rts)
-        packed, kept = self.rows.run(self, x.size, lambda: self._body(x))
-        host = packed.cpu()  # the round's one synchronisation, for the whole batch
-        self.host_reads += 1
+        return self.rows.run(self, x.size, lambda: self._body(x))
+
+    def unpack(self, host: torch.Tensor, kept: torch.Tensor, lengths: Sequence[int],
+               keep_state: bool = False) -> List[TensorDraftTree]:
+        """The trees of the latest round of `len(lengths)` requests from its packed result read to the host."""
+        x = self._batches[len(lengths)]
         trees = []
-        for b, rt in enumerate(rts):
-            tree = unpack_round(host[b], x.anc[b][kept[b]][:, kept[b]], rt.length, self.cfg.budget, self.k)
+        for b, length in enumerate(lengths):
+            tree = unpack_round(host[b], x.anc[b][kept[b]][:, kept[b]], length, self.cfg.budget, self.k)
             if keep_state:
                 tree.state = self.state(x, b)
             trees.append(tree)

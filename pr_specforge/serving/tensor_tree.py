@@ -522,6 +522,16 @@ class TensorTreeBuilder(TreeShape):
         }
 
 
+#: the per-node rows of a packed round (`_pack`), each `B + 1` wide, kept nodes first; then one-pass children, counts
+PACKED_ROWS = ("ok", "slot", "token", "depth", "parent", "via", "repriced", "by_score", "forwarded", "top1", "score")
+
+
+def packed_nodes(packed: torch.Tensor, budget: int) -> torch.Tensor:
+    """The per-node rows of packed rounds `[b, L]` (on any device) as a view `[b, len(PACKED_ROWS), B + 1]`."""
+    b1 = budget + 1
+    return packed[:, : len(PACKED_ROWS) * b1].view(packed.shape[0], len(PACKED_ROWS), b1)
+
+
 def unpack_round(host: torch.Tensor, mask: torch.Tensor, root_position: int, budget: int, k: int) -> TensorDraftTree:
     """A round's host vector (`_pack`'s layout) and its ancestor mask as a `TensorDraftTree`."""
     b1 = budget + 1

@@ -18,7 +18,9 @@ where SGLang's runner can run the rows):
     `TritonAttnBackend` on CUDA); the context stays in SGLang's pool.
     The round's device part runs as one CUDA graph per (B_w, m, batch size) where `PR_EAGLE3_ROUND_GRAPH` says
     (`round_graph`: on CUDA with SGLang's decode graphs on by default; `on` on a CPU runs it under a host-read guard).
-    The tree logic, the encoding (3) and the verify input are the same for both.
+    Its kept trees are encoded on the device for every request at once (`encoding.encode_packed`), and the host
+    reads six numbers per request (the encoding's check and the counters; the trees too with a round log).
+    The tree logic, the encoding's result (3) and the verify input are the same for both.
 Path `ours`, request by request:
   1. the request's committed drafter context is its rows of SGLang's draft KV pool (slots
      `req_to_token[req, :seq_len]`, written by SGLang's draft-extend); they are read into our
@@ -54,7 +56,7 @@ from pr_specforge.sglang_plugin.checks import (
     check_readouts, check_round_graph, check_row_attention, check_server_args, load_pr_drafter, request_shape, rows_for,
     rows_room)
 from pr_specforge.sglang_plugin.draft_model import use_for_draft
-from pr_specforge.sglang_plugin.encoding import encode_tree
+from pr_specforge.sglang_plugin.encoding import check_encoded, encode_packed, encode_tree, round_counts
 from pr_specforge.sglang_plugin.round_graph import RoundGraphs, decode_graphs
 from pr_specforge.sglang_plugin.rows import PoolContext, SGLangRows
 
@@ -120,11 +122,20 @@ class PRDraftWorker(EagleDraftWorker):
         self.pr_rt.load_context(keys, values)
         return self._builder(req).build(root_token, root_feature, self._generator(req))
 
-    def _batched_rounds(self, batch, draft_input, seq_lens, bonus):
+    def _batched_rounds(self, batch, draft_input, seq_lens, bonus, width: int):
         """Every request's round with `PR_EAGLE3_ROWS=sglang`: one batched build per (B_w, m) in use, each step's
-        rows of all its requests in one call of SGLang's draft model runner; the trees in request order."""
-        trees, groups = [None] * len(batch.reqs), {}
-        self.pr_graph = ["off"] * len(batch.reqs)  # how each request's round ran (`round_graph`), for the round log
+        rows of all its requests in one call of SGLang's draft model runner, its verify input encoded on the device
+        (`encoding.encode_packed`). -> the verify input's `(parent_list, top_scores_index, draft_tokens)` in request
+        order on the device, and per request its host summary (`encode_packed`'s check, then recon_rows, recon_kept,
+        repriced_kept), how its round ran (`round_graph`) and, with a round log, its tree (else None). The host
+        reads the batch's summaries in one copy (and the packed rounds too with a round log)."""
+        shape, bs = self.pr_shape, len(batch.reqs)
+        dev = batch.seq_lens.device
+        parent_list = torch.full((bs, width), -1, dtype=torch.long, device=dev)
+        top_scores_index = torch.empty((bs, shape.budget), dtype=torch.long, device=dev)
+        draft_tokens = torch.empty((bs, shape.budget), dtype=torch.long, device=dev)
+        summary = torch.empty((bs, 6), dtype=torch.long, device=dev)
+        groups, graph, trees = {}, ["off"] * bs, [None] * bs
         for b, req in enumerate(batch.reqs):
             groups.setdefault(id(self._builder(req)), []).append(b)
         pool_index = batch.req_pool_indices.tolist()
@@ -135,19 +146,29 @@ class PRDraftWorker(EagleDraftWorker):
                                                  getattr(batch.reqs[b], "kv_allocated_len", None)),
                                      int(bonus[b]), draft_input.hidden_states[b], self._generator(batch.reqs[b]))
                         for b in members]
-            built = builder.build(requests)
+            packed, kept = builder.build_packed(requests)
+            at = torch.tensor(members, device=dev)
+            *parts, check = encode_packed(packed, shape.budget, shape.k, width)
+            for out, part in zip((parent_list, top_scores_index, draft_tokens), parts):
+                out.index_copy_(0, at, part.to(dev))
+            summary.index_copy_(0, at, torch.cat([check, round_counts(packed, shape.budget, shape.k)], 1).to(dev))
             graphs = self.pr_rows.graphs
-            graph = "off" if graphs is None else graphs.last if self.pr_rows.in_graph else "eager"
-            for b, tree in zip(members, built):
-                trees[b], self.pr_graph[b] = tree, graph
-        return trees
+            ran = "off" if graphs is None else graphs.last if self.pr_rows.in_graph else "eager"
+            if self.pr_log:  # the trees, for the round log only
+                built = builder.unpack(packed.cpu(), kept, [seq_lens[b] for b in members])
+                for b, tree in zip(members, built):
+                    trees[b] = tree
+            for b in members:
+                graph[b] = ran
+        return (parent_list, top_scores_index, draft_tokens), summary.tolist(), graph, trees
 
-    def _count(self, rid: str, seq_len: int, tree, batch_size: int, kv_room, graph: str) -> None:
+    def _count(self, rid: str, seq_len: int, counts, tree, batch_size: int, kv_room, graph: str) -> None:
+        """A request's round: its counters (`counts` = recon_rows, recon_kept, repriced_kept) and, with a round log,
+        its line (`tree`: the round's tree)."""
         stats = self.pr_stats.setdefault(rid, {"rounds": 0, "recon_rows": 0, "recon_kept": 0, "repriced_kept": 0})
         stats["rounds"] += 1
-        stats["recon_rows"] += tree.recon_rows
-        stats["recon_kept"] += tree.recon_kept
-        stats["repriced_kept"] += tree.repriced_kept
+        for name, value in zip(("recon_rows", "recon_kept", "repriced_kept"), counts):
+            stats[name] += int(value)
         if self.pr_log:
             readouts = self.pr_rows.readouts if self.pr_rows is not None else "request"
             attention = self.pr_rows.attention if self.pr_rows is not None else "ours"
@@ -155,7 +176,7 @@ class PRDraftWorker(EagleDraftWorker):
                     "graph": graph,
                     "row_invariant": self.pr_row_invariant, "batch": batch_size, "kv_room": kv_room,
                     "tokens": tree.tokens(), "parents": tree.parents(),
-                    "recon_rows": tree.recon_rows, "recon_kept": tree.recon_kept, "repriced_kept": tree.repriced_kept}
+                    **{name: int(value) for name, value in zip(("recon_rows", "recon_kept", "repriced_kept"), counts)}}
             with open(self.pr_log, "a") as f:
                 f.write(json.dumps(line) + "\n")
 
@@ -168,28 +189,39 @@ class PRDraftWorker(EagleDraftWorker):
         draft_input = batch.spec_info
         bs, n, k = len(batch.reqs), shape.budget, shape.k
         width = 2 * k * (shape.kernel_steps() - 1) + 1
-        parent_list = torch.full((bs, width), -1, dtype=torch.long)
-        top_scores_index = torch.empty((bs, n), dtype=torch.long)
-        draft_tokens = torch.empty((bs, n), dtype=torch.long)
-        rows = self.req_to_token_pool.req_to_token[batch.req_pool_indices]
         seq_lens = batch.seq_lens.tolist()
         bonus = draft_input.bonus_tokens.tolist()
-        trees = self._batched_rounds(batch, draft_input, seq_lens, bonus) if self.pr_rows is not None else \
-            [self._round(req, rows[b, : seq_lens[b]].long(), int(bonus[b]), draft_input.hidden_states[b])
-             for b, req in enumerate(batch.reqs)]
-        graph = self.pr_graph if self.pr_rows is not None else ["off"] * len(trees)
-        for b, (req, tree) in enumerate(zip(batch.reqs, trees)):
+        if self.pr_rows is not None:
+            verify, summary, graph, trees = self._batched_rounds(batch, draft_input, seq_lens, bonus, width)
+            for b, req in enumerate(batch.reqs):
+                check_encoded(summary[b][:3], n, k, width)
+        else:
+            rows = self.req_to_token_pool.req_to_token[batch.req_pool_indices]
+            trees = [self._round(req, rows[b, : seq_lens[b]].long(), int(bonus[b]), draft_input.hidden_states[b])
+                     for b, req in enumerate(batch.reqs)]
+            verify, graph = self._encode(trees, width), ["off"] * bs
+            summary = [[0, 0, 0, t.recon_rows, t.recon_kept, t.repriced_kept] for t in trees]
+        for b, req in enumerate(batch.reqs):
+            allocated = getattr(req, "kv_allocated_len", None)  # the draft slots after the context, logged
+            self._count(req.rid, seq_lens[b], summary[b][3:], trees[b], bs,
+                        None if allocated is None else allocated - seq_lens[b], graph[b])
+        return self._verify_input(batch, draft_input, *verify, sum(seq_lens))
+
+    def _encode(self, trees, width: int):
+        """The `ours` path's trees, encoded on the host one by one (`encoding.encode_tree`)."""
+        n, k = self.pr_shape.budget, self.pr_shape.k
+        parent_list = torch.full((len(trees), width), -1, dtype=torch.long)
+        top_scores_index = torch.empty((len(trees), n), dtype=torch.long)
+        draft_tokens = torch.empty((len(trees), n), dtype=torch.long)
+        for b, tree in enumerate(trees):
             if len(tree.tokens()) != n + 1:
                 raise RuntimeError(f"PR_EAGLE3: a round kept {len(tree.tokens()) - 1} nodes, not B={n}")
-            allocated = getattr(req, "kv_allocated_len", None)  # the draft slots after the context, logged
-            self._count(req.rid, seq_lens[b], tree, len(batch.reqs), None if allocated is None else allocated - seq_lens[b],
-                        graph[b])
             parents, scores = encode_tree(tree.parents(), tree.via_recon_list, k, width)
             order = sorted(range(n), key=scores.__getitem__)
             parent_list[b] = torch.tensor(parents)
             top_scores_index[b] = torch.tensor([scores[i] for i in order])
             draft_tokens[b] = torch.tensor([tree.tokens()[i + 1] for i in order])
-        return self._verify_input(batch, draft_input, parent_list, top_scores_index, draft_tokens, sum(seq_lens))
+        return parent_list, top_scores_index, draft_tokens
 
     def _verify_input(self, batch, draft_input, parent_list, top_scores_index, draft_tokens,
                       seq_lens_sum: int) -> EagleVerifyInput:

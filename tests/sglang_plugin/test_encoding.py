@@ -63,3 +63,50 @@ def test_the_guaranteed_node_count_is_a_lower_bound_and_refuses_short_shapes():
     check_shape(PRServeShape(k=2, bw=2, m=1, gamma=3, budget=10))
     with pytest.raises(PRServeError, match="holds only 10 nodes for sure, fewer than B=11"):
         check_shape(PRServeShape(k=2, bw=2, m=1, gamma=3, budget=11))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"k{s.k}w{s.bw}m{s.m}g{s.gamma}B{s.budget}")
+def test_the_device_encoding_of_a_batch_equals_the_host_encoding_of_each_tree(models, shape):
+    """`encode_packed` (the `sglang` row path: every request's packed round at once, on its device, no host read)
+    gives each request the `encode_tree` input the host path gives, and its check passes, and `round_counts` its
+    tree's counters; a round short of B nodes,
+    or a node with too many children of a kind, is refused as on the host."""
+    from pr_specforge.serving.batched_tree import BatchedTreeBuilder, BatchRequest
+    from pr_specforge.serving.host_reads import NoHostReads
+    from pr_specforge.serving.tensor_tree import PACKED_ROWS, packed_nodes
+    from pr_specforge.sglang_plugin.encoding import check_encoded, encode_packed, round_counts
+
+    target, _, pr = models
+    width = 2 * shape.k * (shape.kernel_steps() - 1) + 1
+    recon = 0
+    for bias in (-2.0, 0.0):
+        eager_gate(pr, bias)
+        runs = [primed_runtime(pr, target, n=n, seed=s) for n, s in ((5, 1), (9, 2), (13, 3))]
+        builder = BatchedTreeBuilder(runs[0][0], shape.tree_config())
+        packed, kept = builder.build_packed([BatchRequest(rt, root, feat, torch.Generator().manual_seed(7 + i))
+                                             for i, (rt, root, feat) in enumerate(runs)])
+        with NoHostReads("encode_packed"):
+            parent_list, ids, tokens, check = encode_packed(packed, shape.budget, shape.k, width)
+        trees = builder.unpack(packed, kept, [rt.length for rt, _, _ in runs])
+        for b, tree in enumerate(trees):
+            parents, scores = encode_tree(tree.parents(), tree.via_recon_list, shape.k, width)
+            order = sorted(range(shape.budget), key=scores.__getitem__)
+            assert parent_list[b].tolist() == parents
+            assert ids[b].tolist() == [scores[i] for i in order]
+            assert tokens[b].tolist() == [tree.tokens()[i + 1] for i in order]
+            check_encoded(check[b].tolist(), shape.budget, shape.k, width)
+            assert round_counts(packed, shape.budget, shape.k)[b].tolist() == [tree.recon_rows, tree.recon_kept,
+                                                                               tree.repriced_kept]
+            recon += tree.recon_kept
+    if shape.budget >= 12:
+        assert recon > 0
+    short = packed.clone()
+    packed_nodes(short, shape.budget)[0, PACKED_ROWS.index("ok"), -1] = 0
+    with pytest.raises(RuntimeError, match=f"a round kept {shape.budget - 1} nodes, not B={shape.budget}"):
+        check_encoded(encode_packed(short, shape.budget, shape.k, width)[3][0].tolist(), shape.budget, shape.k, width)
+    crowded = packed.clone()
+    nodes = packed_nodes(crowded, shape.budget)[0]
+    nodes[PACKED_ROWS.index("parent"), 1:] = 0  # every node a one-pass child of the root
+    nodes[PACKED_ROWS.index("via"), 1:] = 0
+    with pytest.raises(ValueError, match=f"more than k={shape.k} children of one kind"):
+        check_encoded(encode_packed(crowded, shape.budget, shape.k, width)[3][0].tolist(), shape.budget, shape.k, width)
