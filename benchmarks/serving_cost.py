@@ -252,13 +252,18 @@ def run_shape(args, shape_name: str, prompts, work: str, log) -> Dict[str, dict]
 
 
 def served_readouts(log_path: str) -> dict:
-    """What the PR server said of its readouts at start-up (the worker's `PR_EAGLE3 readouts:` log line)."""
+    """What the PR server said at start-up (the worker's `READY_LINE`): its readouts, whether a row's readouts were
+    call-independent there, its rows' attention and round graph."""
     import re
 
-    found = re.search(r"PR_EAGLE3 readouts: (\w+); .* on this machine: (True|False)", open(log_path).read())
+    from pr_specforge.sglang_plugin.worker import READY_LINE
+
+    pattern = re.escape(READY_LINE).replace("%s", "(\\w+)")
+    found = re.search(pattern, open(log_path).read())
     if not found:
         raise RuntimeError(f"{log_path}: the PR_EAGLE3 server did not log its readouts")
-    return {"mode": found.group(1), "row_invariant": found.group(2) == "True"}
+    attention, mode, graph, same = found.groups()
+    return {"mode": mode, "row_invariant": same == "True", "attention": attention, "graph": graph}
 
 
 def main(argv=None) -> int:

@@ -62,6 +62,9 @@ from pr_specforge.sglang_plugin.rows import PoolContext, SGLangRows
 
 log = logging.getLogger(__name__)
 ROUND_LOG = "PR_EAGLE3_ROUND_LOG"
+#: the start-up line of the `sglang` row path (benchmarks/serving_cost.py reads it from the server's log)
+READY_LINE = ("PR_EAGLE3 rows' attention: %s; readouts: %s; round graph: %s; a row's readouts are the same bits in any "
+              "call on this machine: %s")
 
 
 class PRDraftWorker(EagleDraftWorker):
@@ -91,8 +94,7 @@ class PRDraftWorker(EagleDraftWorker):
                                       None if graph == "off" else RoundGraphs(graph),
                                       max(sizes) * (self.pr_shape.bw + self.pr_shape.m))
             self.pr_row_invariant = readouts_row_invariant(self.pr_rt)
-            log.info("PR_EAGLE3 rows' attention: %s; readouts: %s; round graph: %s; a row's readouts are the same bits "
-                     "in any call on this machine: %s", attention, self.pr_rows.readouts, graph, self.pr_row_invariant)
+            log.info(READY_LINE, attention, self.pr_rows.readouts, graph, self.pr_row_invariant)
         self.pr_layer_id = next(m.layer_id for m in self.draft_runner.model.modules() if isinstance(m, RadixAttention))
 
     def _builder(self, req):

@@ -61,9 +61,11 @@ def test_ratios_and_targets(bench):
 
 def test_the_pr_servers_readouts_are_read_from_its_log(bench, tmp_path):
     log = tmp_path / "paper-pr.log"
-    log.write_text("[t] PR_EAGLE3 draft worker ready\n[t] PR_EAGLE3 readouts: batched; a row's readouts are the same "
-                   "bits in any call on this machine: False\n")
-    assert bench.served_readouts(str(log)) == {"mode": "batched", "row_invariant": False}
+    from pr_specforge.sglang_plugin.worker import READY_LINE
+
+    log.write_text("[t] PR_EAGLE3 draft worker ready\n[t] " + READY_LINE % ("triton", "batched", "capture", False) + "\n")
+    assert bench.served_readouts(str(log)) == {"mode": "batched", "row_invariant": False, "attention": "triton",
+                                               "graph": "capture"}
     log.write_text("[t] PR_EAGLE3 draft worker ready\n")
     with pytest.raises(RuntimeError, match="paper-pr.log: the PR_EAGLE3 server did not log its readouts"):
         bench.served_readouts(str(log))

@@ -23,7 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.export.conftest import ENV
-from tests.sglang_live.conftest import _free_port, assert_round_times, greedy
+from tests.helpers import load_benchmark
+from tests.sglang_live.conftest import LIVE_CUDA_GRAPH, LIVE_DEVICE, _free_port, assert_round_times, greedy
 from tests.sglang_live.pr_eagle3 import MAX_NEW, Ours, Shape, assert_same, generate, pr_server, round_log, served_counts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -92,6 +93,16 @@ def test_four_concurrent_requests_give_what_four_sequential_ones_gave(live_run, 
     assert all(r["rows"] == "sglang" and r["readouts"] == "batched" and isinstance(r["row_invariant"], bool)
                for r in mine)
     assert max(r["batch"] for r in mine) == 4
+
+
+def test_the_benchmark_reads_the_servers_start_up_line(server):
+    """What benchmarks/serving_cost.py reads of a PR server's start-up, read from this server's own log."""
+    _, rounds = server
+    said = load_benchmark("serving_cost").served_readouts(str(rounds.parent / "server.log"))
+    on_cuda = LIVE_DEVICE == "cuda"
+    assert isinstance(said.pop("row_invariant"), bool)
+    assert said == {"mode": "batched", "attention": "triton" if on_cuda else "torch_native",
+                    "graph": "capture" if on_cuda and LIVE_CUDA_GRAPH else "off"}
 
 
 def test_a_radix_cache_hit_gives_the_same_result(live_run, server, sequential):
