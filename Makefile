@@ -13,7 +13,7 @@ setup:
 run: setup
 	.venv/bin/pr-specforge run $(ARGS)
 
-# The test suite (CPU, tiny random models, serial; 14 min of tests on 2 quiet cores at 110fe3f, 853 s).
+# The test suite (CPU, tiny random models, serial; 16 min of tests on 2 quiet cores at ae1b7c1, 933 s).
 test: setup
 	.venv/bin/python -m pytest -q tests $(ARGS)
 
