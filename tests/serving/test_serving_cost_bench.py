@@ -48,6 +48,12 @@ def test_ratios_and_targets(bench):
     assert r["m3_floor_over_m0_floor"] == pytest.approx(1.08 / 0.92)
     assert r["target_m3_within_0.05_of_floor_ratio"] == (1.20 / 1.04 <= 1.08 / 0.92 + 0.05)
     assert not bench.ratios(cells, gpu=True)["target_m3_within_1.05_of_m0"]
+    assert "m0_over_eagle3_per_target" not in r  # no target compute timed: no per-target ratio
+    slow = dict(cells, eagle3=dict(cells["eagle3"], target_compute_s=0.6), pr_m0=dict(cells["pr_m0"], target_compute_s=0.65))
+    per = bench.ratios(slow, gpu=False)  # m0's server ran its target forward 8% slower: per forward, 0.96x
+    assert per["m0_over_eagle3_per_target"] == pytest.approx((1.04 / 0.65) / (1.0 / 0.6))
+    assert per["target_m0_within_1.05_of_eagle3_per_target"]
+    assert bench.per_target(per) == "0.960 (met)" and bench.per_target(r) == "-"
     result = {"machine": "m", "dtype": "float32", "commit": "c", "date": "d", "cpu": "cpu", "threads": 2,
               "target_name": "t", "draft_name": "p", "max_new": 8, "repeats": 1, "command": "python x",
               "cells": {"paper/1": {"ways": {w: dict(c, verify_s=0.1, extend_s=0.01, tau=1.5, tokens_per_s=3.0)
