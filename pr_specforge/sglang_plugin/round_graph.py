@@ -1,4 +1,4 @@
-"""The PR round as ONE captured CUDA graph per (tree shape, batch size): `PR_EAGLE3_ROUND_GRAPH`.
+"""The PR round as ONE captured CUDA graph per (tree shape, batch size, context bucket): `PR_EAGLE3_ROUND_GRAPH`.
 
 What is captured. `serving.batched_tree.BatchedTreeBuilder._body`: the root's readouts, every draft step (its rows
 through SGLang's draft model, `rows.SGLangRows.step`: the rows' KV-slot lists, the attention, the readouts and the
@@ -13,7 +13,7 @@ The switch, read once at start-up (`mode`):
   * `on` - capture on CUDA; on any other device (this CPU) no capture is possible, and the round runs the captured
     path's fixed buffers and metadata eagerly under `NoHostReads` (`guard`): what the capture would record, checked;
   * `off` - the round as it was, eager, its buffers sized to the round.
-Which rounds: each (B_w, m, batch size) whose batch is at most SGLang's largest decode graph
+Which rounds: each (B_w, m, batch size, context bucket: `rows.context_bucket`) whose batch is at most SGLang's largest decode graph
 (`cuda_graph_config.decode.bs`; in `guard`, the request pool's size) and whose rows fit the attention's fixed
 buffers (sized for the server's B_w + m), captured at its first round (a warm-up run under `NoHostReads` on a side
 stream first: Triton compiles there, and a host read is refused in one line). Any other round, or a key whose

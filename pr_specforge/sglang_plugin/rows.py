@@ -18,8 +18,9 @@ Owns:
     them request by request (`tensor_tree.step_readouts`), as the per-request builder does.
 
 Captured rounds (`round_graph`, `PR_EAGLE3_ROUND_GRAPH`). A round whose step rows fit `graph_rows` runs on fixed
-buffers, one set per B_w, m and batch size: the requests' whole `req_to_token` rows (so a list's context part has
-the table's width, its tail past `kv_indptr[-1]` unread), their context lengths and tree-row slots, the
+buffers, one set (and one graph) per B_w, m, batch size and context bucket (`context_bucket`: the next power of two
+of the longest context, so a list's context part has that width, its tail past `kv_indptr[-1]` unread): the
+requests' `req_to_token` rows to that width, their context lengths and tree-row slots, the
 reconsideration rows' places and a `ForwardBatch` built once; each step plans the attention with the backend's
 captured-decode metadata (`init_forward_metadata_out_graph(in_capture=True)`: the lists as they are, fixed work
 buffers), and `run` hands the body to `RoundGraphs` (replayed from a CUDA graph, or guarded on a CPU).
@@ -86,6 +87,19 @@ def row_attention_mode() -> str:
     return env_mode(ATTENTION_ENV, ROW_ATTENTIONS, "auto")
 
 
+CONTEXT_BUCKET_MIN = 128
+
+
+def context_bucket(longest: int, cap: int) -> int:
+    """The context width of a captured round whose longest context before the root is `longest`: the next power of
+    two (at least `CONTEXT_BUCKET_MIN`), at most `cap` (the `req_to_token` table's width). A step's lists take
+    `rows x (width + tree rows)` entries, so a width of the whole table would cost a long-context model gigabytes."""
+    width = CONTEXT_BUCKET_MIN
+    while width < longest:
+        width *= 2
+    return min(width, cap)
+
+
 @dataclass
 class PoolContext:
     """A request's drafter context in SGLang's draft KV pool; `length` = its rows (the root is the last)."""
@@ -129,43 +143,43 @@ class SGLangRows(RuntimeRows):
         ctx_len = torch.tensor([c.length - 1 for c in ctxs], device=dev)
         b, p = len(ctxs), tb.per_step
         self.in_graph = self.graphs is not None and b * p <= self.graph_rows
-        if self.in_graph:  # the fixed buffers of this B_w, m and batch size; the whole table's width
-            f = self.fixed.get(self._key(tb, b)) or self.fixed.setdefault(self._key(tb, b), self._fixed(tb, b, table))
-            f.ctx_slots.copy_(table)
+        cols = ctx_len[:, None] + torch.arange(tb.n_rows, device=dev)
+        longest = max(c.length - 1 for c in ctxs)
+        if self.in_graph:  # the fixed buffers of this B_w, m, batch size and context bucket
+            width = context_bucket(longest, table.shape[1])
+            self.graph_key = f"B_w {tb.bw}, m {tb.m}, batch {b}, context <= {width}"
+            f = self.fixed.get(self.graph_key) or self.fixed.setdefault(self.graph_key, self._fixed(tb, b, width))
+            f.ctx_slots.copy_(table[:, :width])
             f.ctx_len.copy_(ctx_len)
-            torch.gather(f.ctx_slots, 1, f.ctx_len[:, None] + torch.arange(tb.n_rows, device=dev), out=f.row_slots)
+            f.row_slots.copy_(table.gather(1, cols))
             self.ctx_slots, self.ctx_len, self.row_slots = f.ctx_slots, f.ctx_len, f.row_slots
             self.recon_index, self.fb, self.spec = f.recon_index, f.fb, f.spec
             return
         self.ctx_len = ctx_len
-        self.ctx_slots = table[:, : max(c.length - 1 for c in ctxs)].long()
-        cols = self.ctx_len[:, None] + torch.arange(tb.n_rows, device=dev)
+        self.ctx_slots = table[:, :longest].long()
         self.row_slots = table.gather(1, cols).long()
         self.recon_index = self._recon_index(tb, b)
         self.fb, self.spec = self._forward_batch(b * p)
-
-    @staticmethod
-    def _key(tb: TreeShape, b: int) -> str:
-        return f"B_w {tb.bw}, m {tb.m}, batch {b}"
 
     def _recon_index(self, tb: TreeShape, b: int) -> torch.Tensor:
         """The reconsideration rows' places among a step's `b (B_w + m)` rows (request-major)."""
         dev, p = self.rt.device, tb.per_step
         return (torch.arange(b, device=dev)[:, None] * p + torch.arange(tb.bw, p, device=dev)).reshape(-1)
 
-    def _fixed(self, tb: TreeShape, b: int, table: torch.Tensor) -> SimpleNamespace:
-        """A captured round's fixed buffers: its requests' slot tables, context lengths and tree-row slots, the
-        reconsideration rows' places, and its `ForwardBatch` (built once, from the first such round)."""
+    def _fixed(self, tb: TreeShape, b: int, width: int) -> SimpleNamespace:
+        """A captured round's fixed buffers: its requests' context slots (`width` columns), context lengths and
+        tree-row slots, the reconsideration rows' places, and its `ForwardBatch` (built once, from the first such
+        round)."""
         dev = self.rt.device
         fb, spec = self._forward_batch(b * tb.per_step)
-        return SimpleNamespace(ctx_slots=torch.zeros(table.shape, dtype=torch.long, device=dev),
+        return SimpleNamespace(ctx_slots=torch.zeros(b, width, dtype=torch.long, device=dev),
                                ctx_len=torch.zeros(b, dtype=torch.long, device=dev),
                                row_slots=torch.zeros(b, tb.n_rows, dtype=torch.long, device=dev),
                                recon_index=self._recon_index(tb, b), fb=fb, spec=spec)
 
     def run(self, tb: TreeShape, size: int, body):
         """The round's device part: through `graphs` (replayed or guarded) where `begin` put it on fixed buffers."""
-        return self.graphs.run(self._key(tb, size), body) if self.in_graph else body()
+        return self.graphs.run(self.graph_key, body) if self.in_graph else body()
 
     def _forward_batch(self, n: int):
         """A DECODE `ForwardBatch` of `n` rows over the round's requests (SGLang's own constructor); the steps fill it."""

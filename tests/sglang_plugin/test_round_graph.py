@@ -146,3 +146,13 @@ def test_a_round_that_cannot_be_captured_runs_eagerly_once_logged(caplog):
     assert graphs.last == "eager" and graphs.graphs == {"B_w 2, m 1, batch 1": None}
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "runs eagerly, its capture failed" in warnings[0] and "\n" not in warnings[0]
+
+
+def test_a_captured_rounds_context_width_is_a_power_of_two_bucket_within_the_table():
+    """A captured round's lists are `rows x (width + tree rows)` entries: the width follows the longest context in
+    powers of two (one graph per bucket), never the whole table's width unless the context needs it."""
+    from pr_specforge.sglang_plugin.rows import context_bucket
+
+    assert [context_bucket(n, 131072) for n in (0, 1, 128, 129, 1000, 4096, 4097)] == [128, 128, 128, 256, 1024,
+                                                                                         4096, 8192]
+    assert context_bucket(5000, 4608) == 4608 and context_bucket(10, 64) == 64
