@@ -532,17 +532,23 @@ def packed_nodes(packed: torch.Tensor, budget: int) -> torch.Tensor:
     return packed[:, : len(PACKED_ROWS) * b1].view(packed.shape[0], len(PACKED_ROWS), b1)
 
 
+def packed_counts(packed: torch.Tensor, budget: int, k: int) -> torch.Tensor:
+    """The counts of packed rounds `[b, L]` (`_counts`: reconsideration rows, steps that forwarded a row, halts per
+    depth), a view `[b, 2 + R + 1]` after the node rows and the one-pass children."""
+    return packed[:, (len(PACKED_ROWS) + k) * (budget + 1):]
+
+
 def unpack_round(host: torch.Tensor, mask: torch.Tensor, root_position: int, budget: int, k: int) -> TensorDraftTree:
     """A round's host vector (`_pack`'s layout) and its ancestor mask as a `TensorDraftTree`."""
-    b1 = budget + 1
-    cols = host[: 11 * b1].view(11, b1)
+    b1, rows = budget + 1, len(PACKED_ROWS)
+    cols = packed_nodes(host[None], budget)[0]
     n = int(cols[0].sum())
     vals = cols[:, :n].tolist()
     ok, slots, tokens, depths, parents, via, repriced, by_score, fwd = vals[:9]
     top1 = cols[9, :n].view(torch.float64).tolist()
     scores = cols[10, :n].view(torch.float64).tolist()
-    onepass = host[11 * b1 : 11 * b1 + b1 * k].view(b1, k)[:n].tolist()
-    counts = host[11 * b1 + b1 * k :].tolist()
+    onepass = host[rows * b1 : (rows + k) * b1].view(b1, k)[:n].tolist()
+    counts = packed_counts(host[None], budget, k)[0].tolist()
     children: List[List[int]] = [[] for _ in range(n)]
     for j in by_score[:n]:
         if j < n and parents[j] >= 0:

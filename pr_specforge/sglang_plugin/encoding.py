@@ -18,7 +18,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from pr_specforge.serving.tensor_tree import PACKED_ROWS, packed_nodes
+from pr_specforge.serving.tensor_tree import PACKED_ROWS, packed_counts, packed_nodes
 
 
 def encode_tree(parents: Sequence[int], via_recon: Sequence[bool], k: int, width: int) -> Tuple[List[int], List[int]]:
@@ -81,7 +81,7 @@ def round_counts(packed: torch.Tensor, budget: int, k: int) -> torch.Tensor:
     reconsideration, kept nodes repriced by Eq. 9 (a `TensorDraftTree`'s `recon_rows`, `recon_kept`, `repriced_kept`)."""
     nodes = packed_nodes(packed, budget)
     ok = nodes[:, PACKED_ROWS.index("ok")]
-    counts = packed[:, len(PACKED_ROWS) * (budget + 1) + (budget + 1) * k:]
+    counts = packed_counts(packed, budget, k)
     via, repriced = nodes[:, PACKED_ROWS.index("via")], nodes[:, PACKED_ROWS.index("repriced")]
     return torch.stack([counts[:, 0], (via * ok).sum(1), (repriced * ok).sum(1)], 1)
 

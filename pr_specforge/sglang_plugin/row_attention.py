@@ -120,16 +120,14 @@ def attend_lists(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, inde
 class RowListAttnBackend(TorchNativeAttnBackend):
     """torch_native with a decode over `spec_info.kv_indptr / kv_indices` (see the module doc)."""
 
-    def init_forward_metadata(self, forward_batch) -> None:
+    def init_forward_metadata(self, forward_batch, fixed: bool = False) -> None:
         super().init_forward_metadata(forward_batch)
         spec = forward_batch.spec_info
-        self.plan = gather_plan(spec.kv_indptr, spec.kv_indices)
+        self.plan = gather_plan(spec.kv_indptr, spec.kv_indices, fixed)
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = True) -> None:
         """The metadata of a captured round (`TritonAttnBackend`'s name): the plan at the lists' fixed width."""
-        super().init_forward_metadata(forward_batch)
-        spec = forward_batch.spec_info
-        self.plan = gather_plan(spec.kv_indptr, spec.kv_indices, fixed=True)
+        self.init_forward_metadata(forward_batch, fixed=True)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         from sglang.srt.mem_cache.memory_pool import KVWriteLoc

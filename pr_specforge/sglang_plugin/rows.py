@@ -120,7 +120,7 @@ class SGLangRows(RuntimeRows):
         self.backend = row_backend(draft_runner, attention)
         self.batch = self.draft_input = None
         # `round_graph`: rounds whose B_w + m rows of every request fit `graph_rows` rows per step run on fixed
-        # buffers (`self.fixed`, one set per B_w, m and batch size), captured or guarded by `graphs`
+        # buffers (`self.fixed`, one set per B_w, m, batch size and context bucket), captured or guarded by `graphs`
         self.graphs, self.graph_rows, self.fixed, self.in_graph = graphs, graph_rows, {}, False
         if graphs is not None and attention == "triton":  # the decode's fixed work buffers; SGLang's own slot table
             # buffer is not used (the lists are the rows'), so it gets one entry

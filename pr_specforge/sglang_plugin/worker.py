@@ -16,7 +16,7 @@ where SGLang's runner can run the rows):
     (`rows.SGLangRows`, the draft model `draft_model.PRDraftModel`, the attention over explicit KV-slot lists
     that `PR_EAGLE3_ROW_ATTENTION` picks: `row_attention.RowListAttnBackend` on a CPU, SGLang's
     `TritonAttnBackend` on CUDA); the context stays in SGLang's pool.
-    The round's device part runs as one CUDA graph per (B_w, m, batch size) where `PR_EAGLE3_ROUND_GRAPH` says
+    The round's device part runs as one CUDA graph per (B_w, m, batch size, context bucket) where `PR_EAGLE3_ROUND_GRAPH` says
     (`round_graph`: on CUDA with SGLang's decode graphs on by default; `on` on a CPU runs it under a host-read guard).
     Its kept trees are encoded on the device for every request at once (`encoding.encode_packed`), and the host
     reads six numbers per request (the encoding's check and the counters; the trees too with a round log).
@@ -62,6 +62,7 @@ from pr_specforge.sglang_plugin.rows import PoolContext, SGLangRows
 
 log = logging.getLogger(__name__)
 ROUND_LOG = "PR_EAGLE3_ROUND_LOG"
+COUNTERS = ("recon_rows", "recon_kept", "repriced_kept")  # a request's per-round counters, summed on the worker
 #: the start-up line of the `sglang` row path (benchmarks/serving_cost.py reads it from the server's log)
 READY_LINE = ("PR_EAGLE3 rows' attention: %s; readouts: %s; round graph: %s; a row's readouts are the same bits in any "
               "call on this machine: %s")
@@ -167,9 +168,9 @@ class PRDraftWorker(EagleDraftWorker):
     def _count(self, rid: str, seq_len: int, counts, tree, batch_size: int, kv_room, graph: str) -> None:
         """A request's round: its counters (`counts` = recon_rows, recon_kept, repriced_kept) and, with a round log,
         its line (`tree`: the round's tree)."""
-        stats = self.pr_stats.setdefault(rid, {"rounds": 0, "recon_rows": 0, "recon_kept": 0, "repriced_kept": 0})
+        stats = self.pr_stats.setdefault(rid, dict.fromkeys(("rounds",) + COUNTERS, 0))
         stats["rounds"] += 1
-        for name, value in zip(("recon_rows", "recon_kept", "repriced_kept"), counts):
+        for name, value in zip(COUNTERS, counts):
             stats[name] += int(value)
         if self.pr_log:
             readouts = self.pr_rows.readouts if self.pr_rows is not None else "request"
@@ -178,7 +179,7 @@ class PRDraftWorker(EagleDraftWorker):
                     "graph": graph,
                     "row_invariant": self.pr_row_invariant, "batch": batch_size, "kv_room": kv_room,
                     "tokens": tree.tokens(), "parents": tree.parents(),
-                    **{name: int(value) for name, value in zip(("recon_rows", "recon_kept", "repriced_kept"), counts)}}
+                    **{name: int(value) for name, value in zip(COUNTERS, counts)}}
             with open(self.pr_log, "a") as f:
                 f.write(json.dumps(line) + "\n")
 
@@ -195,17 +196,18 @@ class PRDraftWorker(EagleDraftWorker):
         bonus = draft_input.bonus_tokens.tolist()
         if self.pr_rows is not None:
             verify, summary, graph, trees = self._batched_rounds(batch, draft_input, seq_lens, bonus, width)
-            for b, req in enumerate(batch.reqs):
-                check_encoded(summary[b][:3], n, k, width)
+            for s in summary:
+                check_encoded(s[:3], n, k, width)
+            counts = [s[3:] for s in summary]
         else:
             rows = self.req_to_token_pool.req_to_token[batch.req_pool_indices]
             trees = [self._round(req, rows[b, : seq_lens[b]].long(), int(bonus[b]), draft_input.hidden_states[b])
                      for b, req in enumerate(batch.reqs)]
             verify, graph = self._encode(trees, width), ["off"] * bs
-            summary = [[0, 0, 0, t.recon_rows, t.recon_kept, t.repriced_kept] for t in trees]
+            counts = [[getattr(t, name) for name in COUNTERS] for t in trees]
         for b, req in enumerate(batch.reqs):
             allocated = getattr(req, "kv_allocated_len", None)  # the draft slots after the context, logged
-            self._count(req.rid, seq_lens[b], summary[b][3:], trees[b], bs,
+            self._count(req.rid, seq_lens[b], counts[b], trees[b], bs,
                         None if allocated is None else allocated - seq_lens[b], graph[b])
         return self._verify_input(batch, draft_input, *verify, sum(seq_lens))
 
