@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -69,7 +69,7 @@ class BatchRequest:
     """One request's part of a round. `generator` drives its admissions and halts (keep one per request)."""
 
     rt: DrafterRuntime
-    root_token: int
+    root_token: Union[int, torch.Tensor]  # a 0-d tensor (on the device: no host read) or a number
     root_feature: torch.Tensor
     generator: Optional[torch.Generator] = None
 
@@ -101,6 +101,10 @@ class RuntimeRows:
             rt.reserve(ctx + tb.n_rows)
             self.ctx.append(ctx)
             self.masks.append(torch.zeros((tb.n_rows, ctx + tb.n_rows), device=rt.device, dtype=rt.dtype))
+
+    def root_positions(self) -> torch.Tensor:
+        """The round's root positions `[b, 1]` (a request's last context row), from `begin`'s requests."""
+        return torch.tensor([[ctx] for ctx in self.ctx])
 
     def run(self, tb: TreeShape, size: int, body):
         """The round's device part for `size` requests, `body()` -> (packed result, kept nodes): run here as it
@@ -202,7 +206,7 @@ class BatchedTreeBuilder(TreeShape):
         rts = [self._check(i, req) for i, req in enumerate(requests)]
         x = self._batches.get(len(requests)) or self._batches.setdefault(len(requests), _Batch(self, len(requests)))
         self.rows.begin(self, rts)
-        self._load(x, requests, rts)
+        self._load(x, requests)
         return self.rows.run(self, x.size, lambda: self._body(x))
 
     def unpack(self, host: torch.Tensor, kept: torch.Tensor, lengths: Sequence[int],
@@ -217,11 +221,12 @@ class BatchedTreeBuilder(TreeShape):
             trees.append(tree)
         return trees
 
-    def _load(self, x: _Batch, requests: Sequence[BatchRequest], rts: Sequence[DrafterRuntime]) -> None:
-        """The round's host inputs into the batch's fixed buffers: root tokens, features and positions, uniforms."""
-        x.root_tok.copy_(torch.tensor([int(req.root_token) for req in requests]))
+    def _load(self, x: _Batch, requests: Sequence[BatchRequest]) -> None:
+        """The round's inputs into the batch's fixed buffers: root tokens, features and positions (`rows`), uniforms;
+        copies only (no host read where the tokens and positions are on the device)."""
+        x.root_tok.copy_(torch.stack([torch.as_tensor(req.root_token).reshape(()) for req in requests]))
         x.row_feat[:, 0] = torch.stack([req.root_feature.reshape(-1) for req in requests]).to(self.rt.dtype)
-        x.root_pos.copy_(torch.tensor([[rt.length - 1] for rt in rts]))
+        x.root_pos.copy_(self.rows.root_positions())
         if self.pool_on:
             u = torch.stack([round_uniforms(uniform_count(self.cfg), req.generator) for req in requests])
             x.u[:, : self.n_rows].copy_(u, non_blocking=True)

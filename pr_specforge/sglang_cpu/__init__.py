@@ -5,7 +5,8 @@ Not imported by `import pr_specforge`. `child_env()` is the environment under wh
 (or `sglang.Engine`) runs EAGLE-3 on a CPU: the bridge's import hook (`bridge.install`,
 via `site/sitecustomize.py`, inherited by SGLang's subprocesses), `SGLANG_USE_CPU_ENGINE=1`,
 `SGLANG_NATIVE_MOVE_KV_CACHE=1` and `TRITON_INTERPRET=1`. The server itself also needs
-`--disable-cuda-graph --disable-overlap-schedule` (`SERVER_FLAGS`), and `--sleep-on-idle` keeps an idle
+`--disable-cuda-graph`; `SERVER_FLAGS` also turn the overlap schedule off (it runs through the bridge too, but
+nothing overlaps on a CPU and the benchmarks compare synchronous rounds), and `--sleep-on-idle` keeps an idle
 scheduler from spinning a whole core (it waits on its sockets instead; measured: an idle server held ~95%
 of one of this machine's two cores without it).
 What is patched and why: `bridge`.

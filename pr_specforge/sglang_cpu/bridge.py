@@ -27,6 +27,9 @@ speculative.triton_ops.cache_locs                     torch gathers/scatters: `a
                                                         `assign_draft_cache_locs_contiguous[grid](...)`
 speculative.eagle_utils.build_tree_kernel_efficient   `tree.build_tree`
 speculative.eagle_utils.verify_tree_greedy_func       `tree.verify_tree_greedy`
+managers.overlap_utils.FutureMap                      the original, with `Tensor.record_stream` a no-op for the
+  ._resolve_spec_extras                                 call (the overlap schedule's one CUDA-stream call; a CPU
+                                                        tensor has no stream to be kept alive on)
 ====================================================  =========================================================
 
 Greedy verification only (temperature 0): SGLang's sampling verify needs sgl-kernel.
@@ -209,6 +212,30 @@ def _patch_cache_locs(mod) -> None:
     mod.assign_draft_cache_locs_contiguous = DraftCacheLocs()
 
 
+@contextlib.contextmanager
+def _no_record_stream():
+    """`Tensor.record_stream` a no-op for the call: a CPU tensor has no streams to keep it alive on (the call
+    raises `unknown parameter type` on a CPU tensor, and a CPU stream has no kernel for it)."""
+    import torch
+
+    saved = torch.Tensor.record_stream
+    torch.Tensor.record_stream = lambda self, stream: None
+    try:
+        yield
+    finally:
+        torch.Tensor.record_stream = saved
+
+
+def _patch_overlap_utils(mod) -> None:
+    original = mod.FutureMap._resolve_spec_extras
+
+    def resolve_spec_extras(self, batch):
+        with _no_record_stream():
+            return original(self, batch)
+
+    mod.FutureMap._resolve_spec_extras = resolve_spec_extras
+
+
 def _patch_eagle_utils(mod) -> None:
     from pr_specforge.sglang_cpu.tree import build_tree, verify_tree_greedy
 
@@ -224,6 +251,7 @@ PATCHES: Dict[str, Callable] = {
     "sglang.srt.speculative.draft_utils": _patch_draft_factory,
     "sglang.srt.speculative.triton_ops.cache_locs": _patch_cache_locs,
     "sglang.srt.speculative.eagle_utils": _patch_eagle_utils,
+    "sglang.srt.managers.overlap_utils": _patch_overlap_utils,
 }
 
 

@@ -51,6 +51,7 @@ def post(port: int, path: str, body: dict, timeout: float = 600) -> dict:
 
 
 DEVICES = ("cpu", "cuda")
+OVERLAP_OFF = "--disable-overlap-schedule"
 #: a GPU launch: SGLang's Triton attention (the backend PR_EAGLE3's rows use there too), no overlap schedule
 #: (PR_EAGLE3 drafts synchronously; EAGLE3 gets the same so the two compare), idle schedulers asleep
 GPU_SERVER_FLAGS = ("--device", "cuda", "--attention-backend", "triton", "--disable-overlap-schedule", "--sleep-on-idle")
@@ -63,15 +64,18 @@ def check_device(device: str) -> str:
 
 
 def launch_command(model: str, port: int, *args: str, dtype: str = "float32", max_total_tokens: int = 4096,
-                   device: str = "cpu", cuda_graph: bool = False):
+                   device: str = "cpu", cuda_graph: bool = False, overlap: bool = False):
     """`launch_server` for `model` on 127.0.0.1:`port` with extra `args`: on `cpu` the CPU bridge's `SERVER_FLAGS`
-    (no graphs), on `cuda` `GPU_SERVER_FLAGS` and SGLang's CUDA graphs when `cuda_graph`."""
+    (no graphs), on `cuda` `GPU_SERVER_FLAGS` and SGLang's CUDA graphs when `cuda_graph`; with `overlap`, SGLang's
+    overlap schedule (its default; both flag sets turn it off)."""
     from pr_specforge.sglang_cpu import SERVER_FLAGS
 
     if check_device(device) == "cpu":
         flags = SERVER_FLAGS
     else:
         flags = GPU_SERVER_FLAGS + (() if cuda_graph else ("--disable-cuda-graph",))
+    if overlap:
+        flags = tuple(f for f in flags if f != OVERLAP_OFF)
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--dtype", dtype, *flags,
             "--host", "127.0.0.1", "--port", str(port), "--max-total-tokens", str(max_total_tokens), *args]
 

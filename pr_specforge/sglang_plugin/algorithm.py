@@ -72,4 +72,4 @@ def register_algorithm() -> None:
 
     if get_spec(ALGORITHM) is not None:
         return
-    SpeculativeAlgorithm.register(ALGORITHM, supports_overlap=False, spec_class=_spec_class())(_worker_class)
+    SpeculativeAlgorithm.register(ALGORITHM, supports_overlap=True, spec_class=_spec_class())(_worker_class)

@@ -114,8 +114,6 @@ def check_parallel_and_paging(server_args) -> None:
                            f"got {server_args.speculative_eagle_topk}")
     if int(server_args.page_size or 1) > 1:
         raise PRServeError(f"{ALGORITHM} needs --page-size 1, got {server_args.page_size}")
-    if not server_args.disable_overlap_schedule:
-        raise PRServeError(f"{ALGORITHM} drafts synchronously: pass --disable-overlap-schedule")
     if getattr(server_args, "speculative_adaptive", False):
         raise PRServeError(f"{ALGORITHM} has a fixed tree shape: --speculative-adaptive is not supported")
     if draft_attention_backend(server_args) == "fa3":
@@ -134,10 +132,18 @@ def draft_attention_backend(server_args) -> Optional[str]:
     return None
 
 
-def rows_room(shape: "PRServeShape") -> int:
-    """Draft KV slots after the context a decode reserves per request (`2 max(gamma k, B + 1)`, `mem_cache/common.py`;
-    `req.kv_allocated_len - seq_len` at draft time, the round log's `kv_room`)."""
-    return 2 * max(shape.gamma * shape.k, shape.budget + 1)
+def rows_room(shape: "PRServeShape", overlap: bool = False) -> int:
+    """Draft KV slots after the context a decode reserves per request, at least, at draft time
+    (`req.kv_allocated_len - seq_len`, the round log's `kv_room`): `2 max(gamma k, B + 1)` (`mem_cache/common.py`),
+    less `gamma + 1` under the overlap schedule, where the reservation is made from a committed length that lags
+    the last verify by up to gamma + 1 tokens (`speculative/eagle_info_v2.py`; measured: 2A - gamma at the least)."""
+    room = 2 * max(shape.gamma * shape.k, shape.budget + 1)
+    return room - (shape.gamma + 1) if overlap else room
+
+
+def overlap_on(server_args) -> bool:
+    """Whether SGLang runs the overlap schedule (its default)."""
+    return not getattr(server_args, "disable_overlap_schedule", False)
 
 
 def tree_rows(shape: "PRServeShape") -> int:
@@ -145,7 +151,7 @@ def tree_rows(shape: "PRServeShape") -> int:
     return (shape.gamma - 1) * (shape.bw + shape.m)
 
 
-def check_rows(shape: "PRServeShape", export_config: Dict) -> str:
+def check_rows(shape: "PRServeShape", export_config: Dict, overlap: bool = False) -> str:
     """The row path (`PR_EAGLE3_ROWS`): as set, else `sglang` where SGLang's draft model runner can run the rows
     and `ours` where it cannot (a drafter with a reconsideration adapter; rows that outgrow `rows_room`). Set to
     `sglang` where it cannot: refused in one line."""
@@ -159,9 +165,10 @@ def check_rows(shape: "PRServeShape", export_config: Dict) -> str:
     problem = None
     if int((export_config.get(PR_CONFIG_KEY) or {}).get("recon_adapter_rank") or 0) > 0:
         problem = "does not run a drafter with a reconsideration adapter (pr.recon_adapter_rank > 0)"
-    elif tree_rows(shape) > rows_room(shape):
-        problem = (f"a round's {tree_rows(shape)} tree rows ((gamma - 1)(B_w + m)) exceed the {rows_room(shape)} draft "
-                   "KV slots SGLang reserves per decode; lower B_w or m")
+    elif tree_rows(shape) > rows_room(shape, overlap):
+        problem = (f"a round's {tree_rows(shape)} tree rows ((gamma - 1)(B_w + m)) exceed the {rows_room(shape, overlap)} "
+                   "draft KV slots SGLang reserves per decode" + (" under the overlap schedule" if overlap else "") +
+                   "; lower B_w or m")
     if problem and mode == "sglang":
         raise PRServeError(f"{ALGORITHM}: {ROWS_ENV}=sglang: {problem}, or use {ROWS_ENV}=ours")
     return mode or ("ours" if problem else "sglang")
@@ -170,7 +177,7 @@ def check_rows(shape: "PRServeShape", export_config: Dict) -> str:
 def rows_for(server_args) -> str:
     """`check_rows` of a launch (the worker asks before SGLang loads the draft model)."""
     export_config = read_export_config(server_args.speculative_draft_model_path)
-    return check_rows(serve_shape(server_args, export_config), export_config)
+    return check_rows(serve_shape(server_args, export_config), export_config, overlap_on(server_args))
 
 
 def check_shape(shape: PRServeShape) -> None:
@@ -251,7 +258,7 @@ def check_export_and_shape(server_args) -> PRServeShape:
     shape = serve_shape(server_args, export_config)
     check_shape(shape)
     check_drafter(server_args.speculative_draft_model_path, export_config)
-    check_rows(shape, export_config)
+    check_rows(shape, export_config, overlap_on(server_args))
     check_readouts()
     check_row_attention()
     check_round_graph()

@@ -102,12 +102,15 @@ def context_bucket(longest: int, cap: int) -> int:
 
 @dataclass
 class PoolContext:
-    """A request's drafter context in SGLang's draft KV pool; `length` = its rows (the root is the last)."""
+    """A request's drafter context in SGLang's draft KV pool: its `req_to_token` row, and its rows (the root is the
+    last) twice: `on_device`, the exact count as a 0-d tensor on the device (what the round reads: `batch.seq_lens`,
+    which SGLang's overlap schedule resolves on the device), and `length`, an upper bound the host knows without
+    reading the device (the request's allocated slots, `req.kv_allocated_len`), which sizes the context lists."""
 
     drafter: torch.nn.Module
     length: int
     req_pool_index: int
-    allocated: Optional[int] = None  # `req.kv_allocated_len`: the slots of its row that are its own
+    on_device: torch.Tensor
 
 
 class SGLangRows(RuntimeRows):
@@ -133,18 +136,14 @@ class SGLangRows(RuntimeRows):
 
     def begin(self, tb: TreeShape, ctxs: Sequence[PoolContext]) -> None:
         self.tb, self.rts = tb, [self.rt] * len(ctxs)  # `RuntimeRows.root` reads through the shared runtime
-        dev = self.rt.device
-        for c in ctxs:
-            if c.allocated is not None and c.length - 1 + tb.n_rows > c.allocated:
-                raise RuntimeError(f"PR_EAGLE3: a round needs {tb.n_rows - 1} draft KV slots after the context, "
-                                   f"request slot {c.req_pool_index} has {c.allocated - c.length + 1}")
+        dev = self.rt.device  # the draft slots the rows take: `checks.rows_room`, checked at start-up
         pool = self.runner.req_to_token_pool.req_to_token
         table = pool[torch.tensor([c.req_pool_index for c in ctxs], device=pool.device)].to(dev)
-        ctx_len = torch.tensor([c.length - 1 for c in ctxs], device=dev)
+        ctx_len = torch.stack([c.on_device.reshape(()) for c in ctxs]).to(dev, torch.long) - 1  # no host read
         b, p = len(ctxs), tb.per_step
         self.in_graph = self.graphs is not None and b * p <= self.graph_rows
         cols = ctx_len[:, None] + torch.arange(tb.n_rows, device=dev)
-        longest = max(c.length - 1 for c in ctxs)
+        longest = max(c.length for c in ctxs) - 1  # an upper bound: the lists read `ctx_len` entries of each row
         if self.in_graph:  # the fixed buffers of this B_w, m, batch size and context bucket
             width = context_bucket(longest, table.shape[1])
             self.graph_key = f"B_w {tb.bw}, m {tb.m}, batch {b}, context <= {width}"
@@ -160,6 +159,9 @@ class SGLangRows(RuntimeRows):
         self.row_slots = table.gather(1, cols).long()
         self.recon_index = self._recon_index(tb, b)
         self.fb, self.spec = self._forward_batch(b * p)
+
+    def root_positions(self) -> torch.Tensor:
+        return self.ctx_len[:, None]
 
     def _recon_index(self, tb: TreeShape, b: int) -> torch.Tensor:
         """The reconsideration rows' places among a step's `b (B_w + m)` rows (request-major)."""

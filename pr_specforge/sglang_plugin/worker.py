@@ -18,8 +18,11 @@ where SGLang's runner can run the rows):
     `TritonAttnBackend` on CUDA); the context stays in SGLang's pool.
     The round's device part runs as one CUDA graph per (B_w, m, batch size, context bucket) where `PR_EAGLE3_ROUND_GRAPH` says
     (`round_graph`: on CUDA with SGLang's decode graphs on by default; `on` on a CPU runs it under a host-read guard).
-    Its kept trees are encoded on the device for every request at once (`encoding.encode_packed`), and the host
-    reads six numbers per request (the encoding's check and the counters; the trees too with a round log).
+    Its kept trees are encoded on the device for every request at once (`encoding.encode_packed`). The draft reads
+    nothing on the host, so SGLang's overlap schedule can run it (`supports_overlap=True`): the lengths, bonus
+    tokens and features are read on the device, the host gives what it holds (request slots, allocated KV slots as
+    the lengths' bound, uniforms), and each round's six numbers per request (the encoding's check, the counters)
+    are read at the next round's draft (`_settle`; with a round log, right after the round's verify).
     The tree logic, the encoding's result (3) and the verify input are the same for both.
 Path `ours`, request by request:
   1. the request's committed drafter context is its rows of SGLang's draft KV pool (slots
@@ -31,8 +34,10 @@ Path `ours`, request by request:
   3. the kept tree is encoded for SGLang's `build_tree_kernel_efficient` (`encoding`) and returned as
      SGLang's `EagleVerifyInput` (spec_steps = gamma, topk = k, B + 1 verify tokens).
 A request may set its own B_w and m (`sampling_params.custom_params = {"pr_eagle3": {"bw": .., "m": ..}}`;
-k, gamma and B are the server's: SGLang's verify has one shape). Per-request counters (rounds, reconsideration rows, kept reconsidered nodes) are kept on the worker
-and, when `PR_EAGLE3_ROUND_LOG` names a file, appended there one JSON line per round.
+k, gamma and B are the server's: SGLang's verify has one shape). The worker sums the counters (rounds,
+reconsideration rows, kept and repriced reconsidered nodes) over all requests (`pr_totals`); when `PR_EAGLE3_ROUND_LOG`
+names a file, each request's round is appended there as one JSON line (under the overlap schedule, a finished
+request's last, dropped draft too).
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ import contextlib
 import json
 import logging
 import os
-from typing import Dict
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
 import torch
 from sglang.srt.layers.radix_attention import RadixAttention
@@ -53,14 +59,41 @@ from pr_specforge.serving.batched_tree import BatchedTreeBuilder, BatchRequest
 from pr_specforge.serving.drafter_runtime import DrafterRuntime, readouts_row_invariant
 from pr_specforge.serving.tensor_tree import TensorTreeBuilder
 from pr_specforge.sglang_plugin.checks import (
-    check_readouts, check_round_graph, check_row_attention, check_server_args, load_pr_drafter, request_shape, rows_for,
-    rows_room)
+    check_readouts, check_round_graph, check_row_attention, check_server_args, load_pr_drafter, overlap_on, request_shape,
+    rows_for, rows_room)
 from pr_specforge.sglang_plugin.draft_model import use_for_draft
 from pr_specforge.sglang_plugin.encoding import check_encoded, encode_packed, encode_tree, round_counts
 from pr_specforge.sglang_plugin.round_graph import RoundGraphs, decode_graphs
 from pr_specforge.sglang_plugin.rows import PoolContext, SGLangRows
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    """A round's host part, left for `PRDraftWorker._settle`: its summary on its way to the host (`done`: the copy's
+    event on CUDA, else None), per request its id, allocated slots and how its round ran, and with a round log the
+    lengths on the device and the packed trees per group (builder, packed, kept, members)."""
+
+    summary: torch.Tensor
+    done: Optional[object]
+    rids: List[str]
+    allocated: List[int]
+    graph: List[str]
+    seq_lens: Optional[torch.Tensor]
+    built: list
+
+
+def _to_host(summary: torch.Tensor):
+    """`summary` copied to the host without waiting: on CUDA into pinned memory behind an event (-> copy, event),
+    elsewhere as it is (-> tensor, None)."""
+    if summary.device.type != "cuda":
+        return summary, None
+    host = torch.empty(summary.shape, dtype=summary.dtype, pin_memory=True)
+    host.copy_(summary, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
 ROUND_LOG = "PR_EAGLE3_ROUND_LOG"
 COUNTERS = ("recon_rows", "recon_kept", "repriced_kept")  # a request's per-round counters, summed on the worker
 #: the start-up line of the `sglang` row path (benchmarks/serving_cost.py reads it from the server's log)
@@ -74,8 +107,9 @@ class PRDraftWorker(EagleDraftWorker):
     def pr_setup(self, mode: str) -> None:
         self.pr_shape = check_server_args(self.server_args)
         self.pr_mode = mode  # "sglang" or "ours" (`checks.check_rows`)
-        self.pr_max_rows = rows_room(self.pr_shape) if mode == "sglang" else None
-        self.pr_stats: Dict[str, Dict[str, int]] = {}
+        self.pr_max_rows = rows_room(self.pr_shape, overlap_on(self.server_args)) if mode == "sglang" else None
+        self.pr_totals: Dict[str, int] = dict.fromkeys(("rounds",) + COUNTERS, 0)  # over every request's rounds
+        self.pr_pending = None  # the previous round's host part, settled at the next (`_settle`)
         self.pr_log = os.environ.get(ROUND_LOG) or None
 
     def alloc_memory_pool(self, *args, **kwargs):
@@ -125,29 +159,31 @@ class PRDraftWorker(EagleDraftWorker):
         self.pr_rt.load_context(keys, values)
         return self._builder(req).build(root_token, root_feature, self._generator(req))
 
-    def _batched_rounds(self, batch, draft_input, seq_lens, bonus, width: int):
+    def _batched_rounds(self, batch, draft_input, width: int):
         """Every request's round with `PR_EAGLE3_ROWS=sglang`: one batched build per (B_w, m) in use, each step's
         rows of all its requests in one call of SGLang's draft model runner, its verify input encoded on the device
-        (`encoding.encode_packed`). -> the verify input's `(parent_list, top_scores_index, draft_tokens)` in request
-        order on the device, and per request its host summary (`encode_packed`'s check, then recon_rows, recon_kept,
-        repriced_kept), how its round ran (`round_graph`) and, with a round log, its tree (else None). The host
-        reads the batch's summaries in one copy (and the packed rounds too with a round log)."""
+        (`encoding.encode_packed`). No host read: the lengths, bonus tokens and features are read on the device, the
+        host gives only what it owns (the request slots, their allocations as the lengths' bound, the uniforms).
+        -> the verify input's `(parent_list, top_scores_index, draft_tokens)` in request order on the device, and the
+        round's host part, `_Pending`: per request its summary (`encode_packed`'s check, then recon_rows, recon_kept,
+        repriced_kept) on its way to the host and how its round ran (`round_graph`); with a round log, the packed
+        trees."""
         shape, bs = self.pr_shape, len(batch.reqs)
         dev = batch.seq_lens.device
         parent_list = torch.full((bs, width), -1, dtype=torch.long, device=dev)
         top_scores_index = torch.empty((bs, shape.budget), dtype=torch.long, device=dev)
         draft_tokens = torch.empty((bs, shape.budget), dtype=torch.long, device=dev)
         summary = torch.empty((bs, 6), dtype=torch.long, device=dev)
-        groups, graph, trees = {}, ["off"] * bs, [None] * bs
+        groups, graph, built = {}, ["off"] * bs, []
         for b, req in enumerate(batch.reqs):
             groups.setdefault(id(self._builder(req)), []).append(b)
-        pool_index = batch.req_pool_indices.tolist()
         for members in groups.values():
             builder = self._builder(batch.reqs[members[0]])
             self.pr_rows.prepare(batch, draft_input)
-            requests = [BatchRequest(PoolContext(self.pr_rt.drafter, seq_lens[b], pool_index[b],
-                                                 getattr(batch.reqs[b], "kv_allocated_len", None)),
-                                     int(bonus[b]), draft_input.hidden_states[b], self._generator(batch.reqs[b]))
+            requests = [BatchRequest(PoolContext(self.pr_rt.drafter, self._length_bound(batch.reqs[b]),
+                                                 batch.reqs[b].req_pool_idx, batch.seq_lens[b]),
+                                     draft_input.bonus_tokens[b], draft_input.hidden_states[b],
+                                     self._generator(batch.reqs[b]))
                         for b in members]
             packed, kept = builder.build_packed(requests)
             at = torch.tensor(members, device=dev)
@@ -157,21 +193,49 @@ class PRDraftWorker(EagleDraftWorker):
             summary.index_copy_(0, at, torch.cat([check, round_counts(packed, shape.budget, shape.k)], 1).to(dev))
             graphs = self.pr_rows.graphs
             ran = "off" if graphs is None else graphs.last if self.pr_rows.in_graph else "eager"
-            if self.pr_log:  # the trees, for the round log only
-                built = builder.unpack(packed.cpu(), kept, [seq_lens[b] for b in members])
-                for b, tree in zip(members, built):
-                    trees[b] = tree
             for b in members:
                 graph[b] = ran
-        return (parent_list, top_scores_index, draft_tokens), summary.tolist(), graph, trees
+            if self.pr_log:  # for the round log's trees (valid until this batch size's next round)
+                built.append((builder, packed, kept, members))
+        pending = _Pending(*_to_host(summary), [req.rid for req in batch.reqs],
+                           [req.kv_allocated_len for req in batch.reqs], graph,
+                           batch.seq_lens.clone() if self.pr_log else None, built)
+        return (parent_list, top_scores_index, draft_tokens), pending
 
-    def _count(self, rid: str, seq_len: int, counts, tree, batch_size: int, kv_room, graph: str) -> None:
-        """A request's round: its counters (`counts` = recon_rows, recon_kept, repriced_kept) and, with a round log,
-        its line (`tree`: the round's tree)."""
-        stats = self.pr_stats.setdefault(rid, dict.fromkeys(("rounds",) + COUNTERS, 0))
-        stats["rounds"] += 1
+    def _length_bound(self, req) -> int:
+        """An upper bound of a request's context length the host holds: its allocated KV slots (SGLang's V2
+        decode allocates them from the host's committed length before each round), else the request table's width."""
+        allocated = int(getattr(req, "kv_allocated_len", 0) or 0)
+        return allocated if allocated > 0 else self.req_to_token_pool.req_to_token.shape[1]
+
+    def _settle(self) -> None:
+        """The host's part of the latest round of the `sglang` path: its encodings checked (`check_encoded`), its
+        counters summed and, with a round log, its lines written. `draft` leaves it pending so that nothing in the
+        draft waits for the device; it is settled at the next round's draft, or with a round log right after its
+        verify (`PREagleWorkerV2.forward_batch_generation`)."""
+        p, self.pr_pending = self.pr_pending, None
+        if p is None:
+            return
+        if p.done is not None:
+            p.done.synchronize()
+        shape = self.pr_shape
+        width = 2 * shape.k * (shape.kernel_steps() - 1) + 1
+        lengths = p.seq_lens.tolist() if p.seq_lens is not None else [None] * len(p.rids)
+        trees = [None] * len(p.rids)
+        for builder, packed, kept, members in p.built:
+            for b, tree in zip(members, builder.unpack(packed.cpu(), kept, [lengths[b] for b in members])):
+                trees[b] = tree
+        for b, s in enumerate(p.summary.tolist()):
+            check_encoded(s[:3], shape.budget, shape.k, width)
+            room = None if lengths[b] is None else p.allocated[b] - lengths[b]
+            self._count(p.rids[b], lengths[b], s[3:], trees[b], len(p.rids), room, p.graph[b])
+
+    def _count(self, rid: str, seq_len, counts, tree, batch_size: int, kv_room, graph: str) -> None:
+        """A request's round: its counters (`counts` = recon_rows, recon_kept, repriced_kept) into the worker's totals
+        and, with a round log, its line (`tree`: the round's tree)."""
+        self.pr_totals["rounds"] += 1
         for name, value in zip(COUNTERS, counts):
-            stats[name] += int(value)
+            self.pr_totals[name] += int(value)
         if self.pr_log:
             readouts = self.pr_rows.readouts if self.pr_rows is not None else "request"
             attention = self.pr_rows.attention if self.pr_rows is not None else "ours"
@@ -189,27 +253,28 @@ class PRDraftWorker(EagleDraftWorker):
         if batch.forward_mode.is_idle():
             return EagleVerifyInput.create_idle_input(self.topk, self.speculative_num_steps,
                                                       self.speculative_num_draft_tokens)
+        self._settle()  # the previous round's host part, where it is still pending
         draft_input = batch.spec_info
-        bs, n, k = len(batch.reqs), shape.budget, shape.k
-        width = 2 * k * (shape.kernel_steps() - 1) + 1
-        seq_lens = batch.seq_lens.tolist()
-        bonus = draft_input.bonus_tokens.tolist()
+        width = 2 * shape.k * (shape.kernel_steps() - 1) + 1
         if self.pr_rows is not None:
-            verify, summary, graph, trees = self._batched_rounds(batch, draft_input, seq_lens, bonus, width)
-            for s in summary:
-                check_encoded(s[:3], n, k, width)
-            counts = [s[3:] for s in summary]
+            verify, self.pr_pending = self._batched_rounds(batch, draft_input, width)
         else:
+            lengths = batch.seq_lens.tolist()
             rows = self.req_to_token_pool.req_to_token[batch.req_pool_indices]
-            trees = [self._round(req, rows[b, : seq_lens[b]].long(), int(bonus[b]), draft_input.hidden_states[b])
+            bonus = draft_input.bonus_tokens.tolist()
+            trees = [self._round(req, rows[b, : lengths[b]].long(), int(bonus[b]), draft_input.hidden_states[b])
                      for b, req in enumerate(batch.reqs)]
-            verify, graph = self._encode(trees, width), ["off"] * bs
-            counts = [[getattr(t, name) for name in COUNTERS] for t in trees]
-        for b, req in enumerate(batch.reqs):
-            allocated = getattr(req, "kv_allocated_len", None)  # the draft slots after the context, logged
-            self._count(req.rid, seq_lens[b], counts[b], trees[b], bs,
-                        None if allocated is None else allocated - seq_lens[b], graph[b])
-        return self._verify_input(batch, draft_input, *verify, sum(seq_lens))
+            verify = self._encode(trees, width)
+            for b, (tree, req) in enumerate(zip(trees, batch.reqs)):
+                self._count(req.rid, lengths[b], [getattr(tree, name) for name in COUNTERS], tree, len(trees),
+                            self._kv_room(req, lengths[b]), "off")
+        return self._verify_input(batch, draft_input, *verify)
+
+    @staticmethod
+    def _kv_room(req, seq_len: int):
+        """The draft slots after the context (the round log's `kv_room`)."""
+        allocated = getattr(req, "kv_allocated_len", None)
+        return None if allocated is None else allocated - seq_len
 
     def _encode(self, trees, width: int):
         """The `ours` path's trees, encoded on the host one by one (`encoding.encode_tree`)."""
@@ -227,11 +292,17 @@ class PRDraftWorker(EagleDraftWorker):
             draft_tokens[b] = torch.tensor([tree.tokens()[i + 1] for i in order])
         return parent_list, top_scores_index, draft_tokens
 
-    def _verify_input(self, batch, draft_input, parent_list, top_scores_index, draft_tokens,
-                      seq_lens_sum: int) -> EagleVerifyInput:
-        """SGLang's own tree build (`build_tree_kernel_efficient`, groups 2k wide) and verify input."""
+    def _verify_input(self, batch, draft_input, parent_list, top_scores_index, draft_tokens) -> EagleVerifyInput:
+        """SGLang's own tree build (`build_tree_kernel_efficient`, groups 2k wide) and verify input. The build sizes an
+        unallocated tree mask by the lengths' sum: the batch's host sum, else (as SGLang's own draft does, with no host
+        read) an upper bound, or 0 where the mask's buffer is preallocated."""
         shape, dev = self.pr_shape, batch.seq_lens.device
-        tree_mask_buf, position_buf = self.target_worker.model_runner.attn_backend.get_verify_buffers_to_fill_after_draft()
+        backend = self.target_worker.model_runner.attn_backend
+        tree_mask_buf, position_buf = backend.get_verify_buffers_to_fill_after_draft()
+        seq_lens_sum = batch.seq_lens_sum
+        if seq_lens_sum is None:  # the backend's longest context, else the request table's width
+            longest = getattr(backend, "max_context_len", None) or self.req_to_token_pool.req_to_token.shape[1]
+            seq_lens_sum = 0 if tree_mask_buf is not None else len(batch.reqs) * longest
         tree_mask, position, retrieve_index, retrieve_next_token, retrieve_next_sibling, tokens = \
             eagle_utils.build_tree_kernel_efficient(
                 draft_input.bonus_tokens, parent_list.to(dev), top_scores_index.to(dev), draft_tokens.to(dev),
@@ -254,3 +325,9 @@ class PREagleWorkerV2(EAGLEWorkerV2):
         self._draft_worker.__class__ = PRDraftWorker
         self._draft_worker.pr_setup(mode)
         log.info("PR_EAGLE3 draft worker ready: %s, rows: %s", self._draft_worker.pr_shape, mode)
+
+    def forward_batch_generation(self, batch, *args, **kwargs):
+        out = super().forward_batch_generation(batch, *args, **kwargs)
+        if self._draft_worker.pr_log:  # a round log is written as each round ends (else at the next draft)
+            self._draft_worker._settle()
+        return out

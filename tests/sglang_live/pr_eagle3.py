@@ -37,16 +37,16 @@ def pr_args(draft: str, shape: Shape):
             "--speculative-num-draft-tokens", str(shape.budget + 1))
 
 
-def pr_server(live_run, log_dir, shape: Shape, times=None, env=None, args=()):
+def pr_server(live_run, log_dir, shape: Shape, times=None, env=None, args=(), overlap: bool = False):
     """`sglang_server` serving the PR export at `shape` (B_w and m through the environment); its round log.
     With `times` (a path), the server also times its rounds there (`PR_EAGLE3_ROUND_TIMES`); `env` and `args`:
-    more environment and launch flags."""
+    more environment and launch flags; `overlap`: SGLang's overlap schedule."""
     rounds = log_dir / "rounds.jsonl"
     env = {"PR_EAGLE3_BW": str(shape.bw), "PR_EAGLE3_M": str(shape.m), "PR_EAGLE3_ROUND_LOG": str(rounds), **(env or {})}
     if times is not None:
         env["PR_EAGLE3_ROUND_TIMES"] = str(times)
     return sglang_server(live_run["target"], log_dir / "server.log", *pr_args(live_run["pr"], shape), *args,
-                         env=env), rounds
+                         env=env, overlap=overlap), rounds
 
 
 def generate(port: int, ids, bw=None, m=None) -> dict:
@@ -95,11 +95,17 @@ class Ours:
         return out
 
 
-def served_counts(out: dict, log: Dict[str, List[dict]]) -> dict:
+def served_counts(out: dict, log: Dict[str, List[dict]], overlap: bool = False) -> dict:
     """What the server says about one request: its tokens, its own verify rounds and accepted drafts
-    (`meta_info`), and the worker's trees and counters for it (the round log)."""
+    (`meta_info`), and the worker's trees and counters for it (the round log). Under SGLang's overlap schedule
+    (`overlap`) a request is drafted once more after its last verify round (the scheduler learns that it finished one
+    batch late and drops that round): the log may hold one round more than it verified, and the counts are taken
+    over the verified rounds."""
     meta = out["meta_info"]
     rows = log[meta["id"]]
+    extra = len(rows) - meta["spec_verify_ct"]
+    assert extra in ((0, 1) if overlap else (0,)), f"{len(rows)} logged rounds, {meta['spec_verify_ct']} verified"
+    rows = rows[: meta["spec_verify_ct"]]
     return {"tokens": out["output_ids"], "rounds": meta["spec_verify_ct"], "accepted": meta["spec_num_correct_drafts"],
             "recon_kept": sum(r["recon_kept"] for r in rows), "recon_rows": sum(r["recon_rows"] for r in rows),
             "trees": [(r["tokens"], r["parents"]) for r in rows]}

@@ -30,6 +30,7 @@ from tests.sglang_live.pr_eagle3 import MAX_NEW, Ours, Shape, assert_same, gener
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SHAPE = Shape(k=2, bw=2, m=1, gamma=3, budget=6)
+OVERLAP = True  # this module's server runs SGLang's overlap schedule (its default)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def ours(live_run):
 @pytest.fixture(scope="module")
 def server(live_run, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("pr_eagle3")
-    ctx, rounds = pr_server(live_run, log_dir, SHAPE, times=log_dir / "round_times.jsonl")
+    ctx, rounds = pr_server(live_run, log_dir, SHAPE, times=log_dir / "round_times.jsonl", overlap=OVERLAP)
     with ctx as port:
         yield port, rounds
 
@@ -50,7 +51,7 @@ def sequential(live_run, server):
     port, rounds = server
     outs = [generate(port, p) for p in live_run["prompts"]]
     log = round_log(rounds)
-    return [served_counts(o, log) for o in outs]
+    return [served_counts(o, log, OVERLAP) for o in outs]
 
 
 def test_output_rounds_accepted_drafts_and_trees_equal_our_decoder(live_run, sequential, ours, plain_server):
@@ -64,7 +65,7 @@ def test_output_rounds_accepted_drafts_and_trees_equal_our_decoder(live_run, seq
 def test_m0_serves_exactly_our_evaluators_m0_tree(live_run, server, ours):
     port, rounds = server
     outs = [generate(port, p, m=0) for p in live_run["prompts"]]
-    served = [served_counts(o, round_log(rounds)) for o in outs]
+    served = [served_counts(o, round_log(rounds), OVERLAP) for o in outs]
     assert all(s["recon_rows"] == 0 for s in served)
     assert_same(served, ours.decode(Shape(k=2, bw=2, m=0, gamma=3, budget=6), live_run["prompts"]))
 
@@ -73,7 +74,7 @@ def test_the_rounds_are_timed_for_m0_and_m1_and_reconsideration_rows_are_draft_c
     port, rounds = server
     outs = [generate(port, live_run["prompts"][1], m=m) for m in (0, 1)]
     times = rounds.parent / "round_times.jsonl"
-    assert_round_times(times, outs)
+    assert_round_times(times, outs, OVERLAP)
     lines = [json.loads(x) for x in open(times) if x.strip()]
     for out in outs:  # our drafter's readouts run in the draft phase only
         mine = [t for t in lines if t["rids"] == [out["meta_info"]["id"]]]
@@ -86,7 +87,7 @@ def test_four_concurrent_requests_give_what_four_sequential_ones_gave(live_run, 
     with ThreadPoolExecutor(4) as pool:
         outs = list(pool.map(lambda p: generate(port, p), live_run["prompts"]))
     log = round_log(rounds)
-    concurrent = [served_counts(o, log) for o in outs]
+    concurrent = [served_counts(o, log, OVERLAP) for o in outs]
     assert len(concurrent) == 4
     assert concurrent == sequential
     mine = [r for o in outs for r in log[o["meta_info"]["id"]]]  # their rounds: rows and readouts batched
@@ -109,7 +110,7 @@ def test_a_radix_cache_hit_gives_the_same_result(live_run, server, sequential):
     port, rounds = server
     out = generate(port, live_run["prompts"][0])
     assert out["meta_info"]["cached_tokens"] > 0, "the second request of a prompt should hit the radix cache"
-    assert served_counts(out, round_log(rounds)) == sequential[0]
+    assert served_counts(out, round_log(rounds), OVERLAP) == sequential[0]
 
 
 def test_the_cpu_serve_script_launches_pr_eagle3_and_refuses_topk_1_in_one_line(live_run):

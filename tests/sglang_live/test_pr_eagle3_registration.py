@@ -112,7 +112,6 @@ REFUSALS = [
     ("tp", dict(tp_size=2), None, "--tp-size 2 is not supported"),
     ("topk1", dict(topk=1, tokens=4), None, "needs --speculative-eagle-topk >= 2"),
     ("page", dict(page_size=4), None, "needs --page-size 1, got 4"),
-    ("overlap", dict(disable_overlap_schedule=False), None, "pass --disable-overlap-schedule"),
     ("short-tree", dict(steps=3, topk=2, tokens=12), None, "holds only 10 nodes for sure, fewer than B=11"),
     ("eagle3-export", {}, "eagle3", "not a PR drafter export"),
     ("no-pr-tensors", {}, _drop_pr, "holds no PR tensors"),
@@ -196,6 +195,11 @@ def test_the_rows_switch_refuses_a_bad_value_and_rows_that_outgrow_the_draft_slo
         check_server_args(args)
     monkeypatch.setenv("PR_EAGLE3_M", "2")
     assert check_server_args(args).m == 2  # 16 rows fit
+    args.disable_overlap_schedule = False  # the overlap schedule reserves from a length up to gamma + 1 behind
+    with pytest.raises(PRServeError, match=r"16 tree rows .* exceed the 14 draft KV slots SGLang reserves per decode "
+                                           r"under the overlap schedule"):
+        check_server_args(args)
+    args.disable_overlap_schedule = True
     monkeypatch.setenv("PR_EAGLE3_ROWS", "theirs")
     with pytest.raises(PRServeError, match="PR_EAGLE3_ROWS='theirs' is not one of ours, sglang"):
         check_server_args(args)
