@@ -5,15 +5,17 @@
         --json benchmarks/results/serving_cost.json --md benchmarks/results/serving_cost.md
 
 (`make run` makes the target and the export.) For each tree shape (`--shapes`: `paper` = k 6, gamma 8, B 48;
-`small` = k 2, gamma 3, B 6; B_w = k) two SGLang 0.5.14 servers run at once through the CPU bridge (or on a GPU:
-`--device cuda`, Triton attention, `--cuda-graph` for SGLang's graphs), fp32 (`--dtype`),
-greedy, each on 127.0.0.1 and stopped at the end, also on failure:
+`small` = k 2, gamma 3, B 6; B_w = k) and each of `--repeats` repeats, a new pair of SGLang 0.5.14 servers runs
+through the CPU bridge (or on a GPU: `--device cuda`, Triton attention, `--cuda-graph` for SGLang's graphs), fp32
+(`--dtype`), greedy, each on 127.0.0.1 and stopped after its repeat, also on failure (a server process may run all
+its compute a few percent slower than another, so each repeat samples a new pair; each pair's ratios are kept,
+`per_server_pair`):
   eagle3  `--speculative-algorithm EAGLE3`, SGLang's own draft (the same export, read as plain EAGLE-3);
   pr      `--speculative-algorithm PR_EAGLE3`, our plugin; each request sets its m
           (`custom_params.pr_eagle3.m`): `pr_m0` (m = 0: the plugin's round with no reconsideration row)
           and `pr_m3` (m = `--m`, default 3: co-forwarded reconsideration rows every step).
 Both servers sleep on idle, so the one not being asked does not take a core. For each number of concurrent
-requests (`--requests`, default 1 and 4) and `--repeats` times, the three ways are asked in turn (the order
+requests (`--requests`, default 1 and 4), in each repeat, the three ways are asked in turn (the order
 rotating every repeat) with the same prompts (MT-Bench's first turns through the target's chat template,
 `--max-new` tokens, `ignore_eos`). Each server times its rounds (`pr_specforge.sglang_plugin.timing`, the
 same wrappers for both algorithms):
@@ -164,6 +166,16 @@ def markdown(result: dict) -> str:
                      f"| {r['draft_m3_over_m0']:.3f} | {r['draft_floor_m3_over_m0']:.3f} "
                      f"| {'met' if r['target_m0_within_1.05_of_eagle3'] else 'not met'} | {'met' if third else 'not met'} "
                      f"| {per_target(r)} |")
+    pairs = [(key, block["per_server_pair"]) for key, block in result["cells"].items() if block.get("per_server_pair")]
+    if pairs:
+        lines += ["", "Each repeat ran its own pair of servers (new processes); the ratios of each pair, in repeat order:",
+                  "", "| shape | requests | m0 / eagle3 round | m0 / eagle3 per target forward | m3 / m0 round "
+                  "| m3 / m0 floor |", "|---|---|---|---|---|---|"]
+        for key, per in pairs:
+            shape, n = key.split("/")
+            col = lambda k: ", ".join(f"{r[k]:.3f}" if k in r else "-" for r in per)  # noqa: E731
+            lines.append(f"| {shape} | {n} | {col('m0_over_eagle3')} | {col('m0_over_eagle3_per_target')} "
+                         f"| {col('m3_over_m0')} | {col('m3_floor_over_m0_floor')} |")
     lines += ["", f"Command: `{result['command']}`", ""]
     return "\n".join(lines)
 
@@ -224,30 +236,34 @@ def check_inputs(args) -> None:
 
 
 def run_shape(args, shape_name: str, prompts, work: str, log) -> Dict[str, dict]:
+    """One shape's cells. Each repeat starts its own pair of servers (EAGLE3 and PR_EAGLE3, new processes) and stops
+    them after its asks: one server process may run all its compute some percent slower than another, so the
+    repeats sample that spread instead of keeping one pair's luck."""
     from pr_specforge.sglang_cpu.server import free_port, launch_command, server_env, serving
 
     shape = SHAPES[shape_name]
-    times = {a: os.path.join(work, f"{shape_name}-{a}-rounds.jsonl") for a in ("eagle3", "pr")}
-    ports, stack, asks = {}, contextlib.ExitStack(), {}
-    with stack:
-        for alg, name in (("eagle3", "EAGLE3"), ("pr", "PR_EAGLE3")):
-            port = free_port()
-            env = server_env(args.device, dict(os.environ, HF_HUB_OFFLINE="1", PR_EAGLE3_ROUND_TIMES=times[alg],
-                                               PR_EAGLE3_BW=str(shape["k"]), PR_EAGLE3_M=str(args.m),
-                                               PR_EAGLE3_READOUTS=args.readouts))
-            log(f"{shape_name}: starting {name} on 127.0.0.1:{port} ({args.device}, CUDA graphs "
-                f"{'on' if args.cuda_graph else 'off'})")
-            cmd = launch_command(args.target, port, *spec_args(name, args.draft, shape), dtype=args.dtype,
-                                 max_total_tokens=args.max_total_tokens, device=args.device,
-                                 cuda_graph=args.cuda_graph)
-            stack.enter_context(serving(cmd, port, os.path.join(work, f"{shape_name}-{alg}.log"), env))
-            ports[alg] = port
-        call = {"eagle3": lambda ids: ask(ports["eagle3"], ids, args.max_new),
-                "pr_m0": lambda ids: ask(ports["pr"], ids, args.max_new, m=0),
-                "pr_m3": lambda ids: ask(ports["pr"], ids, args.max_new, m=args.m)}
-        for w in WAYS:  # warm-up: one request each, not timed
-            call[w](prompts[:1])
-        for rep in range(args.repeats):
+    asks, rounds = {}, []
+    for rep in range(args.repeats):
+        times = {a: os.path.join(work, f"{shape_name}-{a}-rounds-{rep + 1}.jsonl") for a in ("eagle3", "pr")}
+        ports, stack = {}, contextlib.ExitStack()
+        with stack:
+            for alg, name in (("eagle3", "EAGLE3"), ("pr", "PR_EAGLE3")):
+                port = free_port()
+                env = server_env(args.device, dict(os.environ, HF_HUB_OFFLINE="1", PR_EAGLE3_ROUND_TIMES=times[alg],
+                                                   PR_EAGLE3_BW=str(shape["k"]), PR_EAGLE3_M=str(args.m),
+                                                   PR_EAGLE3_READOUTS=args.readouts))
+                log(f"{shape_name} repeat {rep + 1}/{args.repeats}: starting {name} on 127.0.0.1:{port} ({args.device}, "
+                    f"CUDA graphs {'on' if args.cuda_graph else 'off'})")
+                cmd = launch_command(args.target, port, *spec_args(name, args.draft, shape), dtype=args.dtype,
+                                     max_total_tokens=args.max_total_tokens, device=args.device,
+                                     cuda_graph=args.cuda_graph)
+                stack.enter_context(serving(cmd, port, os.path.join(work, f"{shape_name}-{alg}-{rep + 1}.log"), env))
+                ports[alg] = port
+            call = {"eagle3": lambda ids: ask(ports["eagle3"], ids, args.max_new),
+                    "pr_m0": lambda ids: ask(ports["pr"], ids, args.max_new, m=0),
+                    "pr_m3": lambda ids: ask(ports["pr"], ids, args.max_new, m=args.m)}
+            for w in WAYS:  # warm-up: one request each, not timed
+                call[w](prompts[:1])
             for n in args.requests:
                 order = WAYS[rep % 3:] + WAYS[: rep % 3]
                 for w in order:
@@ -255,14 +271,36 @@ def run_shape(args, shape_name: str, prompts, work: str, log) -> Dict[str, dict]
                     asks.setdefault((n, w), []).append(a)
                     log(f"{shape_name} n={n} {w} repeat {rep + 1}/{args.repeats}: {a['tokens']} tokens in "
                         f"{a['wall_s']:.1f} s, tau {a['tokens'] / max(1, a['rounds']):.2f}")
-    rounds = {"eagle3": read_times(times["eagle3"]), "pr": read_times(times["pr"])}
-    readouts, out = served_readouts(os.path.join(work, f"{shape_name}-pr.log")), {}
+        rounds.append({"eagle3": read_times(times["eagle3"]), "pr": read_times(times["pr"])})
+    readouts, out = served_readouts(os.path.join(work, f"{shape_name}-pr-1.log")), {}
+    pooled = {alg: [r for rep in rounds for r in rep[alg]] for alg in ("eagle3", "pr")}
     for n in args.requests:
-        cells = {w: cell_summary(asks[(n, w)], rounds["eagle3" if w == "eagle3" else "pr"], n) for w in WAYS}
+        cells = {w: cell_summary(asks[(n, w)], pooled[_alg(w)], n) for w in WAYS}
         same = all(a["outputs"] == b["outputs"] for w in WAYS[1:] for a, b in zip(asks[(n, "eagle3")], asks[(n, w)]))
-        out[f"{shape_name}/{n}"] = {"ways": cells, "ratios": ratios(cells, gpu=args.device == "cuda"), "outputs_equal_eagle3": same,
-                                    "readouts": readouts}
+        per_pair = [pair_ratios({w: (asks[(n, w)][rep], rounds[rep][_alg(w)]) for w in WAYS}, n, args.device == "cuda")
+                    for rep in range(args.repeats)]
+        out[f"{shape_name}/{n}"] = {"ways": cells, "ratios": ratios(cells, gpu=args.device == "cuda"),
+                                    "per_server_pair": per_pair,
+                                    "outputs_equal_eagle3": same, "readouts": readouts}
     return out
+
+
+def pair_ratios(by_way: Dict[str, tuple], n: int, gpu: bool) -> dict:
+    """One server pair's ratios (`PAIR_RATIOS`) from each way's ask and its server's timed rounds; {} where a way had
+    no round with all `n` requests in that pair."""
+    try:
+        r = ratios({w: cell_summary([a], rounds, n) for w, (a, rounds) in by_way.items()}, gpu)
+    except RuntimeError:
+        return {}
+    return {k: r[k] for k in PAIR_RATIOS if k in r}
+
+
+def _alg(way: str) -> str:
+    return "eagle3" if way == "eagle3" else "pr"
+
+
+#: the ratios kept per repeat (per server pair)
+PAIR_RATIOS = ("m0_over_eagle3", "m0_over_eagle3_per_target", "m3_over_m0", "m3_floor_over_m0_floor")
 
 
 def served_readouts(log_path: str) -> dict:

@@ -18,8 +18,8 @@ where SGLang's runner can run the rows):
     `TritonAttnBackend` on CUDA); the context stays in SGLang's pool.
     The round's device part runs as one CUDA graph per (B_w, m, batch size, context bucket) where `PR_EAGLE3_ROUND_GRAPH` says
     (`round_graph`: on CUDA with SGLang's decode graphs on by default; `on` on a CPU runs it under a host-read guard).
-    Its kept trees are encoded on the device for every request at once (`encoding.encode_packed`). The draft reads
-    nothing on the host, so SGLang's overlap schedule can run it (`supports_overlap=True`): the lengths, bonus
+    Its kept trees are encoded on the device for every request at once (`encoding.encode_packed`). The draft's own
+    code reads nothing on the host, so SGLang's overlap schedule can run it (`supports_overlap=True`): the lengths, bonus
     tokens and features are read on the device, the host gives what it holds (request slots, allocated KV slots as
     the lengths' bound, uniforms), and each round's six numbers per request (the encoding's check, the counters)
     are read at the next round's draft (`_settle`; with a round log, right after the round's verify).

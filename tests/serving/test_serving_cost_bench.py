@@ -65,6 +65,25 @@ def test_ratios_and_targets(bench):
     assert "readouts: batched (a row's readouts the same bits in any call on that machine: yes)" in bench.markdown(result)
 
 
+def test_each_server_pairs_ratios_are_kept_and_tabled(bench):
+    """Each repeat runs its own pair of servers: its ratios come from its own asks and rounds only."""
+    def way(rids, round_s, target_s):
+        ask = {"rids": rids, "tokens": 10, "rounds": 5, "wall_s": 1.0}
+        return ask, [dict(_round(rids, round_s, round_s - 0.05), target_compute_s=target_s)]
+    fast = {"eagle3": way(["a"], 1.0, 0.8), "pr_m0": way(["b"], 1.1, 0.88), "pr_m3": way(["c"], 1.21, 0.9)}
+    pair = bench.pair_ratios(fast, 1, gpu=False)
+    assert set(pair) == set(bench.PAIR_RATIOS)
+    assert pair["m0_over_eagle3"] == pytest.approx(1.1) and pair["m3_over_m0"] == pytest.approx(1.1)
+    assert pair["m0_over_eagle3_per_target"] == pytest.approx(1.0)  # the PR server ran every forward 10% slower
+    assert bench.pair_ratios(fast, 2, gpu=False) == {}  # no round held both requests of the cell in that pair
+    r = bench.ratios({w: bench.cell_summary([a], rounds, 1) for w, (a, rounds) in fast.items()}, gpu=False)
+    result = {"machine": "m", "dtype": "float32", "commit": "c", "date": "d", "cpu": "cpu", "threads": 2,
+              "target_name": "t", "draft_name": "p", "max_new": 8, "repeats": 2, "command": "python x",
+              "cells": {"small/1": {"ways": {w: bench.cell_summary([a], rounds, 1) for w, (a, rounds) in fast.items()},
+                                    "ratios": r, "per_server_pair": [pair, {}]}}}
+    assert "| small | 1 | 1.100, - | 1.000, - | 1.100, - |" in bench.markdown(result)
+
+
 def test_the_pr_servers_readouts_are_read_from_its_log(bench, tmp_path):
     log = tmp_path / "paper-pr.log"
     from pr_specforge.sglang_plugin.worker import READY_LINE
