@@ -210,9 +210,10 @@ class BatchedTreeBuilder(TreeShape):
         return self.rows.run(self, x.size, lambda: self._body(x))
 
     def unpack(self, host: torch.Tensor, kept: torch.Tensor, lengths: Sequence[int],
-               keep_state: bool = False) -> List[TensorDraftTree]:
-        """The trees of the latest round of `len(lengths)` requests from its packed result read to the host."""
-        x = self._batches[len(lengths)]
+               keep_state: bool = False, size: Optional[int] = None) -> List[TensorDraftTree]:
+        """The trees of the latest round of `size` requests (default `len(lengths)`) from its packed result read to
+        the host: those of its first `len(lengths)` requests (the rest: padding)."""
+        x = self._batches[size or len(lengths)]
         trees = []
         for b, length in enumerate(lengths):
             tree = unpack_round(host[b], x.anc[b][kept[b]][:, kept[b]], length, self.cfg.budget, self.k)

@@ -14,8 +14,10 @@ The switch, read once at start-up (`mode`):
     path's fixed buffers and metadata eagerly under `NoHostReads` (`guard`): what the capture would record, checked;
   * `off` - the round as it was, eager, its buffers sized to the round.
 Which rounds: each (B_w, m, batch size, context bucket: `rows.context_bucket`) whose batch is at most SGLang's largest decode graph
-(`cuda_graph_config.decode.bs`; in `guard`, the request pool's size) and whose rows fit the attention's fixed
-buffers (sized for the server's B_w + m), captured at its first round (a warm-up run under `NoHostReads` on a side
+(`cuda_graph_config.decode.bs`; in `guard`, the largest it would capture) and whose rows fit the attention's fixed
+buffers (sized for the server's B_w + m). The batch is padded to the smallest of those sizes that holds it
+(`round_sizes`, `padded_size`; the worker adds padding requests on SGLang's padding request slot and KV slot 0, and
+drops their trees), so the graphs are at most SGLang's own sizes per (B_w, m, bucket). Each is captured at its first round (a warm-up run under `NoHostReads` on a side
 stream first: Triton compiles there, and a host read is refused in one line). Any other round, or a key whose
 capture fails (logged in one line), runs eagerly, as with `off`. All graphs
 share one memory pool: each replay's results are read before the next.
@@ -46,6 +48,21 @@ def decode_graphs(server_args) -> Optional[list]:
     if decode is None or decode.backend == Backend.DISABLED or not decode.bs:
         return None
     return sorted(decode.bs)
+
+
+def round_sizes(server_args, kind: str) -> Optional[list]:
+    """The batch sizes a captured round is padded to: SGLang's decode graph sizes where it captures them
+    (`capture`), and in `guard` the sizes it would capture (`cuda_graph_config.decode.bs`, set even with its graphs
+    off: `--cuda-graph-bs-decode`); None where there are none (then no padding)."""
+    if kind == "capture":
+        return decode_graphs(server_args)
+    decode = getattr(getattr(server_args, "cuda_graph_config", None), "decode", None)
+    return sorted(decode.bs) if decode is not None and decode.bs else None
+
+
+def padded_size(n: int, sizes: Optional[list]) -> int:
+    """The smallest of `sizes` that holds `n` requests; `n` itself where none does (or there are no sizes)."""
+    return next((s for s in sorted(sizes or ()) if s >= n), n)
 
 
 def resolve_round_graph(mode: str, device, graph_sizes: Optional[list]) -> str:

@@ -111,6 +111,7 @@ class PoolContext:
     length: int
     req_pool_index: int
     on_device: torch.Tensor
+    pad: bool = False  # a padding request of a captured round (its rows write SGLang's padding KV slot 0)
 
 
 class SGLangRows(RuntimeRows):
@@ -139,6 +140,8 @@ class SGLangRows(RuntimeRows):
         dev = self.rt.device  # the draft slots the rows take: `checks.rows_room`, checked at start-up
         pool = self.runner.req_to_token_pool.req_to_token
         table = pool[torch.tensor([c.req_pool_index for c in ctxs], device=pool.device)].to(dev)
+        if any(c.pad for c in ctxs):  # padding requests: every slot is SGLang's padding slot 0
+            table.masked_fill_(torch.tensor([c.pad for c in ctxs], device=dev)[:, None], 0)
         ctx_len = torch.stack([c.on_device.reshape(()) for c in ctxs]).to(dev, torch.long) - 1  # no host read
         b, p = len(ctxs), tb.per_step
         self.in_graph = self.graphs is not None and b * p <= self.graph_rows

@@ -17,7 +17,8 @@ where SGLang's runner can run the rows):
     that `PR_EAGLE3_ROW_ATTENTION` picks: `row_attention.RowListAttnBackend` on a CPU, SGLang's
     `TritonAttnBackend` on CUDA); the context stays in SGLang's pool.
     The round's device part runs as one CUDA graph per (B_w, m, batch size, context bucket) where `PR_EAGLE3_ROUND_GRAPH` says
-    (`round_graph`: on CUDA with SGLang's decode graphs on by default; `on` on a CPU runs it under a host-read guard).
+    (`round_graph`: on CUDA with SGLang's decode graphs on by default; `on` on a CPU runs it under a host-read guard),
+    its batch padded to SGLang's decode graph sizes (`_pad_request`).
     Its kept trees are encoded on the device for every request at once (`encoding.encode_packed`). The draft's own
     code reads nothing on the host, so SGLang's overlap schedule can run it (`supports_overlap=True`): the lengths, bonus
     tokens and features are read on the device, the host gives what it holds (request slots, allocated KV slots as
@@ -63,7 +64,7 @@ from pr_specforge.sglang_plugin.checks import (
     rows_for, rows_room)
 from pr_specforge.sglang_plugin.draft_model import use_for_draft
 from pr_specforge.sglang_plugin.encoding import check_encoded, encode_packed, encode_tree, round_counts
-from pr_specforge.sglang_plugin.round_graph import RoundGraphs, decode_graphs
+from pr_specforge.sglang_plugin.round_graph import RoundGraphs, padded_size, round_sizes
 from pr_specforge.sglang_plugin.rows import PoolContext, SGLangRows
 
 log = logging.getLogger(__name__)
@@ -72,14 +73,15 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Pending:
     """A round's host part, left for `PRDraftWorker._settle`: its summary on its way to the host (`done`: the copy's
-    event on CUDA, else None), per request its id, allocated slots and how its round ran, and with a round log the
-    lengths on the device and the packed trees per group (builder, packed, kept, members)."""
+    event on CUDA, else None), per request its id, allocated slots, how its round ran and its padded batch, and with
+    a round log the lengths on the device and the packed trees per group (builder, packed, kept, members, size)."""
 
     summary: torch.Tensor
     done: Optional[object]
     rids: List[str]
     allocated: List[int]
     graph: List[str]
+    graph_batch: List[int]
     seq_lens: Optional[torch.Tensor]
     built: list
 
@@ -119,12 +121,14 @@ class PRDraftWorker(EagleDraftWorker):
         drafter = load_pr_drafter(self.server_args.speculative_draft_model_path, embed.device, dtype, embed)
         self.pr_rt = DrafterRuntime(drafter)
         self.pr_builders = {}
-        self.pr_rows = self.pr_row_invariant = None
+        self.pr_rows = self.pr_row_invariant = self.pr_sizes = self.pr_pad = None
         if self.pr_mode == "sglang":
             attention = check_row_attention(embed.device)
             graph = check_round_graph(embed.device, self.server_args)
-            # a captured round's batch: up to SGLang's largest decode graph (in `guard`: any the request pool holds)
-            sizes = decode_graphs(self.server_args) or [self.req_to_token_pool.size]
+            # a captured round's batch: padded to SGLang's decode graph sizes (in `guard`: those it would capture),
+            # up to the largest (without sizes: any batch the request pool holds, unpadded)
+            self.pr_sizes = None if graph == "off" else round_sizes(self.server_args, graph)
+            sizes = self.pr_sizes or [self.req_to_token_pool.size]
             self.pr_rows = SGLangRows(self.draft_runner, self.pr_rt, check_readouts(), attention,
                                       None if graph == "off" else RoundGraphs(graph),
                                       max(sizes) * (self.pr_shape.bw + self.pr_shape.m))
@@ -174,7 +178,7 @@ class PRDraftWorker(EagleDraftWorker):
         top_scores_index = torch.empty((bs, shape.budget), dtype=torch.long, device=dev)
         draft_tokens = torch.empty((bs, shape.budget), dtype=torch.long, device=dev)
         summary = torch.empty((bs, 6), dtype=torch.long, device=dev)
-        groups, graph, built = {}, ["off"] * bs, []
+        groups, graph, graph_batch, built = {}, ["off"] * bs, [0] * bs, []
         for b, req in enumerate(batch.reqs):
             groups.setdefault(id(self._builder(req)), []).append(b)
         for members in groups.values():
@@ -185,7 +189,10 @@ class PRDraftWorker(EagleDraftWorker):
                                      draft_input.bonus_tokens[b], draft_input.hidden_states[b],
                                      self._generator(batch.reqs[b]))
                         for b in members]
+            size = padded_size(len(members), self.pr_sizes)  # a captured size: padding requests fill it
+            requests += [self._pad_request(draft_input)] * (size - len(members))
             packed, kept = builder.build_packed(requests)
+            packed, kept = packed[: len(members)], kept[: len(members)]
             at = torch.tensor(members, device=dev)
             *parts, check = encode_packed(packed, shape.budget, shape.k, width)
             for out, part in zip((parent_list, top_scores_index, draft_tokens), parts):
@@ -194,13 +201,23 @@ class PRDraftWorker(EagleDraftWorker):
             graphs = self.pr_rows.graphs
             ran = "off" if graphs is None else graphs.last if self.pr_rows.in_graph else "eager"
             for b in members:
-                graph[b] = ran
+                graph[b], graph_batch[b] = ran, size
             if self.pr_log:  # for the round log's trees (valid until this batch size's next round)
-                built.append((builder, packed, kept, members))
+                built.append((builder, packed, kept, members, size))
         pending = _Pending(*_to_host(summary), [req.rid for req in batch.reqs],
-                           [req.kv_allocated_len for req in batch.reqs], graph,
+                           [req.kv_allocated_len for req in batch.reqs], graph, graph_batch,
                            batch.seq_lens.clone() if self.pr_log else None, built)
         return (parent_list, top_scores_index, draft_tokens), pending
+
+    def _pad_request(self, draft_input) -> BatchRequest:
+        """A padding request of a captured round: SGLang's padding request slot 0 (its rows' KV writes go to the
+        padding KV slot 0), a context of one row, root token 0, a zero feature; its tree is drafted and dropped."""
+        if self.pr_pad is None:
+            dev, feature = draft_input.hidden_states.device, draft_input.hidden_states[0]
+            ctx = PoolContext(self.pr_rt.drafter, 1, 0, torch.ones((), dtype=torch.long, device=dev), pad=True)
+            self.pr_pad = BatchRequest(ctx, torch.zeros((), dtype=torch.long, device=dev), torch.zeros_like(feature),
+                                       torch.Generator().manual_seed(0))
+        return self.pr_pad
 
     def _length_bound(self, req) -> int:
         """An upper bound of a request's context length the host holds: its allocated KV slots (SGLang's V2
@@ -222,15 +239,15 @@ class PRDraftWorker(EagleDraftWorker):
         width = 2 * shape.k * (shape.kernel_steps() - 1) + 1
         lengths = p.seq_lens.tolist() if p.seq_lens is not None else [None] * len(p.rids)
         trees = [None] * len(p.rids)
-        for builder, packed, kept, members in p.built:
-            for b, tree in zip(members, builder.unpack(packed.cpu(), kept, [lengths[b] for b in members])):
+        for builder, packed, kept, members, size in p.built:
+            for b, tree in zip(members, builder.unpack(packed.cpu(), kept, [lengths[b] for b in members], size=size)):
                 trees[b] = tree
         for b, s in enumerate(p.summary.tolist()):
             check_encoded(s[:3], shape.budget, shape.k, width)
             room = None if lengths[b] is None else p.allocated[b] - lengths[b]
-            self._count(p.rids[b], lengths[b], s[3:], trees[b], len(p.rids), room, p.graph[b])
+            self._count(p.rids[b], lengths[b], s[3:], trees[b], len(p.rids), room, p.graph[b], p.graph_batch[b])
 
-    def _count(self, rid: str, seq_len, counts, tree, batch_size: int, kv_room, graph: str) -> None:
+    def _count(self, rid: str, seq_len, counts, tree, batch_size: int, kv_room, graph: str, graph_batch: int = 0) -> None:
         """A request's round: its counters (`counts` = recon_rows, recon_kept, repriced_kept) into the worker's totals
         and, with a round log, its line (`tree`: the round's tree)."""
         self.pr_totals["rounds"] += 1
@@ -240,7 +257,7 @@ class PRDraftWorker(EagleDraftWorker):
             readouts = self.pr_rows.readouts if self.pr_rows is not None else "request"
             attention = self.pr_rows.attention if self.pr_rows is not None else "ours"
             line = {"rid": rid, "seq_len": seq_len, "rows": self.pr_mode, "readouts": readouts, "attention": attention,
-                    "graph": graph,
+                    "graph": graph, "graph_batch": graph_batch,
                     "row_invariant": self.pr_row_invariant, "batch": batch_size, "kv_room": kv_room,
                     "tokens": tree.tokens(), "parents": tree.parents(),
                     **{name: int(value) for name, value in zip(COUNTERS, counts)}}
