@@ -45,6 +45,7 @@ import contextlib
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -370,7 +371,7 @@ def main(argv=None) -> int:
               "repeats": args.repeats, "m": args.m, "shapes": {s: SHAPES[s] for s in args.shapes},
               "readouts": args.readouts,
               "wall_s": time.time() - t0, "cells": cells,
-              "command": "python benchmarks/serving_cost.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+              "command": "python benchmarks/serving_cost.py " + shlex.join(argv if argv is not None else sys.argv[1:])}
     table = markdown(result)
     print(table)
     if args.json:
