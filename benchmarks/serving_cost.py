@@ -35,6 +35,10 @@ each round over its own server's median target compute: the same forward in both
 server process that runs all its compute slower, which on a 2-core CPU swings the plain ratio by 10%), `m3_over_m0` against the
 floor's own ratio (target, as we read "within 0.05x of the compute floor": m3_over_m0 <= m3_floor_over_m0_floor
 + 0.05 on a CPU; m3_over_m0 <= 1.05 on a GPU).
+`--untimed`: no round timing (its wrappers synchronise the device after each phase), so only tau and tokens per
+second, with their ratios pooled and per server pair; `--overlap` (implies it): SGLang's overlap schedule on both
+servers, whose gain a synchronising timer would hide. On a CPU nothing overlaps; the pair is for a GPU
+(`scripts/gpu_pr_eagle3_check.sh`).
 """
 
 from __future__ import annotations
@@ -114,9 +118,21 @@ def cell_summary(asks: List[dict], rounds: List[dict], n: int) -> dict:
     out["draft_floor_s"] = statistics.median(draft_floor)
     out["draft_bookkeeping_s"] = statistics.median(r["draft_s"] - f for r, f in zip(full, draft_floor))
     out["rounds_timed"] = len(full)
-    out["tau"] = sum(a["tokens"] for a in asks) / max(1, sum(a["rounds"] for a in asks))
-    out["tokens_per_s"] = statistics.median(a["tokens"] / a["wall_s"] for a in asks)
+    out.update(throughput(asks))
     return out
+
+
+def throughput(asks: List[dict]) -> dict:
+    """A cell's tau (tokens per verify round) and median tokens per second end to end, from its asks alone."""
+    return {"tau": sum(a["tokens"] for a in asks) / max(1, sum(a["rounds"] for a in asks)),
+            "tokens_per_s": statistics.median(a["tokens"] / a["wall_s"] for a in asks)}
+
+
+def throughput_ratios(cells: Dict[str, dict]) -> dict:
+    """An untimed run's ratios: tokens per second of m = 0 over EAGLE3's and of m = 3 over m = 0's."""
+    e, m0, m3 = (cells[w] for w in WAYS)
+    return {"m0_tokens_per_s_over_eagle3": m0["tokens_per_s"] / e["tokens_per_s"],
+            "m3_tokens_per_s_over_m0": m3["tokens_per_s"] / m0["tokens_per_s"]}
 
 
 def ratios(cells: Dict[str, dict], gpu: bool) -> dict:
@@ -137,6 +153,8 @@ def ratios(cells: Dict[str, dict], gpu: bool) -> dict:
 
 
 def markdown(result: dict) -> str:
+    if result.get("timed", True) is False:
+        return throughput_markdown(result)
     ms = lambda x: f"{1000 * x:.1f}"  # noqa: E731
     lines = [f"# Served round cost: PR_EAGLE3 vs SGLang's EAGLE3 ({result['machine']}, {result['dtype']})", "",
              f"Commit {result['commit']}, {result['date']}, {result['cpu']}, torch threads {result['threads']}"
@@ -177,6 +195,34 @@ def markdown(result: dict) -> str:
             col = lambda k: ", ".join(f"{r[k]:.3f}" if k in r else "-" for r in per)  # noqa: E731
             lines.append(f"| {shape} | {n} | {col('m0_over_eagle3')} | {col('m0_over_eagle3_per_target')} "
                          f"| {col('m3_over_m0')} | {col('m3_floor_over_m0_floor')} |")
+    lines += ["", f"Command: `{result['command']}`", ""]
+    return "\n".join(lines)
+
+
+def throughput_markdown(result: dict) -> str:
+    """An untimed run (`--untimed`, `--overlap`): tau and tokens per second, no round times."""
+    overlap = "on" if result.get("overlap") else "off"
+    lines = [f"# Served tokens per second: PR_EAGLE3 vs SGLang's EAGLE3 ({result['machine']}, {result['dtype']})", "",
+             f"Commit {result['commit']}, {result['date']}, {result['cpu']}, torch threads {result['threads']}"
+             f"{device_note(result)}, SGLang's overlap schedule {overlap}; untimed servers (no round times: the timing "
+             f"wrappers synchronise the device); target {result['target_name']}, drafter {result['draft_name']}; "
+             f"{result['max_new']} new tokens a request, {result['repeats']} repeats, a new server pair each; "
+             f"PR_EAGLE3's readouts: {readouts_note(result)}.", "",
+             "| shape | requests | way | tau | tokens/s |", "|---|---|---|---|---|"]
+    for key, block in result["cells"].items():
+        shape, n = key.split("/")
+        for w in WAYS:
+            c = block["ways"][w]
+            lines.append(f"| {shape} | {n} | {w} | {c['tau']:.3f} | {c['tokens_per_s']:.2f} |")
+    lines += ["", "Ratios of tokens per second, pooled and per server pair (in repeat order):", "",
+              "| shape | requests | m0 / eagle3 | m3 / m0 | m0 / eagle3 per pair | m3 / m0 per pair |",
+              "|---|---|---|---|---|---|"]
+    for key, block in result["cells"].items():
+        shape, n = key.split("/")
+        r, per = block["ratios"], block.get("per_server_pair", [])
+        col = lambda k: ", ".join(f"{p[k]:.3f}" for p in per)  # noqa: E731
+        lines.append(f"| {shape} | {n} | {r['m0_tokens_per_s_over_eagle3']:.3f} | {r['m3_tokens_per_s_over_m0']:.3f} "
+                     f"| {col('m0_tokens_per_s_over_eagle3')} | {col('m3_tokens_per_s_over_m0')} |")
     lines += ["", f"Command: `{result['command']}`", ""]
     return "\n".join(lines)
 
@@ -250,14 +296,17 @@ def run_shape(args, shape_name: str, prompts, work: str, log) -> Dict[str, dict]
         with stack:
             for alg, name in (("eagle3", "EAGLE3"), ("pr", "PR_EAGLE3")):
                 port = free_port()
-                env = server_env(args.device, dict(os.environ, HF_HUB_OFFLINE="1", PR_EAGLE3_ROUND_TIMES=times[alg],
-                                                   PR_EAGLE3_BW=str(shape["k"]), PR_EAGLE3_M=str(args.m),
-                                                   PR_EAGLE3_READOUTS=args.readouts))
+                env = dict(os.environ, HF_HUB_OFFLINE="1", PR_EAGLE3_BW=str(shape["k"]), PR_EAGLE3_M=str(args.m),
+                           PR_EAGLE3_READOUTS=args.readouts)
+                env.pop("PR_EAGLE3_ROUND_TIMES", None)
+                if not args.untimed:
+                    env["PR_EAGLE3_ROUND_TIMES"] = times[alg]
+                env = server_env(args.device, env)
                 log(f"{shape_name} repeat {rep + 1}/{args.repeats}: starting {name} on 127.0.0.1:{port} ({args.device}, "
-                    f"CUDA graphs {'on' if args.cuda_graph else 'off'})")
+                    f"CUDA graphs {'on' if args.cuda_graph else 'off'}, overlap schedule {'on' if args.overlap else 'off'})")
                 cmd = launch_command(args.target, port, *spec_args(name, args.draft, shape), dtype=args.dtype,
                                      max_total_tokens=args.max_total_tokens, device=args.device,
-                                     cuda_graph=args.cuda_graph)
+                                     cuda_graph=args.cuda_graph, overlap=args.overlap)
                 stack.enter_context(serving(cmd, port, os.path.join(work, f"{shape_name}-{alg}-{rep + 1}.log"), env))
                 ports[alg] = port
             call = {"eagle3": lambda ids: ask(ports["eagle3"], ids, args.max_new),
@@ -276,8 +325,16 @@ def run_shape(args, shape_name: str, prompts, work: str, log) -> Dict[str, dict]
     readouts, out = served_readouts(os.path.join(work, f"{shape_name}-pr-1.log")), {}
     pooled = {alg: [r for rep in rounds for r in rep[alg]] for alg in ("eagle3", "pr")}
     for n in args.requests:
-        cells = {w: cell_summary(asks[(n, w)], pooled[_alg(w)], n) for w in WAYS}
         same = all(a["outputs"] == b["outputs"] for w in WAYS[1:] for a, b in zip(asks[(n, "eagle3")], asks[(n, w)]))
+        if args.untimed:  # tau and tokens/s only
+            cells = {w: throughput(asks[(n, w)]) for w in WAYS}
+            out[f"{shape_name}/{n}"] = {"ways": cells, "ratios": throughput_ratios(cells), "outputs_equal_eagle3": same,
+                                        "per_server_pair": [throughput_ratios({w: throughput([asks[(n, w)][rep]])
+                                                                               for w in WAYS})
+                                                            for rep in range(args.repeats)],
+                                        "readouts": readouts}
+            continue
+        cells = {w: cell_summary(asks[(n, w)], pooled[_alg(w)], n) for w in WAYS}
         per_pair = [pair_ratios({w: (asks[(n, w)][rep], rounds[rep][_alg(w)]) for w in WAYS}, n, args.device == "cuda")
                     for rep in range(args.repeats)]
         out[f"{shape_name}/{n}"] = {"ways": cells, "ratios": ratios(cells, gpu=args.device == "cuda"),
@@ -335,12 +392,17 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: through the CPU bridge; cuda: a stock GPU launch (Triton attention, PR rows on Triton)")
     p.add_argument("--cuda-graph", action="store_true", help="on --device cuda: SGLang's CUDA graphs on (default off)")
+    p.add_argument("--untimed", action="store_true",
+                   help="no round timing (its wrappers synchronise the device): tau and tokens/s only")
+    p.add_argument("--overlap", action="store_true",
+                   help="SGLang's overlap schedule on both servers (implies --untimed)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--machine", default="quiet machine")
     p.add_argument("--work", default=None, help="where the servers' logs and round times go (default: a temp dir)")
     p.add_argument("--json", default=None)
     p.add_argument("--md", default=None)
     args = p.parse_args(argv)
+    args.untimed = args.untimed or args.overlap
     check_inputs(args)
     if min(args.requests) < 1 or args.repeats < 1 or args.max_new < 2 or args.m < 1:
         raise SystemExit("serving_cost: --requests, --repeats and --m must be >= 1, --max-new >= 2")
@@ -366,6 +428,7 @@ def main(argv=None) -> int:
     result = {"machine": args.machine, "cpu": cpu_name(), "commit": commit(), "date": time.strftime("%Y-%m-%d"),
               "threads": torch.get_num_threads(), "dtype": args.dtype, "device": args.device,
               "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None, "cuda_graph": args.cuda_graph,
+              "timed": not args.untimed, "overlap": args.overlap,
               "target_name": os.path.basename(os.path.normpath(args.target)),
               "draft_name": os.path.basename(os.path.normpath(args.draft)), "max_new": args.max_new,
               "repeats": args.repeats, "m": args.m, "shapes": {s: SHAPES[s] for s in args.shapes},

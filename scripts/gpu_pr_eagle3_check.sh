@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# PR_EAGLE3 on one CUDA GPU, every check in one go (~15-25 min; logs, JSON and tables land in OUTDIR).
+# PR_EAGLE3 on one CUDA GPU, every check in one go (~20-30 min; logs, JSON and tables land in OUTDIR).
 #   1. equality, CUDA graphs off, then on: the live PR_EAGLE3 tests (tests/sglang_live/test_live_pr_eagle3*.py)
 #      with their servers on the GPU (PR_SPECFORGE_LIVE_DEVICE=cuda: stock launch_server, Triton attention, fp32,
 #      greedy), against our evaluator on the CPU: outputs, verify rounds, accepted drafts and every round's tree
@@ -10,6 +10,8 @@
 #   2. cost, CUDA graphs off, then on: benchmarks/serving_cost.py --device cuda, PR_EAGLE3 m 0 / m 3 against
 #      SGLang's EAGLE3, side by side, 1 and 4 concurrent requests, the paper's shape and a small one; round
 #      times, the model-compute floor, tokens/s (serving_cost-graphs-{off,on}.{json,md}).
+#   3. tokens/s with SGLang's overlap schedule off, then on (graphs on, untimed servers: the round timer would
+#      synchronise the device): serving_cost-overlap-{off,on}.{json,md}.
 # Usage: scripts/gpu_pr_eagle3_check.sh [OUTDIR] [TARGET] [DRAFT]
 #   TARGET, DRAFT: a target and its PR export `--to sglang` (default: make run's work/smollm2/target and
 #   work/smollm2/export/pr-sglang; without them step 2 is skipped and says so).
@@ -47,6 +49,13 @@ if [ -f "$TARGET/config.json" ] && [ -f "$DRAFT/config.json" ]; then
       --target "$TARGET" --draft "$DRAFT" --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
       --work "$OUTDIR/serving_cost-graphs-$graphs" --json "$OUTDIR/serving_cost-graphs-$graphs.json" \
       --md "$OUTDIR/serving_cost-graphs-$graphs.md"
+  done
+  for overlap in off on; do
+    flag=(--untimed); [ $overlap = on ] && flag=(--overlap)
+    run "serving_cost-overlap-$overlap" "$PY" benchmarks/serving_cost.py --device cuda --cuda-graph "${flag[@]}" \
+      --target "$TARGET" --draft "$DRAFT" --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
+      --work "$OUTDIR/serving_cost-overlap-$overlap" --json "$OUTDIR/serving_cost-overlap-$overlap.json" \
+      --md "$OUTDIR/serving_cost-overlap-$overlap.md"
   done
 else
   echo "== serving_cost: skipped: no $TARGET/config.json or $DRAFT/config.json (make run makes them)"

@@ -84,6 +84,26 @@ def test_each_server_pairs_ratios_are_kept_and_tabled(bench):
     assert "| small | 1 | 1.100, - | 1.000, - | 1.100, - |" in bench.markdown(result)
 
 
+def test_an_untimed_run_reports_tau_and_tokens_per_second_only(bench):
+    """`--untimed` / `--overlap`: no round times, so no round table; tokens/s ratios pooled and per server pair."""
+    asks = {"eagle3": [{"tokens": 40, "rounds": 20, "wall_s": 4.0}, {"tokens": 40, "rounds": 20, "wall_s": 2.0}],
+            "pr_m0": [{"tokens": 40, "rounds": 20, "wall_s": 4.0}, {"tokens": 40, "rounds": 20, "wall_s": 4.0}],
+            "pr_m3": [{"tokens": 40, "rounds": 10, "wall_s": 5.0}, {"tokens": 40, "rounds": 10, "wall_s": 5.0}]}
+    cells = {w: bench.throughput(a) for w, a in asks.items()}
+    assert cells["eagle3"] == {"tau": 2.0, "tokens_per_s": 15.0} and cells["pr_m3"]["tau"] == 4.0
+    r = bench.throughput_ratios(cells)
+    assert r == {"m0_tokens_per_s_over_eagle3": pytest.approx(10 / 15), "m3_tokens_per_s_over_m0": pytest.approx(0.8)}
+    per = [bench.throughput_ratios({w: bench.throughput([a[i]]) for w, a in asks.items()}) for i in range(2)]
+    result = {"machine": "m", "dtype": "float32", "commit": "c", "date": "d", "cpu": "cpu", "threads": 2,
+              "target_name": "t", "draft_name": "p", "max_new": 8, "repeats": 2, "command": "python x --overlap",
+              "timed": False, "overlap": True,
+              "cells": {"paper/1": {"ways": cells, "ratios": r, "per_server_pair": per}}}
+    table = bench.markdown(result)
+    assert "SGLang's overlap schedule on; untimed servers" in table and "round ms" not in table
+    assert "| paper | 1 | pr_m3 | 4.000 | 8.00 |" in table
+    assert "| paper | 1 | 0.667 | 0.800 | 1.000, 0.500 | 0.800, 0.800 |" in table
+
+
 def test_the_pr_servers_readouts_are_read_from_its_log(bench, tmp_path):
     log = tmp_path / "paper-pr.log"
     from pr_specforge.sglang_plugin.worker import READY_LINE
