@@ -28,8 +28,10 @@ buffers), and `run` hands the body to `RoundGraphs` (replayed from a CUDA graph,
 KV slots. Tree row `r` of a round (row 0: the root, the last context row) lives at `req_to_token[req,
 seq_len - 1 + r]`, the layout our runtime's buffer has: rows `1 ..` take the draft slots SGLang reserved
 after the context (`(gamma - 1)(B_w + m)` of them; a decode reserves `2 max(steps k, B + 1)` there,
-`mem_cache/common.py`, logged as `kv_room` in the round log); draft-extend overwrites them after verification. A request whose reservation is
-short is refused in one line (`checks.check_rows_reservation` refuses such a shape at start-up).
+`mem_cache/common.py`, less up to gamma + 1 under the overlap schedule; logged as `kv_room` in the round log);
+draft-extend overwrites them after verification. A shape whose rows outgrow that reservation is refused at start-up,
+in one line (`checks.rows_room`, `check_rows`); the round itself reads no length on the host to check it again.
+Padding requests (`PoolContext.pad`) write SGLang's padding KV slot 0.
 
 Does not own: the tree (`serving.batched_tree`), the worker (`sglang_plugin.worker`).
 """
