@@ -110,9 +110,14 @@ class PRDraftWorker(EagleDraftWorker):
         self.pr_shape = check_server_args(self.server_args)
         self.pr_mode = mode  # "sglang" or "ours" (`checks.check_rows`)
         self.pr_max_rows = rows_room(self.pr_shape, overlap_on(self.server_args)) if mode == "sglang" else None
-        self.pr_totals: Dict[str, int] = dict.fromkeys(("rounds",) + COUNTERS, 0)  # over every request's rounds
-        self.pr_pending = None  # the previous round's host part, settled at the next (`_settle`)
-        self.pr_log = os.environ.get(ROUND_LOG) or None
+        self.pr_counting(os.environ.get(ROUND_LOG) or None)
+
+    def pr_counting(self, log_path: Optional[str]) -> None:
+        """The worker's round bookkeeping from nothing: totals over every request's rounds, no pending round, the
+        round log (`PR_EAGLE3_ROUND_LOG`) or None."""
+        self.pr_totals: Dict[str, int] = dict.fromkeys(("rounds",) + COUNTERS, 0)
+        self.pr_pending = None  # the latest round's host part, settled at the next draft (`_settle`)
+        self.pr_log = log_path
 
     def alloc_memory_pool(self, *args, **kwargs):
         super().alloc_memory_pool(*args, **kwargs)
