@@ -328,17 +328,15 @@ def run_shape(args, shape_name: str, prompts, work: str, log) -> Dict[str, dict]
         same = all(a["outputs"] == b["outputs"] for w in WAYS[1:] for a, b in zip(asks[(n, "eagle3")], asks[(n, w)]))
         if args.untimed:  # tau and tokens/s only
             cells = {w: throughput(asks[(n, w)]) for w in WAYS}
-            out[f"{shape_name}/{n}"] = {"ways": cells, "ratios": throughput_ratios(cells), "outputs_equal_eagle3": same,
-                                        "per_server_pair": [throughput_ratios({w: throughput([asks[(n, w)][rep]])
-                                                                               for w in WAYS})
-                                                            for rep in range(args.repeats)],
-                                        "readouts": readouts}
-            continue
-        cells = {w: cell_summary(asks[(n, w)], pooled[_alg(w)], n) for w in WAYS}
-        per_pair = [pair_ratios({w: (asks[(n, w)][rep], rounds[rep][_alg(w)]) for w in WAYS}, n, args.device == "cuda")
-                    for rep in range(args.repeats)]
-        out[f"{shape_name}/{n}"] = {"ways": cells, "ratios": ratios(cells, gpu=args.device == "cuda"),
-                                    "per_server_pair": per_pair,
+            ratio = throughput_ratios(cells)
+            per_pair = [throughput_ratios({w: throughput([asks[(n, w)][rep]]) for w in WAYS})
+                        for rep in range(args.repeats)]
+        else:
+            cells = {w: cell_summary(asks[(n, w)], pooled[_alg(w)], n) for w in WAYS}
+            ratio = ratios(cells, gpu=args.device == "cuda")
+            per_pair = [pair_ratios({w: (asks[(n, w)][rep], rounds[rep][_alg(w)]) for w in WAYS}, n,
+                                    args.device == "cuda") for rep in range(args.repeats)]
+        out[f"{shape_name}/{n}"] = {"ways": cells, "ratios": ratio, "per_server_pair": per_pair,
                                     "outputs_equal_eagle3": same, "readouts": readouts}
     return out
 

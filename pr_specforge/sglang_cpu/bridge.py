@@ -67,25 +67,33 @@ def _patch_memory_pool(mod) -> None:
 
 
 @contextlib.contextmanager
-def _no_cuda_sync():
-    import torch
-
-    saved = torch.cuda.synchronize, torch.cuda.empty_cache
-    torch.cuda.synchronize = torch.cuda.empty_cache = lambda *a, **k: None
+def _no_ops(owner, *names):
+    """`owner`'s attributes `names` made no-ops for the block, restored after (also on failure)."""
+    saved = [getattr(owner, name) for name in names]
+    for name in names:
+        setattr(owner, name, lambda *a, **k: None)
     try:
         yield
     finally:
-        torch.cuda.synchronize, torch.cuda.empty_cache = saved
+        for name, value in zip(names, saved):
+            setattr(owner, name, value)
 
 
-def _patch_llama(mod) -> None:
-    original = mod.LlamaForCausalLM.set_embed
+def _call_with_no_ops(cls, method: str, owner, *names) -> None:
+    """`cls.method` replaced by the original run under `_no_ops(owner, *names)`."""
+    original = getattr(cls, method)
 
-    def set_embed(self, embed):
-        with _no_cuda_sync():
-            return original(self, embed)
+    def wrapped(self, *args, **kwargs):
+        with _no_ops(owner, *names):
+            return original(self, *args, **kwargs)
 
-    mod.LlamaForCausalLM.set_embed = set_embed
+    setattr(cls, method, wrapped)
+
+
+def _patch_llama(mod) -> None:  # `set_embed` syncs and empties the CUDA cache
+    import torch
+
+    _call_with_no_ops(mod.LlamaForCausalLM, "set_embed", torch.cuda, "synchronize", "empty_cache")
 
 
 def _patch_eagle3(mod) -> None:
@@ -212,28 +220,12 @@ def _patch_cache_locs(mod) -> None:
     mod.assign_draft_cache_locs_contiguous = DraftCacheLocs()
 
 
-@contextlib.contextmanager
-def _no_record_stream():
-    """`Tensor.record_stream` a no-op for the call: a CPU tensor has no streams to keep it alive on (the call
-    raises `unknown parameter type` on a CPU tensor, and a CPU stream has no kernel for it)."""
+def _patch_overlap_utils(mod) -> None:
+    """`Tensor.record_stream` a no-op for the call: a CPU tensor has no streams to keep it alive on (the call raises
+    `unknown parameter type` on a CPU tensor, and a CPU stream has no kernel for it)."""
     import torch
 
-    saved = torch.Tensor.record_stream
-    torch.Tensor.record_stream = lambda self, stream: None
-    try:
-        yield
-    finally:
-        torch.Tensor.record_stream = saved
-
-
-def _patch_overlap_utils(mod) -> None:
-    original = mod.FutureMap._resolve_spec_extras
-
-    def resolve_spec_extras(self, batch):
-        with _no_record_stream():
-            return original(self, batch)
-
-    mod.FutureMap._resolve_spec_extras = resolve_spec_extras
+    _call_with_no_ops(mod.FutureMap, "_resolve_spec_extras", torch.Tensor, "record_stream")
 
 
 def _patch_eagle_utils(mod) -> None:

@@ -70,6 +70,10 @@ class PRServeShape:
         """`spec_steps` of `build_tree_kernel_efficient` for groups 2k wide: its parent list holds them all."""
         return 1 + math.ceil((self.groups() - 1) / (2 * self.k))
 
+    def parent_width(self) -> int:
+        """The width of `build_tree_kernel_efficient`'s parent list at `kernel_steps` (groups 2k wide)."""
+        return 2 * self.k * (self.kernel_steps() - 1) + 1
+
 
 def _env_int(name: str) -> Optional[int]:
     raw = os.environ.get(name)

@@ -44,10 +44,15 @@ def decode_graphs(server_args) -> Optional[list]:
     """SGLang's decode graph batch sizes where its decode graphs are on, else None."""
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
-    decode = getattr(getattr(server_args, "cuda_graph_config", None), "decode", None)
+    decode = _decode_config(server_args)
     if decode is None or decode.backend == Backend.DISABLED or not decode.bs:
         return None
     return sorted(decode.bs)
+
+
+def _decode_config(server_args):
+    """SGLang's decode graph config (`cuda_graph_config.decode`), None where the arguments have none."""
+    return getattr(getattr(server_args, "cuda_graph_config", None), "decode", None)
 
 
 def round_sizes(server_args, kind: str) -> Optional[list]:
@@ -56,7 +61,7 @@ def round_sizes(server_args, kind: str) -> Optional[list]:
     off: `--cuda-graph-bs-decode`); None where there are none (then no padding)."""
     if kind == "capture":
         return decode_graphs(server_args)
-    decode = getattr(getattr(server_args, "cuda_graph_config", None), "decode", None)
+    decode = _decode_config(server_args)
     return sorted(decode.bs) if decode is not None and decode.bs else None
 
 

@@ -96,6 +96,13 @@ def _to_host(summary: torch.Tensor):
     done = torch.cuda.Event()
     done.record()
     return host, done
+
+
+def _kv_room(allocated: Optional[int], seq_len: Optional[int]) -> Optional[int]:
+    """The draft slots after the context (the round log's `kv_room`): None where either side is unknown."""
+    return None if allocated is None or seq_len is None else allocated - seq_len
+
+
 ROUND_LOG = "PR_EAGLE3_ROUND_LOG"
 COUNTERS = ("recon_rows", "recon_kept", "repriced_kept")  # a request's per-round counters, summed on the worker
 #: the start-up line of the `sglang` row path (benchmarks/serving_cost.py reads it from the server's log)
@@ -241,16 +248,15 @@ class PRDraftWorker(EagleDraftWorker):
         if p.done is not None:
             p.done.synchronize()
         shape = self.pr_shape
-        width = 2 * shape.k * (shape.kernel_steps() - 1) + 1
         lengths = p.seq_lens.tolist() if p.seq_lens is not None else [None] * len(p.rids)
         trees = [None] * len(p.rids)
         for builder, packed, kept, members, size in p.built:
             for b, tree in zip(members, builder.unpack(packed.cpu(), kept, [lengths[b] for b in members], size=size)):
                 trees[b] = tree
         for b, s in enumerate(p.summary.tolist()):
-            check_encoded(s[:3], shape.budget, shape.k, width)
-            room = None if lengths[b] is None else p.allocated[b] - lengths[b]
-            self._count(p.rids[b], lengths[b], s[3:], trees[b], len(p.rids), room, p.graph[b], p.graph_batch[b])
+            check_encoded(s[:3], shape.budget, shape.k, shape.parent_width())
+            self._count(p.rids[b], lengths[b], s[3:], trees[b], len(p.rids), _kv_room(p.allocated[b], lengths[b]),
+                        p.graph[b], p.graph_batch[b])
 
     def _count(self, rid: str, seq_len, counts, tree, batch_size: int, kv_room, graph: str, graph_batch: int = 0) -> None:
         """A request's round: its counters (`counts` = recon_rows, recon_kept, repriced_kept) into the worker's totals
@@ -277,7 +283,7 @@ class PRDraftWorker(EagleDraftWorker):
                                                       self.speculative_num_draft_tokens)
         self._settle()  # the previous round's host part, where it is still pending
         draft_input = batch.spec_info
-        width = 2 * shape.k * (shape.kernel_steps() - 1) + 1
+        width = shape.parent_width()
         if self.pr_rows is not None:
             verify, self.pr_pending = self._batched_rounds(batch, draft_input, width)
         else:
@@ -289,14 +295,8 @@ class PRDraftWorker(EagleDraftWorker):
             verify = self._encode(trees, width)
             for b, (tree, req) in enumerate(zip(trees, batch.reqs)):
                 self._count(req.rid, lengths[b], [getattr(tree, name) for name in COUNTERS], tree, len(trees),
-                            self._kv_room(req, lengths[b]), "off")
+                            _kv_room(getattr(req, "kv_allocated_len", None), lengths[b]), "off")
         return self._verify_input(batch, draft_input, *verify)
-
-    @staticmethod
-    def _kv_room(req, seq_len: int):
-        """The draft slots after the context (the round log's `kv_room`)."""
-        allocated = getattr(req, "kv_allocated_len", None)
-        return None if allocated is None else allocated - seq_len
 
     def _encode(self, trees, width: int):
         """The `ours` path's trees, encoded on the host one by one (`encoding.encode_tree`)."""

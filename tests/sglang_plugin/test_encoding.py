@@ -18,7 +18,7 @@ SHAPES = [PRServeShape(k=2, bw=2, m=1, gamma=3, budget=6), PRServeShape(k=4, bw=
 def through_sglang(tree, shape: PRServeShape, seq_len: int):
     """The kept tree as SGLang's verify sees it: (tokens, positions, mask, parent) in SGLang's node order,
     and `order[i]` = the kept index of SGLang's node i."""
-    width = 2 * shape.k * (shape.kernel_steps() - 1) + 1
+    width = shape.parent_width()
     parents, scores = encode_tree(tree.parents(), tree.via_recon_list, shape.k, width)
     order = sorted(range(shape.budget), key=scores.__getitem__)
     toks = tree.tokens()
@@ -77,7 +77,7 @@ def test_the_device_encoding_of_a_batch_equals_the_host_encoding_of_each_tree(mo
     from pr_specforge.sglang_plugin.encoding import check_encoded, encode_packed, round_counts
 
     target, _, pr = models
-    width = 2 * shape.k * (shape.kernel_steps() - 1) + 1
+    width = shape.parent_width()
     recon = 0
     for bias in (-2.0, 0.0):
         eager_gate(pr, bias)
