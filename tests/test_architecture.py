@@ -13,6 +13,10 @@
   (module level and inside functions, absolute and relative, `from pkg import submodule` as an edge to the
   submodule; `if TYPE_CHECKING:` blocks never run and are left out), and a cycle fails naming its modules.
 * No `.py` file in `benchmarks/` over 600 lines either.
+* The serving plugin (`sglang_plugin/`, and `serving/batched_tree.py`, whose round it runs) never brings host values
+  to a device with a waiting copy: no `torch.tensor(..., device=...)` / `torch.as_tensor(..., device=...)`, and no
+  `torch.tensor(...).to(...)` without `non_blocking=True`; `serving.host_reads.to_device` is the way (a waiting
+  copy holds the draft's launches until the GPU has caught up, which undoes SGLang's overlap schedule).
 """
 
 from __future__ import annotations
@@ -356,3 +360,50 @@ def test_the_private_api_check_catches_calls_attributes_and_imports():
     found = {what for _, what in _private_api_uses(ast.parse(source), private)}
     assert found == {"imports _compute_target_p_padded", "self._device", "self.eagle3_model._acc_and_loss",
                      "CheckpointManager._atomic_save"}, found
+
+
+WAITING_COPY_SCOPE = ("sglang_plugin", "serving/batched_tree.py")
+
+
+def _waiting_copies(tree: ast.AST) -> List[Tuple[int, str]]:
+    """`(line, what)` for each host-to-device copy that waits for the device: `torch.tensor` / `torch.as_tensor`
+    with a `device=`, or such a tensor's `.to(...)` / `.cuda(...)` without `non_blocking=True`."""
+
+    def is_new_tensor(node) -> bool:
+        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("tensor", "as_tensor")
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch")
+
+    def non_blocking(call: ast.Call) -> bool:
+        return any(k.arg == "non_blocking" and isinstance(k.value, ast.Constant) and k.value.value is True
+                   for k in call.keywords)
+
+    found = []
+    for node in ast.walk(tree):
+        if is_new_tensor(node) and any(k.arg == "device" for k in node.keywords):
+            found.append((node.lineno, f"torch.{node.func.attr}(..., device=...)"))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("to", "cuda") and is_new_tensor(node.func.value) and not non_blocking(node)):
+            found.append((node.lineno, f"torch.{node.func.value.func.attr}(...).{node.func.attr}(...) that waits"))
+    return found
+
+
+def test_the_serving_plugin_brings_host_values_to_the_device_without_waiting():
+    bad = [f"{_rel(path)}:{line}: {what}"
+           for path, tree in _modules()
+           if any(str(path.relative_to(PACKAGE)).startswith(scope) for scope in WAITING_COPY_SCOPE)
+           for line, what in _waiting_copies(tree)]
+    assert not bad, "waiting host-to-device copies (use serving.host_reads.to_device):\n" + "\n".join(bad)
+
+
+def test_the_waiting_copy_check_catches_each_form():
+    source = """
+import torch
+a = torch.tensor([1, 2], device=dev)
+b = torch.as_tensor(x, device="cuda")
+c = torch.tensor([1]).to(dev)
+d = torch.tensor([1]).cuda()
+e = torch.tensor([1]).to(dev, non_blocking=True)
+f = torch.tensor([1])
+"""
+    assert [line for line, _ in _waiting_copies(ast.parse(source))] == [3, 4, 5, 6]

@@ -48,6 +48,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 
 from pr_specforge.serving.drafter_runtime import DrafterRuntime
+from pr_specforge.serving.host_reads import to_device
 from pr_specforge.serving.tensor_tree import (
     NEG,
     TensorDraftTree,
@@ -104,7 +105,7 @@ class RuntimeRows:
 
     def root_positions(self) -> torch.Tensor:
         """The round's root positions `[b, 1]` (a request's last context row), from `begin`'s requests."""
-        return torch.tensor([[ctx] for ctx in self.ctx])
+        return to_device([[ctx] for ctx in self.ctx], self.rts[0].device)
 
     def run(self, tb: TreeShape, size: int, body):
         """The round's device part for `size` requests, `body()` -> (packed result, kept nodes): run here as it

@@ -11,6 +11,12 @@ an aten operator that a `TorchDispatchMode` sees on any device, this CPU include
 `NoHostReads()` is that mode: inside it, the first such operation raises `HostReadError` naming the operator.
 Run on a CPU, it proves what the capture would meet on a GPU for the code path it ran (the operators, not the
 kernels: a kernel that syncs inside, or a Python branch on a value read before the guard, is not seen).
+
+Outside a capture, host data still has to reach the device each round (request slots, which requests a group
+holds). `to_device` brings it without waiting: `torch.tensor(values, device=cuda)` copies with `non_blocking=False`,
+which waits for all the work queued on the stream, the previous batch's included, so under SGLang's overlap schedule
+the draft's launches would wait for the GPU instead of running ahead of it. Code that runs every round uses
+`to_device`; tests/test_architecture.py refuses `torch.tensor(..., device=...)` in the serving plugin.
 """
 
 from __future__ import annotations
@@ -26,6 +32,13 @@ _VALUE_SHAPED = {
 }
 _HOST_DATA = {_ops.lift_fresh.default, _ops.lift_fresh_copy.default}
 _BOOL_INDEXED = {_ops.index.Tensor, _ops.index_put.default, _ops.index_put_.default, _ops._index_put_impl_.default}
+
+
+def to_device(values, device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Python `values` as a tensor on `device`, without waiting for the device: built on the host, then copied with
+    `non_blocking=True` (a copy from pageable host memory is staged before the call returns, so `values` may go at
+    once; nothing queued on the stream is waited for). On the host it is the tensor itself."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 class HostReadError(RuntimeError):

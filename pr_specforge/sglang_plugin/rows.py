@@ -48,6 +48,7 @@ import torch
 
 from pr_specforge.serving.batched_tree import READOUTS, RuntimeRows, check_readouts
 from pr_specforge.serving.drafter_runtime import DrafterRuntime
+from pr_specforge.serving.host_reads import to_device
 from pr_specforge.serving.tensor_tree import TreeShape, batch_step_readouts, step_readouts
 from pr_specforge.sglang_plugin.round_graph import GRAPH_ENV, GRAPH_MODES, RoundGraphs
 from pr_specforge.sglang_plugin.row_attention import ATTENTION_ENV, ROW_ATTENTIONS, row_backend, row_kv_lists
@@ -141,9 +142,9 @@ class SGLangRows(RuntimeRows):
         self.tb, self.rts = tb, [self.rt] * len(ctxs)  # `RuntimeRows.root` reads through the shared runtime
         dev = self.rt.device  # the draft slots the rows take: `checks.rows_room`, checked at start-up
         pool = self.runner.req_to_token_pool.req_to_token
-        table = pool[torch.tensor([c.req_pool_index for c in ctxs], device=pool.device)].to(dev)
+        table = pool[to_device([c.req_pool_index for c in ctxs], pool.device)].to(dev)
         if any(c.pad for c in ctxs):  # padding requests: every slot is SGLang's padding slot 0
-            table.masked_fill_(torch.tensor([c.pad for c in ctxs], device=dev)[:, None], 0)
+            table.masked_fill_(to_device([c.pad for c in ctxs], dev, torch.bool)[:, None], 0)
         ctx_len = torch.stack([c.on_device.reshape(()) for c in ctxs]).to(dev, torch.long) - 1  # no host read
         b, p = len(ctxs), tb.per_step
         self.in_graph = self.graphs is not None and b * p <= self.graph_rows

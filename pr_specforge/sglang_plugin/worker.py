@@ -58,6 +58,7 @@ from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorker
 
 from pr_specforge.serving.batched_tree import BatchedTreeBuilder, BatchRequest
 from pr_specforge.serving.drafter_runtime import DrafterRuntime, readouts_row_invariant
+from pr_specforge.serving.host_reads import to_device
 from pr_specforge.serving.tensor_tree import TensorTreeBuilder
 from pr_specforge.sglang_plugin.checks import (
     check_readouts, check_round_graph, check_row_attention, check_server_args, load_pr_drafter, overlap_on, request_shape,
@@ -205,7 +206,7 @@ class PRDraftWorker(EagleDraftWorker):
             requests += [self._pad_request(draft_input)] * (size - len(members))
             packed, kept = builder.build_packed(requests)
             packed, kept = packed[: len(members)], kept[: len(members)]
-            at = torch.tensor(members, device=dev)
+            at = to_device(members, dev)
             *parts, check = encode_packed(packed, shape.budget, shape.k, width)
             for out, part in zip((parent_list, top_scores_index, draft_tokens), parts):
                 out.index_copy_(0, at, part.to(dev))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pr_specforge.serving.batched_tree import BatchedTreeBuilder, BatchRequest, RuntimeRows
-from pr_specforge.serving.host_reads import HostReadError, NoHostReads
+from pr_specforge.serving.host_reads import HostReadError, NoHostReads, to_device
 from pr_specforge.sglang_plugin.round_graph import RoundGraphs, resolve_round_graph
 from pr_specforge.sglang_plugin.row_attention import attend_lists, gather_plan, row_kv_lists
 from tests.serving.test_serving_batched_tree import PROMPTS, SHAPES, requests
@@ -40,6 +40,20 @@ def test_the_guard_refuses_what_a_graph_cannot_capture(name):
         with NoHostReads("a test body"):
             REFUSED[name]()
     assert str(e.value).startswith("a test body: aten.") and "\n" not in str(e.value)
+
+
+def test_to_device_brings_host_values_as_torch_tensor_would_and_is_refused_inside_a_capture():
+    """`to_device`, the round start's way to bring host values (request slots, a group's members) to the device
+    without waiting for it: the values and dtype `torch.tensor` gives; host data all the same, so the guard refuses
+    it inside a captured body."""
+    slots = to_device([3, 0, 7], "cpu")
+    assert slots.dtype == torch.long and slots.tolist() == [3, 0, 7]
+    pads = to_device([False, True], torch.device("cpu"), torch.bool)
+    assert pads.dtype == torch.bool and pads.tolist() == [False, True]
+    assert to_device([[4], [9]], "cpu").shape == (2, 1)
+    with pytest.raises(HostReadError, match="brings host data in"):
+        with NoHostReads("a test body"):
+            to_device([1, 2], "cpu")
 
 
 def test_the_guard_lets_fixed_shape_device_work_through():
