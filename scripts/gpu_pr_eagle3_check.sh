@@ -6,7 +6,8 @@
 #      at tolerance zero, at three shapes, four concurrent requests included; the PR rows run on SGLang's
 #      TritonAttnBackend (PR_EAGLE3_ROW_ATTENTION=auto on CUDA); with SGLang's graphs on, each round is replayed
 #      from its CUDA graph (PR_EAGLE3_ROUND_GRAPH=auto), and the Triton module captures with graphs off too (=on);
-#      test_live_pr_eagle3.py's server runs SGLang's overlap schedule (the others run without it).
+#      test_live_pr_eagle3.py's server runs SGLang's overlap schedule (the others run without it); every server
+#      checks that the draft reads nothing on the host (PR_EAGLE3_CHECK_HOST_READS=on: .item(), .tolist(), .cpu(), ...).
 #   2. cost, CUDA graphs off, then on: benchmarks/serving_cost.py --device cuda, PR_EAGLE3 m 0 / m 3 against
 #      SGLang's EAGLE3, side by side, 1 and 4 concurrent requests, the paper's shape and a small one; round
 #      times, the model-compute floor, tokens/s (serving_cost-graphs-{off,on}.{json,md}).

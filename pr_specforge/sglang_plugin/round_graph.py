@@ -32,7 +32,7 @@ from typing import Callable, Dict, Hashable, Optional
 
 import torch
 
-from pr_specforge.serving.host_reads import NoHostReads
+from pr_specforge.serving.host_reads import NoHostReads, host_reads_allowed
 
 GRAPH_ENV = "PR_EAGLE3_ROUND_GRAPH"
 GRAPH_MODES = ("auto", "off", "on")
@@ -99,8 +99,9 @@ class RoundGraphs:
             with NoHostReads("PR_EAGLE3's round body"):
                 return body()
         entry = self.graphs.get(key, _MISSING)
-        if entry is _MISSING:
-            entry = self.graphs[key] = self._capture(key, body)
+        if entry is _MISSING:  # a key's first round: the capture waits for the device (its warm-up body is guarded)
+            with host_reads_allowed():
+                entry = self.graphs[key] = self._capture(key, body)
         if entry is None:
             self.last = "eager"
             return body()

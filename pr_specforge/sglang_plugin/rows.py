@@ -48,7 +48,7 @@ import torch
 
 from pr_specforge.serving.batched_tree import READOUTS, RuntimeRows, check_readouts
 from pr_specforge.serving.drafter_runtime import DrafterRuntime
-from pr_specforge.serving.host_reads import to_device
+from pr_specforge.serving.host_reads import host_reads_allowed, to_device
 from pr_specforge.serving.tensor_tree import TreeShape, batch_step_readouts, step_readouts
 from pr_specforge.sglang_plugin.round_graph import GRAPH_ENV, GRAPH_MODES, RoundGraphs
 from pr_specforge.sglang_plugin.row_attention import ATTENTION_ENV, ROW_ATTENTIONS, row_backend, row_kv_lists
@@ -199,8 +199,9 @@ class SGLangRows(RuntimeRows):
         saved = batch.spec_info, batch.out_cache_loc
         batch.spec_info, batch.out_cache_loc = spec, torch.zeros(n, dtype=torch.int64, device=self.rt.device)
         batch.capture_hidden_mode = CaptureHiddenMode.LAST
-        try:
-            fb = ForwardBatch.init_new(batch, self.runner)
+        try:  # SGLang's constructor reads the batch's host mirrors: once per graph key, and in every eager round
+            with host_reads_allowed():
+                fb = ForwardBatch.init_new(batch, self.runner)
         finally:
             batch.spec_info, batch.out_cache_loc = saved
         return fb, spec
@@ -228,8 +229,9 @@ class SGLangRows(RuntimeRows):
         spec.pr_recon_index = self.recon_index if tb.m else self.recon_index[:0]
         if self.in_graph:  # the lists as they are, on the backend's fixed work buffers (a decode graph's metadata)
             self.backend.init_forward_metadata_out_graph(fb, in_capture=True)
-        else:
-            self.backend.init_forward_metadata(fb)
+        else:  # an eager plan sizes its work from the lists on the host (ours reads the longest; SGLang's eager
+            with host_reads_allowed():  # decode metadata likewise)
+                self.backend.init_forward_metadata(fb)
         fb.mark_forward_metadata_ready()
         feats = self.forward_rows(fb)
         feats = feats.reshape(b, p, -1).to(feat_out.dtype)

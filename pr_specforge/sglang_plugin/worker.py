@@ -20,7 +20,8 @@ where SGLang's runner can run the rows):
     (`round_graph`: on CUDA with SGLang's decode graphs on by default; `on` on a CPU runs it under a host-read guard),
     its batch padded to SGLang's decode graph sizes (`_pad_request`).
     Its kept trees are encoded on the device for every request at once (`encoding.encode_packed`). The draft's own
-    code reads nothing on the host, so SGLang's overlap schedule can run it (`supports_overlap=True`): the lengths, bonus
+    code reads nothing on the host (`PR_EAGLE3_CHECK_HOST_READS=on` checks it, `_host_read_check`; the live tests run
+    with it), so SGLang's overlap schedule can run it (`supports_overlap=True`): the lengths, bonus
     tokens and features are read on the device, the host gives what it holds (request slots, allocated KV slots as
     the lengths' bound, uniforms), and each round's six numbers per request (the encoding's check, the counters)
     are read at the next round's draft (`_settle`; with a round log, right after the round's verify).
@@ -58,7 +59,7 @@ from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorker
 
 from pr_specforge.serving.batched_tree import BatchedTreeBuilder, BatchRequest
 from pr_specforge.serving.drafter_runtime import DrafterRuntime, readouts_row_invariant
-from pr_specforge.serving.host_reads import to_device
+from pr_specforge.serving.host_reads import NoHostReads, to_device
 from pr_specforge.serving.tensor_tree import TensorTreeBuilder
 from pr_specforge.sglang_plugin.checks import (
     check_readouts, check_round_graph, check_row_attention, check_server_args, load_pr_drafter, overlap_on, request_shape,
@@ -66,7 +67,7 @@ from pr_specforge.sglang_plugin.checks import (
 from pr_specforge.sglang_plugin.draft_model import use_for_draft
 from pr_specforge.sglang_plugin.encoding import check_encoded, encode_packed, encode_tree, round_counts
 from pr_specforge.sglang_plugin.round_graph import RoundGraphs, padded_size, round_sizes
-from pr_specforge.sglang_plugin.rows import PoolContext, SGLangRows
+from pr_specforge.sglang_plugin.rows import PoolContext, SGLangRows, env_mode
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ def _kv_room(allocated: Optional[int], seq_len: Optional[int]) -> Optional[int]:
 
 
 ROUND_LOG = "PR_EAGLE3_ROUND_LOG"
+CHECK_HOST_READS = "PR_EAGLE3_CHECK_HOST_READS"  # on: every `sglang`-path draft under NoHostReads(host_data=True)
 COUNTERS = ("recon_rows", "recon_kept", "repriced_kept")  # a request's per-round counters, summed on the worker
 #: the start-up line of the `sglang` row path (benchmarks/serving_cost.py reads it from the server's log)
 READY_LINE = ("PR_EAGLE3 rows' attention: %s; readouts: %s; round graph: %s; a row's readouts are the same bits in any "
@@ -118,6 +120,7 @@ class PRDraftWorker(EagleDraftWorker):
         self.pr_shape = check_server_args(self.server_args)
         self.pr_mode = mode  # "sglang" or "ours" (`checks.check_rows`)
         self.pr_max_rows = rows_room(self.pr_shape, overlap_on(self.server_args)) if mode == "sglang" else None
+        self.pr_check_reads = env_mode(CHECK_HOST_READS, ("off", "on"), "off") == "on"
         self.pr_counting(os.environ.get(ROUND_LOG) or None)
 
     def pr_counting(self, log_path: Optional[str]) -> None:
@@ -286,7 +289,8 @@ class PRDraftWorker(EagleDraftWorker):
         draft_input = batch.spec_info
         width = shape.parent_width()
         if self.pr_rows is not None:
-            verify, self.pr_pending = self._batched_rounds(batch, draft_input, width)
+            with self._host_read_check():
+                verify, self.pr_pending = self._batched_rounds(batch, draft_input, width)
         else:
             lengths = batch.seq_lens.tolist()
             rows = self.req_to_token_pool.req_to_token[batch.req_pool_indices]
@@ -298,6 +302,15 @@ class PRDraftWorker(EagleDraftWorker):
                 self._count(req.rid, lengths[b], [getattr(tree, name) for name in COUNTERS], tree, len(trees),
                             _kv_room(getattr(req, "kv_allocated_len", None), lengths[b]), "off")
         return self._verify_input(batch, draft_input, *verify)
+
+    def _host_read_check(self):
+        """With `PR_EAGLE3_CHECK_HOST_READS=on` (a debugging aid: a Python call per torch operation), the round runs
+        under `NoHostReads(host_data=True)`: host values may come in, and any read that would wait for the device
+        fails the draft in one line, but for the parts that read by design (`host_reads_allowed`: SGLang's
+        `ForwardBatch` at a graph key's first round and in eager rounds, an eager round's attention metadata)."""
+        if not self.pr_check_reads:
+            return contextlib.nullcontext()
+        return NoHostReads("PR_EAGLE3's draft (PR_EAGLE3_CHECK_HOST_READS=on)", host_data=True)
 
     def _encode(self, trees, width: int):
         """The `ours` path's trees, encoded on the host one by one (`encoding.encode_tree`)."""

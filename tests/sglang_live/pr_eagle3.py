@@ -39,10 +39,13 @@ def pr_args(draft: str, shape: Shape):
 
 def pr_server(live_run, log_dir, shape: Shape, times=None, env=None, args=(), overlap: bool = False):
     """`sglang_server` serving the PR export at `shape` (B_w and m through the environment); its round log.
-    With `times` (a path), the server also times its rounds there (`PR_EAGLE3_ROUND_TIMES`); `env` and `args`:
-    more environment and launch flags; `overlap`: SGLang's overlap schedule."""
+    Every draft runs under the host-read check (`PR_EAGLE3_CHECK_HOST_READS=on`): a read that would wait for the
+    device fails the request. With `times` (a path), the server also times its rounds there
+    (`PR_EAGLE3_ROUND_TIMES`); `env` and `args`: more environment and launch flags; `overlap`: SGLang's overlap
+    schedule."""
     rounds = log_dir / "rounds.jsonl"
-    env = {"PR_EAGLE3_BW": str(shape.bw), "PR_EAGLE3_M": str(shape.m), "PR_EAGLE3_ROUND_LOG": str(rounds), **(env or {})}
+    env = {"PR_EAGLE3_BW": str(shape.bw), "PR_EAGLE3_M": str(shape.m), "PR_EAGLE3_ROUND_LOG": str(rounds),
+           "PR_EAGLE3_CHECK_HOST_READS": "on", **(env or {})}
     if times is not None:
         env["PR_EAGLE3_ROUND_TIMES"] = str(times)
     return sglang_server(live_run["target"], log_dir / "server.log", *pr_args(live_run["pr"], shape), *args,

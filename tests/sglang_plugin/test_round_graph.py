@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pr_specforge.serving.batched_tree import BatchedTreeBuilder, BatchRequest, RuntimeRows
-from pr_specforge.serving.host_reads import HostReadError, NoHostReads, to_device
+from pr_specforge.serving.host_reads import HostReadError, NoHostReads, host_reads_allowed, to_device
 from pr_specforge.sglang_plugin.round_graph import RoundGraphs, resolve_round_graph
 from pr_specforge.sglang_plugin.row_attention import attend_lists, gather_plan, row_kv_lists
 from tests.serving.test_serving_batched_tree import PROMPTS, SHAPES, requests
@@ -40,6 +40,43 @@ def test_the_guard_refuses_what_a_graph_cannot_capture(name):
         with NoHostReads("a test body"):
             REFUSED[name]()
     assert str(e.value).startswith("a test body: aten.") and "\n" not in str(e.value)
+
+
+READ_METHODS = {  # host reads that bypass the dispatcher: Tensor methods the guard's function mode refuses
+    "tolist": lambda: T.tolist(),
+    "numpy": lambda: T.numpy(),
+    "cpu": lambda: T.cpu(),
+    "__array__": lambda: __import__("numpy").asarray(T),
+}
+
+
+@pytest.mark.parametrize("name", READ_METHODS)
+def test_the_guard_refuses_host_reads_that_bypass_the_dispatcher(name):
+    with pytest.raises(HostReadError, match="a CUDA graph cannot capture it") as e:
+        with NoHostReads("a test body"):
+            READ_METHODS[name]()
+    assert str(e.value).startswith(f"a test body: Tensor.{name} reads") and "\n" not in str(e.value)
+
+
+def test_a_draft_guard_lets_host_data_in_and_refuses_reads_except_where_allowed():
+    """`host_data=True` (the draft's round start, checked live by `PR_EAGLE3_CHECK_HOST_READS`): host values come in
+    (`to_device`), reads are refused as waiting for the device, and a part inside `host_reads_allowed()` reads
+    unchecked; the guard is back on after it, and off after the guard."""
+    with NoHostReads("a draft", host_data=True):
+        slots = to_device([1, 2], "cpu")
+        for read in (lambda: slots.tolist(), lambda: int(slots[0]), lambda: slots[slots > 1]):
+            with pytest.raises(HostReadError, match="^a draft: .*: the host would wait for the device$"):
+                read()
+        with host_reads_allowed():
+            with host_reads_allowed():
+                assert slots.tolist() == [1, 2]
+            assert int(slots.sum()) == 3
+        with pytest.raises(HostReadError):
+            slots.tolist()
+        with host_reads_allowed(), pytest.raises(HostReadError, match="^a body: "):
+            with NoHostReads("a body"):  # a guard entered inside an allowed part checks (a capture's warm-up)
+                slots.tolist()
+    assert slots.tolist() == [1, 2]
 
 
 def test_to_device_brings_host_values_as_torch_tensor_would_and_is_refused_inside_a_capture():
