@@ -13,7 +13,7 @@ setup:
 run: setup
 	.venv/bin/pr-specforge run $(ARGS)
 
-# The test suite (CPU, tiny random models, serial; 15 min of tests on 2 quiet cores at 3ce2d3e, 877 s).
+# The test suite (CPU, tiny random models, serial; 15 min of tests on 2 quiet cores at 262a00d, 879 s).
 test: setup
 	.venv/bin/python -m pytest -q tests $(ARGS)
 
