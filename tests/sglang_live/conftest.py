@@ -54,16 +54,23 @@ def sglang_server(model: str, log_path, *args: str, dtype: str = "float32", env=
         yield port
 
 
+def extra_rounds(overlap: bool) -> tuple:
+    """How many more rounds than verify rounds a request may be drafted (and logged, and timed): one under SGLang's
+    overlap schedule (the scheduler learns one batch late that the request finished, and drops that round), else
+    none."""
+    return (0, 1) if overlap else (0,)
+
+
 def assert_round_times(path, outs, overlap: bool = False) -> None:
     """`PR_EAGLE3_ROUND_TIMES` (`pr_specforge.sglang_plugin.timing`) for requests that ran one at a time (`outs`,
     their responses): one line per verify round of each (under the overlap schedule, `overlap`, one more may follow:
-    the round SGLang drops once it learns the request finished), with phases that fit inside the round and compute
+    `extra_rounds`), with phases that fit inside the round and compute
     inside its phases."""
     lines = [json.loads(x) for x in open(path) if x.strip()]
     for out in outs:
         rid, rounds = out["meta_info"]["id"], out["meta_info"]["spec_verify_ct"]
         mine = [t for t in lines if t["rids"] == [rid]]
-        assert len(mine) - rounds in ((0, 1) if overlap else (0,)), \
+        assert len(mine) - rounds in extra_rounds(overlap), \
             f"{len(mine)} timed rounds for a request of {rounds} verify rounds"
         for t in mine:
             assert t["batch"] == 1 and t["round_s"] > 0 and t["verify.target_compute_s"] > 0

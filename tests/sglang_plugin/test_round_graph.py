@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -169,35 +170,30 @@ def test_a_bad_switch_value_is_refused_in_one_line(monkeypatch):
         RoundGraphs("off")
 
 
-def test_sglangs_decode_graph_sizes_decide_auto():
-    from types import SimpleNamespace
+def graph_args(backend, bs) -> SimpleNamespace:
+    """Server arguments with SGLang's decode graph config (`backend`, sizes `bs`), as `round_graph` reads them."""
+    return SimpleNamespace(cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend=backend, bs=bs)))
 
+
+def test_sglangs_decode_graph_sizes_decide_auto():
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
     from pr_specforge.sglang_plugin.round_graph import decode_graphs
 
-    def args(backend, bs):
-        return SimpleNamespace(cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend=backend, bs=bs)))
-
-    assert decode_graphs(args(Backend.FULL, [4, 1, 2])) == [1, 2, 4]
-    assert decode_graphs(args(Backend.DISABLED, [1, 2])) is None and decode_graphs(SimpleNamespace()) is None
+    assert decode_graphs(graph_args(Backend.FULL, [4, 1, 2])) == [1, 2, 4]
+    assert decode_graphs(graph_args(Backend.DISABLED, [1, 2])) is None and decode_graphs(SimpleNamespace()) is None
 
 
 def test_a_captured_rounds_batch_is_padded_to_sglangs_graph_sizes():
     """Captured: SGLang's decode graph sizes; guarded: those it would capture (set with its graphs off too); a batch
     goes to the smallest that holds it, and stays as it is past the largest (it runs eagerly) or without sizes."""
-    from types import SimpleNamespace
-
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
     from pr_specforge.sglang_plugin.round_graph import padded_size, round_sizes
 
-    def args(backend, bs):
-        return SimpleNamespace(cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend=backend, bs=bs)))
-
-    assert round_sizes(args(Backend.FULL, [8, 2, 4]), "capture") == [2, 4, 8]
-    assert round_sizes(args(Backend.DISABLED, [8, 2]), "capture") is None
-    assert round_sizes(args(Backend.DISABLED, [8, 2]), "guard") == [2, 8]
+    assert round_sizes(graph_args(Backend.FULL, [8, 2, 4]), "capture") == [2, 4, 8]
+    assert round_sizes(graph_args(Backend.DISABLED, [8, 2]), "capture") is None
+    assert round_sizes(graph_args(Backend.DISABLED, [8, 2]), "guard") == [2, 8]
     assert round_sizes(SimpleNamespace(), "guard") is None
     assert [padded_size(n, [2, 4, 8]) for n in (1, 2, 3, 5, 8, 9)] == [2, 2, 4, 8, 8, 9]
     assert padded_size(3, None) == 3
