@@ -101,6 +101,8 @@ def _regime_arguments(sp: argparse.ArgumentParser, *, workdir: str, drafters: Li
     sp.add_argument("--drafters", nargs="+", default=drafters, choices=list(DRAFTERS))
     sp.add_argument("--lr", type=float, default=3e-4)
     sp.add_argument("--eval-interval", type=int, default=250, help="steps between held-out evaluations (the loss curve)")
+    sp.add_argument("--save-interval", type=int, default=500,
+                    help="steps between checkpoints (a cut-off training resumes from the newest; no effect on the weights)")
     sp.add_argument("--report-limit", type=int, default=report_limit, help=report_limit_help)
     sp.add_argument("--report-step", type=int, default=None, help=report_step_help)
     sp.add_argument("--report-dirs", nargs="+", default=list(REPORT_FOLDERS), choices=REPORT_FOLDERS, metavar="FOLDER",

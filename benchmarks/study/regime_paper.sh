@@ -4,8 +4,9 @@
 # on the committed study's splits, flags and kept regenerated data. A resumable sitting: rerun the same line to go on
 # (every stage is skipped once done; a training resumes from its newest checkpoint).
 #
-#   benchmarks/study/regime_paper.sh SEED UNTIL        # UNTIL: train | screen | report
+#   benchmarks/study/regime_paper.sh SEED UNTIL        # UNTIL: data | train | screen | report
 #   benchmarks/study/regime_paper.sh 1 train           # the first sitting: data, then seed 1's trainings
+#   DRAFTERS=pr-paper THREADS=1 benchmarks/study/regime_paper.sh 0 train   # only pr-paper, on one thread
 #
 # Run it from a clean checkout of one commit (a pinned worktree): it refuses uncommitted changes, and appends the
 # sitting's provenance (commit, date, machine, threads, command) to WORK/sittings.jsonl before it starts.
@@ -15,18 +16,31 @@
 # (docs/results/regimes.md, "Rebuild at the thread count the drafter was trained with"); training is bitwise
 # reproducible at the same thread count only, and a served folder refuses a rebuilt drafter whose fingerprint differs.
 # So seed 1 trains on one thread, seed 0 on two; the features (data stage) are rebuilt on two threads as kept.
+#
+# DRAFTERS (default: the four below) narrows a sitting to some of them: `pr-paper` alone is matched to the kept
+# `eagle3` rows and needs no rebuilt `eagle3`. THREADS overrides the seed's thread count, for a drafter no kept row
+# was served by (a new `pr-paper` may train on one thread per seed, two seeds side by side). Every argument is checked
+# before any work.
 set -euo pipefail
-SEED=${1:?usage: regime_paper.sh SEED train|screen|report}
-UNTIL=${2:?usage: regime_paper.sh SEED train|screen|report}
+usage="usage: regime_paper.sh SEED data|train|screen|report (SEED: 0, 1, ...)"
+SEED=${1:?$usage}
+UNTIL=${2:?$usage}
+[[ "$SEED" =~ ^[0-9]+$ ]] || { echo "regime_paper.sh: SEED must be a non-negative integer, not '$SEED'; $usage" >&2; exit 2; }
+case "$UNTIL" in data|train|screen|report) ;; *) echo "regime_paper.sh: UNTIL must be data, train, screen or report, not '$UNTIL'" >&2; exit 2 ;; esac
+ALL="eagle3 pr-paper pr-paper-warm eagle3-long"
+for d in ${DRAFTERS:-$ALL}; do
+  [[ " $ALL " == *" $d "* ]] || { echo "regime_paper.sh: DRAFTERS: '$d' is not one of: $ALL" >&2; exit 2; }
+done
+case "$SEED" in 0) THREADS=${THREADS:-2} ;; *) THREADS=${THREADS:-1} ;; esac
+[[ "$THREADS" =~ ^[1-9][0-9]*$ ]] || { echo "regime_paper.sh: THREADS must be a positive integer, not '$THREADS'" >&2; exit 2; }
 cd "$(dirname "$0")/../.."
 WORK=${WORK:-work/regime-gsm8k}
 if [ -n "$(git status --porcelain --untracked-files=no)" ]; then
   echo "regime_paper.sh: uncommitted changes; run a sitting from a clean, pinned commit" >&2
   exit 1
 fi
-case "$SEED" in 0) THREADS=2 ;; *) THREADS=1 ;; esac
-G="--workdir $WORK --train-limit 400 --epochs 3 --warm-epochs 1 --screen-limit 20 --report-limit 100 --report-step 10"
-D="--drafters eagle3 pr-paper pr-paper-warm eagle3-long"
+G="--workdir $WORK --train-limit 400 --epochs 3 --warm-epochs 1 --screen-limit 20 --report-limit 100 --report-step 10 --save-interval 100"
+D="--drafters ${DRAFTERS:-$ALL}"
 run() {  # one regimes.py call, niced, at THREADS threads, its provenance recorded first
   local threads=$1; shift
   mkdir -p "$WORK"
@@ -46,4 +60,4 @@ EOF
 # the kept regenerated text, stage times, command log and served rows (never overwrites a file already there)
 python benchmarks/regimes.py restore --from benchmarks/results/regime-gsm8k --workdir "$WORK"
 run 2 gsm8k $G $D --seeds "$SEED" --until data
-run "$THREADS" gsm8k $G $D --seeds "$SEED" --until "$UNTIL"
+[ "$UNTIL" = data ] || run "$THREADS" gsm8k $G $D --seeds "$SEED" --until "$UNTIL"

@@ -74,7 +74,7 @@ class Regime(ReportServes):
         run = self.seed_dir(seed) / "runs" / name
         warm = DRAFTERS[name][2]
         out = [*self.build.feature_overrides(run, args.max_length), *self.length_overrides(bool(warm)),
-               f"training.learning_rate={args.lr}", f"training.seed={seed}", "training.save_interval=500",
+               f"training.learning_rate={args.lr}", f"training.seed={seed}", f"training.save_interval={args.save_interval}",
                f"data.eval_hidden_states_path={self.heldout}", f"training.eval_interval={args.eval_interval}",
                *DRAFTERS[name][1]]
         if warm:  # on top of this seed's EAGLE-3 drafter (fresh optimiser, both the PR drafter and its baseline)

@@ -106,7 +106,7 @@ def test_the_paper_sittings_script_runs_the_documented_flags_and_drafters(regime
     doc = (regimes.REPO_ROOT / "docs" / "results" / "regimes.md").read_text()
     flags = next(line for line in script.splitlines() if line.startswith('G="'))[3:-1].replace("$WORK", "work/regime-gsm8k")
     assert f'G="{flags}"' in doc  # the committed study's flags
-    drafters = next(line for line in script.splitlines() if line.startswith('D="'))[3:-1].split()[1:]
+    drafters = next(line for line in script.splitlines() if line.startswith('ALL="'))[5:-1].split()
     assert drafters == ["eagle3", "pr-paper", "pr-paper-warm", "eagle3-long"] and set(drafters) <= set(regimes.DRAFTERS)
     assert "git status --porcelain" in script and "sittings.jsonl" in script and "benchmarks/study/regime_paper.sh 1 train" in doc
 
