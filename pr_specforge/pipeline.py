@@ -11,7 +11,10 @@ Stages (each skipped when its output exists, so a rerun resumes where it stopped
   5. train        `recipes/smollm2-135m-cpu.yaml` through SpecForge's trainer (pr strategy)
   6. export       `--to sglang` and `--to hf`
   7. evaluate     acceptance length on MT-Bench (and GSM8K), lossless check at temperature 0
-then prints a summary of what it made. Each stage calls the same entry point a user
+  8. control      the positive control (`pr-specforge control`) on the recipe's own `pr:` options: does this
+                  objective learn a second pass where one is needed? (about a minute of one core)
+then prints a summary of what it made, the control's verdict beside the served tau, and, where the
+gate halted at depth 0 almost everywhere, what to change to see reconsideration run. Each stage calls the same entry point a user
 would (`pr-specforge data ...`, `train`, `export`, `eval`), built by `stages.StageBuilder`.
 
 Owns: which stages `run` runs, with which settings, and the summary. Does not own any
@@ -48,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-max-new-tokens", type=int, default=32)
     p.add_argument("--budget", nargs="+", type=int, default=[24])
     p.add_argument("--skip-eval", action="store_true")
+    p.add_argument("--skip-control", action="store_true", help="leave out the positive control stage")
     p.add_argument("overrides", nargs="*", help="extra recipe overrides, e.g. training.learning_rate=1e-4")
     return p
 
@@ -99,7 +103,36 @@ def stages(args: argparse.Namespace, build: StageBuilder) -> List[Stage]:
         out.append(build.eval_stage("evaluate", build.work / "eval", drafts={"pr": export_hf}, prompts=args.eval_prompts,
                                     limit=args.eval_limit, budgets=args.budget, temperatures=[0],
                                     max_new_tokens=args.eval_max_new_tokens, extra=["--also-one-pass"]))
+    if not args.skip_control:
+        out.append(Stage("control", build.work / CONTROL_JSON, lambda: control_stage(args, build)))
     return out
+
+
+#: the control stage's result (under the workdir)
+CONTROL_JSON = "control.json"
+
+
+def control_stage(args: argparse.Namespace, build: StageBuilder) -> None:
+    """`pr-specforge control --recipe RECIPE [pr.* overrides] --json WORK/control.json` on one thread (the control's
+    numbers are reproducible at one thread count). Its verdict, either way, is the stage's output: "does not learn"
+    is a finding for the summary, not a failed stage; bad input (a recipe without PR) stops the stages."""
+    import os
+
+    import torch
+
+    from pr_specforge.control.cli import main
+
+    argv = ["--recipe", args.recipe, *[o for o in args.overrides if o.startswith("pr.")], "--json", build.work / CONTROL_JSON]
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        build.call("control", lambda a: 0 if main(a) in (0, 1) else 2, argv)
+    finally:
+        torch.set_num_threads(threads)
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp
 
 
 def _last_metrics(run_dir: Path) -> Dict[str, float]:
@@ -152,6 +185,28 @@ def summary(work: Path, run_dir: Path, export_sglang: Path, export_hf: Path, eva
             lines.append("  {draft:<14} {set:<10} B={budget:<3} T={temperature:<4} tau={tau:.3f} speedup={speedup:.2f}x "
                          "lossless={lossless}".format(**{k: row.get(k) for k in ("draft", "set", "budget", "temperature", "tau", "speedup", "lossless")}))
         lines.extend(f"  {line}" for line in _readings(metrics, rows) if line)
+    lines.extend(control_lines(work / CONTROL_JSON, metrics))
     lines.append("stage times     " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()))
     lines.append("=" * 72)
     return "\n".join(lines)
+
+
+
+def control_lines(path: Path, metrics: Dict) -> List[str]:
+    """The control's verdict (`control.json`), and where the gate halted at depth 0 almost everywhere, one line on
+    what a user can change to see reconsideration run."""
+    from pr_specforge.control.cli import verdict_line
+    from pr_specforge.eval.explain import HALTS_AT_ZERO, halt_depths
+
+    lines = []
+    if path.exists():
+        out = json.loads(path.read_text())
+        lines += [f"control         {path}  ({out['recipe']}: the recipe's pr: options on the pointer-chasing task)",
+                  f"  {verdict_line(out['verdict'])}"]
+    q = halt_depths(metrics)
+    if len(q) >= 2 and q[0] >= HALTS_AT_ZERO:
+        lines.append(f"  to see reconsideration run: the gate halts at depth 0 at {q[0]:.0%} of positions after "
+                     f"{metrics.get('step', '?')} steps; train longer on more data (make run ARGS=\"--workdir "
+                     f"work/smollm2-large --conversations 4000 --max-steps 2000\"), or start the gate lower "
+                     f"(pr.gate_init_bias=-1: q0 starts at 27% instead of 50%)")
+    return lines

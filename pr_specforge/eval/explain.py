@@ -45,7 +45,8 @@ def speedup_line(row: Dict) -> Optional[str]:
     return head + f"; above 1x because tau > {cost:.1f}"
 
 
-def _q(metrics: Dict) -> List[float]:
+def halt_depths(metrics: Dict) -> List[float]:
+    """The logged halt-depth marginals q = (q_0, q_1, ...) of a training's metrics row ([] for EAGLE-3)."""
     q: List[float] = []
     while isinstance(metrics.get(f"pr/depth_marginal_{len(q)}"), (int, float)):
         q.append(float(metrics[f"pr/depth_marginal_{len(q)}"]))
@@ -64,7 +65,7 @@ def paired_taus(rows: Sequence[Dict]) -> Optional[tuple]:
 
 def gate_line(metrics: Dict, rows: Sequence[Dict] = ()) -> Optional[str]:
     """What the last logged gate statistics mean (None for a run that logs no halt depths: EAGLE-3)."""
-    q = _q(metrics)
+    q = halt_depths(metrics)
     if len(q) < 2:
         return None
     lam = metrics.get("pr/gate_mean_depth_0")

@@ -157,7 +157,8 @@ def test_run_builds_its_stage_commands_through_the_stage_builder(tmp_path, monke
     run_stages(stages)
     w = str(tmp_path)
     held = ["--holdout-prompts", "mtbench", "--holdout-prompts", "gsm8k", "--holdout-prompts", "humaneval"]
-    assert [s.name for s in stages] == ["target", "conversations", "regenerate", "features", "train", "export", "evaluate"]
+    assert [s.name for s in stages] == ["target", "conversations", "regenerate", "features", "train", "export", "evaluate",
+                                        "control"]
     assert calls == [
         ["data", "smollm2-target", "--output", f"{w}/target"],
         ["data", "conversations", "--source", "sharegpt-package", "--output", f"{w}/conversations.jsonl", "--limit", "256",
@@ -175,6 +176,7 @@ def test_run_builds_its_stage_commands_through_the_stage_builder(tmp_path, monke
         ["eval", "--target", f"{w}/target", "--draft", f"pr={w}/export/pr-hf", "--prompts", "mtbench", "--limit", "3",
          "--budget", "24", "--temperature", "0", "--max-new-tokens", "32", "--also-one-pass", "--out-dir", f"{w}/eval",
          "--json", f"{w}/eval/summary.json"],
+        ["control", "--recipe", args.recipe, "--json", f"{w}/control.json"],  # pr.* overrides only: none here
     ]
     assert (tmp_path / "regenerated.done").exists() and (tmp_path / "runs" / "pr" / "train.done").exists()
 
@@ -218,3 +220,38 @@ def test_experiment_builds_its_stage_commands_through_the_stage_builder(tmp_path
 
     # the thread count is part of a training's command (bitwise reproducible at the same count only)
     assert (tmp_path / "commands.log").read_text().count(f"OMP_NUM_THREADS={torch.get_num_threads()} pr-specforge train -c") == 2
+
+
+def test_run_passes_only_pr_overrides_to_its_control_stage_and_can_leave_it_out(tmp_path, monkeypatch):
+    from pr_specforge import pipeline
+    from pr_specforge.stages import StageBuilder
+
+    calls = _record_commands(monkeypatch)
+    args = pipeline._parser().parse_args(["--workdir", str(tmp_path), "--skip-eval", "training.learning_rate=1e-4",
+                                          "pr.gate_init_bias=-1"])
+    control = [s for s in pipeline.stages(args, StageBuilder(tmp_path)) if s.name == "control"]
+    control[0].run()
+    assert calls == [["control", "--recipe", args.recipe, "pr.gate_init_bias=-1", "--json", f"{tmp_path}/control.json"]]
+    args = pipeline._parser().parse_args(["--workdir", str(tmp_path), "--skip-control"])
+    assert "control" not in [s.name for s in pipeline.stages(args, StageBuilder(tmp_path))]
+
+
+def test_the_summary_prints_the_controls_verdict_and_what_to_change_when_the_gate_halts_at_depth_0(tmp_path):
+    """A real control run (few steps) is read into the summary; the hint appears only where q_0 >= 90%."""
+    import json
+
+    from pr_specforge import pipeline
+    from pr_specforge.control.cli import main as control
+
+    out = tmp_path / "control.json"
+    rc = control(["--recipe", str(pipeline.DEFAULT_RECIPE), "--steps", "3", "--json", str(out)])
+    verdict = json.loads(out.read_text())["verdict"]
+    assert rc == (0 if verdict["learns_second_pass"] else 1)
+    halted = {"step": 300, "pr/depth_marginal_0": 0.98, "pr/depth_marginal_1": 0.01, "pr/depth_marginal_2": 0.01}
+    lines = pipeline.control_lines(out, halted)
+    assert lines[0].startswith("control ") and str(pipeline.DEFAULT_RECIPE) in lines[0]
+    assert lines[1].strip().startswith("verdict: ") and f"{verdict['two_hop_gain']:+.1%}" in lines[1]
+    assert "to see reconsideration run" in lines[2] and "98% of positions after 300 steps" in lines[2]
+    working = {**halted, "pr/depth_marginal_0": 0.5, "pr/depth_marginal_1": 0.25, "pr/depth_marginal_2": 0.25}
+    assert len(pipeline.control_lines(out, working)) == 2
+    assert pipeline.control_lines(tmp_path / "none.json", {}) == []  # no control run, an EAGLE-3 run: nothing
