@@ -53,7 +53,9 @@ variant on prompts 40-49). Its row shows part D's earlier two-seed verdict besid
 
 The report's provenance table is read from each folder's `provenance.json` (`--provenance FILE` adds one of the same
 form; `study/regime_provenance.py`). A report that would hold fewer regimes, seeds or report problems than the one at
-`--out`, and a `save` that would replace kept rows with fewer, are refused unless `--replace-with-fewer` is given.
+`--out`, and a `save` that would replace kept rows with fewer (or a kept features manifest with a less complete one),
+are refused unless `--replace-with-fewer` is given. `save` merges the stage times; `restore` refuses a workdir whose own
+settings differ from the kept ones; `--dry-run` writes nothing.
 
 This file is the command line; the study lives in `benchmarks/study/` (`regime_settings`, `regime_stages`,
 `regime_serves`, `regime_keep`, `regime_verdict`, `regime_render`, `regime_provenance`), beside what every study

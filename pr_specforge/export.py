@@ -30,6 +30,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -278,6 +279,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, to: str, *, draft_config: O
     if to not in ("sglang", "hf"):
         raise ExportError(f"--to must be sglang or hf, got {to!r}")
     check_out_dir(out_dir, overwrite)
+    check_target(target)
     state = read_checkpoint(checkpoint)
     strategy = state.get("strategy")
     if strategy not in SUPPORTED_STRATEGIES:
@@ -355,6 +357,31 @@ def check_out_dir(out_dir: str, overwrite: bool) -> None:
     if os.listdir(out_dir) and arch not in (PR_ARCHITECTURE, EAGLE3_ARCHITECTURE, TWO_LAYER_ARCHITECTURE):
         raise ExportError(f"OUT_DIR {out_dir} holds files that are not an earlier export (no drafter config.json); "
                           "--overwrite replaces an export only: name another OUT_DIR")
+    others = sorted(name for name in os.listdir(out_dir)
+                    if not (os.path.isfile(os.path.join(out_dir, name)) and is_export_file(name)))
+    if others:
+        more = f" (and {len(others) - 1} more)" if len(others) > 1 else ""
+        raise ExportError(f"OUT_DIR {out_dir} holds files that are not an earlier export's: {others[0]}{more}, which "
+                          "--overwrite would delete; move them out, or name another OUT_DIR")
+
+
+def is_export_file(name: str) -> bool:
+    """A file an export writes (SGLang: config.json and the weights; HF: `save_pretrained`'s config, weights, shards
+    and their index, generation config): `--overwrite` replaces a directory that holds nothing else."""
+    return name in ("config.json", "generation_config.json", SAFETENSORS_NAME, SAFETENSORS_NAME + ".index.json") or (
+        re.fullmatch(r"model-\d+-of-\d+\.safetensors", name) is not None)
+
+
+def check_target(target: Optional[str]) -> None:
+    """A `--target` that is not a model directory is one line, before any work (without it, the SGLang export would
+    keep the draft config's context and record no target; the HF export would ask the Hub for the name)."""
+    if target is None:
+        return
+    if not os.path.isdir(target):
+        raise ExportError(f"--target {target}: {'is a file, not' if os.path.exists(target) else 'does not exist; name'} "
+                          "the target model's directory")
+    if not os.path.isfile(os.path.join(target, "config.json")):
+        raise ExportError(f"--target {target}: no config.json; name the target model's directory")
 
 
 def _target_record(target: Optional[str], capture_layers: Optional[List[int]]) -> Optional[Dict[str, Any]]:

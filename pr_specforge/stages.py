@@ -83,8 +83,9 @@ def train_command(recipe: str, overrides: Sequence[str]) -> str:
     return f"OMP_NUM_THREADS={torch.get_num_threads()} " + command_line("train", ["-c", str(recipe), *overrides])
 
 
-def check_settings(path: Path, settings: Dict) -> None:
-    """Stages skip when their output exists, so a workdir must not be reused with other settings."""
+def check_settings(path: Path, settings: Dict, write: bool = True) -> None:
+    """Stages skip when their output exists, so a workdir must not be reused with other settings. A workdir's first
+    settings are written to `path` (unless not `write`: a dry run compares and writes nothing)."""
     from pr_specforge.config import ConfigError
     from pr_specforge.data.io import atomic_write_json
 
@@ -99,7 +100,8 @@ def check_settings(path: Path, settings: Dict) -> None:
                 "as they are. Use a new --workdir, or delete this one to start over."
             )
         return
-    atomic_write_json(path, settings)
+    if write:
+        atomic_write_json(path, settings)
 
 
 def run_stages(stages: List[Stage], times_path: Optional[Path] = None, heartbeat_s: float = 60.0) -> Dict[str, float]:

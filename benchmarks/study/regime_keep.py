@@ -2,7 +2,10 @@
 folder (the committed `benchmarks/results/regime-*`) and put back into a rebuilt workdir to resume its serves.
 
 A save never replaces a kept row file with one holding fewer rows (a workdir rebuilt from less, or another
-workdir) unless told to (`--replace-with-fewer`); a restore never overwrites a file already in the workdir.
+workdir), nor a kept features manifest with a less complete one (a sitting cut off while its features were rebuilt),
+unless told to (`--replace-with-fewer`); it merges the stage times into the kept ones (every kept stage stays), and
+writes the workdir's parent as `$WORK` in the records it keeps (no machine's path). A restore compares the settings
+of a workdir that has its own with the kept ones, refusing on a mismatch, and never overwrites a file already there.
 """
 
 from __future__ import annotations
@@ -29,16 +32,23 @@ KEEP = ("data_settings.json", "splits/splits.json", "features/manifest.json",
         "seed*/measures/*.json", *RESTORE)
 
 
-def _copy_tree(src: Path, dst: Path, globs: Sequence[str], overwrite: bool) -> List[Path]:
-    """Copy the files of `src` matching `globs` to the same relative paths under `dst` (atomically); returns them."""
+#: the records `save` writes with the workdir's parent as `$WORK` (manifests, settings, reports, the command log)
+SCRUBBED = (".json", ".log")
+
+
+def _copy_tree(src: Path, dst: Path, globs: Sequence[str], overwrite: bool, scrub: bool = False) -> List[Path]:
+    """Copy the files of `src` matching `globs` to the same relative paths under `dst` (atomically); returns them.
+    `scrub`: `src`'s parent directory is written `$WORK` in the records (`SCRUBBED`)."""
     from pr_specforge.data.io import atomic_write_bytes
 
+    parent = (str(src.resolve().parent).rstrip("/") + "/").encode()
     copied = []
     for pattern in globs:
         for f in sorted(src.glob(pattern)):
             rel = f.relative_to(src)
             if f.is_file() and (overwrite or not (dst / rel).exists()):
-                atomic_write_bytes(dst / rel, f.read_bytes())
+                data = f.read_bytes()
+                atomic_write_bytes(dst / rel, data.replace(parent, b"$WORK/") if scrub and f.suffix in SCRUBBED else data)
                 copied.append(rel)
     return copied
 
@@ -47,23 +57,48 @@ class FewerRows(ValueError):
     """A save (or a report) would replace kept rows with fewer."""
 
 
+def _json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return None
+
+
 def rows_held(path: Path) -> Optional[Tuple[int, str]]:
     """How much a kept record holds, and of what, where a smaller one would lose something: a row file's
-    (`.jsonl`) or the command log's lines, the stage times' stages, an eval summary's served prompts; None for the
-    other records (settings, manifests, diagnose and headroom reports: replaced as they come)."""
+    (`.jsonl`) or the command log's lines, an eval summary's served prompts, a features manifest's rows written
+    (complete or not: `manifest_held`); None for the other records (settings, diagnose and headroom reports: replaced
+    as they come; the stage times are merged, `merged_stage_times`)."""
     if path.suffix in (".jsonl", ".log"):
         with open(path, "rb") as f:
             return sum(1 for line in f if line.strip()), "rows" if path.suffix == ".jsonl" else "lines"
-    if path.name in ("stage_times.json", "summary.json"):
-        try:
-            data = json.loads(path.read_text())
-        except ValueError:
-            return None
-        if path.name == "stage_times.json":
-            return (len(data), "stages") if isinstance(data, dict) else None
+    if path.name == "summary.json":
+        data = _json(path)
         entries = data.get("results") if isinstance(data, dict) else None
         return (sum(e.get("prompts", 0) for e in entries if isinstance(e, dict)), "served prompts") if isinstance(entries, list) else None
     return None
+
+
+def manifest_held(path: Path) -> Tuple[bool, int]:
+    """A features manifest's completeness, in the order a save compares it: (status complete, rows written)."""
+    data = _json(path)
+    data = data if isinstance(data, dict) else {}
+    counts = data.get("counts") if isinstance(data.get("counts"), dict) else {}
+    written = counts.get("written")
+    return data.get("status") == "complete", written if isinstance(written, int) else 0
+
+
+def _manifest_text(held: Tuple[bool, int]) -> str:
+    return f"{'complete' if held[0] else 'not complete'} with {held[1]} rows written"
+
+
+def merged_stage_times(kept: Path, work: Path) -> Dict[str, float]:
+    """The stage times a save keeps: every kept stage, each with the workdir's time where the workdir has one (a
+    stage's last run; a restored workdir goes on from the kept times)."""
+    old, new = (_json(kept) if kept.is_file() else {}), _json(work)
+    if not isinstance(new, dict):
+        raise ValueError(f"{work}: not a stage times file (a JSON object of stage -> seconds); nothing written")
+    return {**(old if isinstance(old, dict) else {}), **new}
 
 
 def heldout_curves(work: Path) -> Dict[Path, str]:
@@ -87,8 +122,11 @@ def fewer_rows(work: Path, to: Path, curves: Dict[Path, str]) -> List[str]:
     for pattern in KEEP:
         for f in sorted(work.glob(pattern)):
             rel = f.relative_to(work)
-            if f.is_file() and (to / rel).is_file() and (kept := rows_held(to / rel)) and (new := rows_held(f)) \
-                    and new[0] < kept[0]:
+            if not (f.is_file() and (to / rel).is_file()):
+                continue
+            if f.name == "manifest.json" and (new_m := manifest_held(f)) < (kept_m := manifest_held(to / rel)):
+                out.append(f"{to / rel}: {_manifest_text(kept_m)} kept, {f} is {_manifest_text(new_m)}")
+            elif (kept := rows_held(to / rel)) and (new := rows_held(f)) and new[0] < kept[0]:
                 out.append(f"{to / rel}: {kept[0]} {kept[1]} kept, {f} has {new[0]}")
     for rel, text in curves.items():
         rows = text.count("\n")
@@ -99,29 +137,59 @@ def fewer_rows(work: Path, to: Path, curves: Dict[Path, str]) -> List[str]:
 
 def save_rows(work: Path, to: Path, replace_with_fewer: bool = False) -> List[Path]:
     """Keep `work`'s served rows and small records (`KEEP`) in `to`, replacing what an earlier save kept there, and
-    each training's held-out loss curve (`heldout_curves`). Refuses (`FewerRows`, before writing anything) to replace
-    a kept row file with one of fewer rows, unless `replace_with_fewer`."""
-    from pr_specforge.data.io import atomic_write_text
+    each training's held-out loss curve (`heldout_curves`); the stage times are merged (`merged_stage_times`).
+    Refuses (`FewerRows`, before writing anything) to replace a kept row file with one of fewer rows, or a kept
+    features manifest with a less complete one, unless `replace_with_fewer`."""
+    from pr_specforge.data.io import atomic_write_json, atomic_write_text
 
     if not (work / "data_settings.json").exists():
         raise FileNotFoundError(f"{work}: not a regime workdir (no data_settings.json)")
     curves = heldout_curves(work)
+    times = merged_stage_times(to / "stage_times.json", work / "stage_times.json") \
+        if (work / "stage_times.json").is_file() else None
     if not replace_with_fewer and (fewer := fewer_rows(work, to, curves)):
         more = f" (and {len(fewer) - 1} more)" if len(fewer) > 1 else ""
         raise FewerRows(f"save would replace kept rows with fewer: {fewer[0]}{more}; nothing written "
                         "(--replace-with-fewer to replace them)")
-    copied = _copy_tree(work, to, KEEP, overwrite=True)
+    copied = _copy_tree(work, to, [g for g in KEEP if g != "stage_times.json"], overwrite=True, scrub=True)
+    if times is not None:
+        atomic_write_json(to / "stage_times.json", times)
+        copied.append(Path("stage_times.json"))
     for rel, text in curves.items():
         atomic_write_text(to / rel, text)
         copied.append(rel)
     return copied
 
 
+def settings_differ(src: Path, work: Path) -> List[str]:
+    """Where `work` was made with other settings than the folder `src` kept: its `data_settings.json` and each
+    seed's `settings.json` that both hold, compared on the keys both name; one line each."""
+    out = []
+    for pattern in ("data_settings.json", "seed*/settings.json"):
+        for f in sorted(src.glob(pattern)):
+            rel = f.relative_to(src)
+            if not (work / rel).is_file():
+                continue
+            kept, own = _json(f), _json(work / rel)
+            if not (isinstance(kept, dict) and isinstance(own, dict)):
+                out.append(f"{work / rel} or {f}: not a JSON object")
+                continue
+            if changed := sorted(k for k in kept.keys() & own.keys() if kept[k] != own[k]):
+                out.append(f"{work / rel} differs from {f} (" +
+                           ", ".join(f"{k}: {own[k]!r} here, {kept[k]!r} kept" for k in changed) + ")")
+    return out
+
+
 def restore_rows(src: Path, work: Path) -> List[Path]:
     """Put `save`'s regenerated text, eval folders, stage times and command log back into `work` (files already there
-    are left alone)."""
+    are left alone). Refuses, before writing anything, a workdir whose own settings differ from the kept ones
+    (`settings_differ`): its regenerated text and rows would be merged with others made otherwise."""
     if not (src / "data_settings.json").exists():
         raise FileNotFoundError(f"{src}: not a saved regime folder (no data_settings.json)")
+    if differ := settings_differ(src, work):
+        more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
+        raise ValueError(f"restore: {differ[0]}{more}; nothing restored (restore into a new --workdir, or one made "
+                         "with the kept settings)")
     work.mkdir(parents=True, exist_ok=True)
     return _copy_tree(src, work, RESTORE, overwrite=False)
 

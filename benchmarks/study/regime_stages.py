@@ -113,14 +113,18 @@ class Regime(ReportServes):
         self.build.call("headroom", main, [run, "--features", self.heldout, "--out", prefix, "--seed", seed, "--no-progress"])
 
     def run(self) -> int:
-        args, work = self.args, self.work
-        work.mkdir(parents=True, exist_ok=True)
-        check_settings(work / "data_settings.json", self.data_settings())
+        args, work, write = self.args, self.work, not self.args.dry_run  # a dry run writes nothing, not even settings
+        if bad := [s for s in args.seeds if s < 0]:
+            raise ValueError(f"--seeds: {bad[0]} is not a seed (a non-negative integer: training.seed and seedN/)")
+        if write:
+            work.mkdir(parents=True, exist_ok=True)
+        check_settings(work / "data_settings.json", self.data_settings(), write=write)
         upto = STAGE_GROUPS.index(args.until)
         stages = self.data_stages()
         for seed in args.seeds:
-            self.seed_dir(seed).mkdir(exist_ok=True)
-            check_settings(self.seed_dir(seed) / "settings.json", {k: getattr(args, k) for k in self.SEED_KEYS})
+            if write:
+                self.seed_dir(seed).mkdir(exist_ok=True)
+            check_settings(self.seed_dir(seed) / "settings.json", {k: getattr(args, k) for k in self.SEED_KEYS}, write=write)
             stages += self.drafter_stages(seed) if upto >= 1 else []
             stages += self.screen_stages(seed) if upto >= 2 else []
             stages += self.report_stages(seed) if upto >= 3 else []

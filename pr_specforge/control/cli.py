@@ -3,7 +3,9 @@
 Trains a tiny PR drafter on the control task (`pr_specforge.control.task`) with the recipe's
 `pr:` options, prints per depth the accuracy on 1-hop and 2-hop queries and the gate's mean `q`,
 then a one-line verdict. Exit code 0: the drafter learns the second pass; 1: it does not;
-2: bad input (a missing recipe, bad YAML, an unknown or wrong `pr:` option), said in one line.
+2: bad input (a missing recipe, a recipe that is not a PR recipe, bad YAML, an unknown or wrong `pr:` option,
+a size where one pass answers the 2-hop queries by elimination, a `--json` file that exists without `--overwrite`),
+said in one line.
 """
 
 from __future__ import annotations
@@ -16,17 +18,32 @@ from typing import Any, Dict, List, Optional, Sequence
 from pr_specforge.config import ConfigError, PRConfig
 
 
+def pr_twin(path: str) -> str:
+    """The PR recipe beside an EAGLE-3 one (`X-eagle3.yaml` -> `X-pr.yaml` or `X.yaml`), else the paper's PR base."""
+    head, name = os.path.split(path)
+    for twin in (name.replace("-eagle3", "-pr", 1), name.replace("-eagle3", "", 1)):
+        if twin != name and os.path.isfile(os.path.join(head, twin)):
+            return os.path.join(head, twin)
+    return "recipes/_base/paper-pr.yaml"
+
+
 def recipe_pr(path: str, overrides: Sequence[str] = ()) -> PRConfig:
-    """The `pr:` options of a recipe (its `extends:` chain resolved) with dotted `pr.` overrides."""
-    from pr_specforge.training.recipe import PR_SECTION, read_recipe_mapping, split_overrides
+    """The `pr:` options of a recipe (its `extends:` chain resolved) with dotted `pr.` overrides. A recipe that is
+    not a PR recipe (`training.strategy` other than `pr`, or neither that nor a `pr:` section) is refused: the
+    control would test PRConfig's defaults under its name."""
+    from pr_specforge.training.recipe import PR_SECTION, read_recipe_mapping, recipe_pr_config, split_overrides
 
     raw = read_recipe_mapping(path)
     spec_over, pr_over = split_overrides(overrides)
     if spec_over:
         raise ConfigError(f"control: only pr.FIELD=VALUE overrides apply to the control, got {list(spec_over)}")
-    pr_raw = dict(raw.get(PR_SECTION) or {})
-    pr_raw.update(pr_over)
-    return PRConfig.from_mapping(pr_raw, where=f"{path}: pr")
+    training = raw.get("training") if isinstance(raw.get("training"), dict) else {}
+    strategy = training.get("strategy")
+    if strategy != "pr" and (strategy is not None or PR_SECTION not in raw):
+        said = f"training.strategy is {strategy!r}" if strategy is not None else "it sets no training.strategy and has no pr: section"
+        raise ConfigError(f"{path}: not a PR recipe ({said}): the control tests a recipe's PR options and this one has "
+                          f"none; run it on a PR recipe, e.g. --recipe {pr_twin(path)}")
+    return recipe_pr_config(raw, pr_over, path)
 
 
 def table_lines(result: Dict[str, Any]) -> List[str]:
@@ -73,7 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ttt-length", type=int, default=d.ttt_length, help=f"TTT steps (default {d.ttt_length})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed (default {d.seed})")
     p.add_argument("--curve-every", type=int, default=0, help="also measure every that many steps and print the curve (default 0: only at the end)")
-    p.add_argument("--json", default=None, help="also write the result as JSON to this path")
+    p.add_argument("--json", default=None, help="also write the result as JSON to this path (a new file, or --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="let --json replace an existing file (never the recipe)")
     return p
 
 
@@ -85,7 +103,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from pr_specforge.control.run import ControlSettings, run_control
 
         if args.json:  # before minutes of training, not after
-            check_writable_file("--json", args.json)
+            if os.path.exists(args.recipe) and os.path.exists(args.json) and os.path.samefile(args.recipe, args.json):
+                raise ValueError(f"--json {args.json}: is the recipe itself; name another file")
+            check_writable_file("--json", args.json, overwrite=args.overwrite)
         pr = recipe_pr(args.recipe, args.overrides)
         queries = args.symbols if args.queries is None else args.queries
         settings = ControlSettings(steps=args.steps, symbols=args.symbols, queries=queries, pool=args.pool, heads=args.heads,

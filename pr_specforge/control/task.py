@@ -54,12 +54,21 @@ class ControlTask:
     hide_answers: bool = True
 
     def __post_init__(self) -> None:
-        if self.symbols < 3:
-            raise ValueError(f"the control needs at least 3 symbols (a 2-hop answer differs from a 1-hop one), got {self.symbols}")
+        if self.one_pass_bound >= 1.0:
+            raise ValueError(f"the control needs at least 5 symbols, got N = {self.symbols}: one pass rules out a, f(a) "
+                             "and the symbol before a, so it answers 1/(N-3) of the 2-hop queries by elimination "
+                             f"(all of them at N = {self.symbols}) and no second pass could show; N = 5 bounds one pass "
+                             "at 50%, the default N = 6 at 33%")
         if not 1 <= self.queries <= self.symbols:
             raise ValueError(f"the control asks 1 to N = {self.symbols} queries per sample (one per symbol), got {self.queries}")
         if self.pool is not None and self.pool < self.symbols:
             raise ValueError(f"the control's symbol pool must hold at least N = {self.symbols} symbols, got {self.pool}")
+
+    @property
+    def one_pass_bound(self) -> float:
+        """The share of 2-hop queries one pass can answer at best: it rules out `a`, `f(a)` and the symbol before `a`
+        among the sample's N symbols and guesses among the N - 3 left (all of them where at most one is left)."""
+        return 1.0 / max(self.symbols - 3, 1)
 
     @property
     def size(self) -> int:

@@ -271,11 +271,14 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     _atomic_write(path, lambda f: f.write(data), "wb")
 
 
-def check_writable_file(flag: str, path: str | os.PathLike) -> None:
-    """Refuse, before any work, an output file path that is a directory or lies under a file (one line)."""
+def check_writable_file(flag: str, path: str | os.PathLike, overwrite: bool | None = None) -> None:
+    """Refuse, before any work, an output file path that is a directory or lies under a file (one line); with
+    `overwrite` False (a command with `--overwrite`), also a file that exists."""
     path = Path(path)
     if path.is_dir():
         raise DataFormatError(f"{flag} {path}: is a directory; name a file")
+    if overwrite is False and path.exists():
+        raise DataFormatError(f"{flag} {path}: exists; pass --overwrite to replace it, or name a new file")
     parent = path.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent

@@ -321,7 +321,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--pr-tables", action="store_true", help="require Table 7 and the reconsidered rows (refuses an EAGLE-3 drafter)")
     p.add_argument("--ttt-length", type=positive_int, default=None, help="with an export: TTT steps of the chain (default: SpecForge's)")
     p.add_argument("--limit", type=positive_int, default=None, help="at most this many batches")
-    p.add_argument("--seed", type=int, default=0, help="seed of the mixed rollout's halt-depth sampling")
+    p.add_argument("--seed", type=int, default=0, help="seed of the held-out sample order and the mixed rollout's "
+                   "halt-depth sampling (a run and its export read the same samples at the same seed)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     try:

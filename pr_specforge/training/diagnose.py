@@ -322,7 +322,9 @@ def _diagnose(recipe_path: Path, scratch: str, source: DrafterSource, features: 
 
     recipe = load_recipe(str(recipe_path), [
         f"data.hidden_states_path={os.path.abspath(features)}", "data.eval_hidden_states_path=",
-        "training.eval_interval=0",
+        # the sampler's order (which samples --limit reads, and each one's halt draws) follows --seed, not a run's
+        # training.seed: an export carries none (SpecForge's default 42), so a run and its export read the same samples
+        f"training.seed={seed}", "training.eval_interval=0",
         "training.num_epochs=1", f"output_dir={scratch}", "tracking.report_to=none",
     ])
     cfg = recipe.config
@@ -469,7 +471,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--target", default=None, help="with an export: the target model directory (default: the features' manifest)")
     p.add_argument("--ttt-length", type=positive_int, default=None, help="with an export: TTT steps of the chain (default: SpecForge's)")
     p.add_argument("--limit", type=positive_int, default=None, help="at most this many batches")
-    p.add_argument("--seed", type=int, default=0, help="seed of the halt-depth sampling")
+    p.add_argument("--seed", type=int, default=0, help="seed of the held-out sample order and the halt-depth sampling "
+                   "(a run and its export read the same samples at the same seed)")
     p.add_argument("--json", default=None, help="write the metrics here (atomically)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)

@@ -216,14 +216,22 @@ def read_recipe_mapping(path: str, _chain: Tuple[str, ...] = ()) -> Dict[str, An
     return _deep_merge(merged, raw)
 
 
+def recipe_pr_config(raw: Dict[str, Any], pr_over: Dict[str, Any], path: str) -> PRConfig:
+    """The recipe's `pr:` section with its dotted `pr.` overrides, checked: a `pr:` that is no mapping (a list, a
+    number) is one line naming the recipe."""
+    section = raw.get(PR_SECTION)
+    if section is not None and not isinstance(section, dict):
+        raise ConfigError(f"recipe {path}: pr: expected a mapping of PR settings (FIELD: VALUE), "
+                          f"got {type(section).__name__} {section!r}")
+    return PRConfig.from_mapping({**(section or {}), **pr_over}, where=f"{path}: pr")
+
+
 def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
     """Read a recipe YAML/JSON; validate SpecForge's part, the `pr:` and `backend:` parts strictly."""
     raw = read_recipe_mapping(path)
     spec_over, pr_over = split_overrides(overrides)
     online_request, raw, spec_over = pop_online_keys(raw, spec_over, path)
-    pr_raw = dict(raw.get(PR_SECTION) or {})
-    pr_raw.update(pr_over)
-    pr = PRConfig.from_mapping(pr_raw, where=f"{path}: pr")
+    pr = recipe_pr_config(raw, pr_over, path)
     backend_raw = raw.get(BACKEND_SECTION)
     backend_over = _backend_overrides(overrides)
     if backend_over:

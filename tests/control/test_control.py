@@ -18,27 +18,51 @@ PAPER = "recipes/_base/paper-pr.yaml"
 
 def test_cli_prints_the_table_and_exits_nonzero_when_the_pass_is_not_learnt(capsys, tmp_path):
     out_json = tmp_path / "not-yet" / "control.json"  # --json into a directory that does not exist yet
-    assert main(["--recipe", PAPER, "--steps", "2", "--symbols", "4", "--json", str(out_json)]) == 1
+    argv = ["--recipe", PAPER, "--steps", "2", "--symbols", "5", "--json", str(out_json)]
+    assert main(argv) == 1
     out = capsys.readouterr().out
     assert "2-hop acc" in out and "verdict: does NOT learn the second pass" in out
     assert json.loads(out_json.read_text())["verdict"]["learns_second_pass"] is False
     assert os.listdir(out_json.parent) == ["control.json"]  # written atomically: no temp file beside it
+    # the file now exists: replaced only when told to
+    out_json.write_text("mine")
+    assert main(argv) == 2 and out_json.read_text() == "mine"
+    assert "exists; pass --overwrite" in capsys.readouterr().err
+    assert main([*argv, "--overwrite"]) == 1
+    assert json.loads(out_json.read_text())["settings"]["symbols"] == 5
 
 
-#: issue 43's audit: refused before any training (each would have cost the whole run, then a traceback)
-JSON_CASES = {"json-dir": "is a directory; name a file", "json-under-file": "is a file, not a directory"}
+#: issue 43's audit: refused before any training (each would have cost the whole run, then a traceback); issue 58's:
+#: an existing file (the recipe itself, even with --overwrite)
+JSON_CASES = {"json-dir": "is a directory; name a file", "json-under-file": "is a file, not a directory",
+              "json-exists": "a-file: exists; pass --overwrite to replace it", "json-is-recipe": "is the recipe itself"}
+#: issue 58's audit: a recipe that is not a PR recipe (the control tested PRConfig's defaults under its name), a `pr:`
+#: that is no mapping (a traceback), a size where one pass answers the 2-hop queries by elimination
+RECIPE_CASES = {"eagle3": "r.yaml: not a PR recipe (training.strategy is 'eagle3')",
+                "no-strategy": "it sets no training.strategy and has no pr: section",
+                "pr-list": "pr: expected a mapping of PR settings (FIELD: VALUE), got list",
+                "pr-number": "pr: expected a mapping of PR settings (FIELD: VALUE), got int 3",
+                "symbols-3": "at least 5 symbols, got N = 3", "symbols-4": "1/(N-3) of the 2-hop queries by elimination"}
 
 
-@pytest.mark.parametrize("case", ["missing", "yaml", "unknown", "override", "queries", "recipe-dir", *JSON_CASES])
+@pytest.mark.parametrize("case", ["missing", "yaml", "unknown", "override", "queries", "recipe-dir", *JSON_CASES,
+                                  *RECIPE_CASES])
 def test_cli_bad_input_is_one_line(tmp_path, capsys, case):
     recipe = tmp_path / "r.yaml"
     args = ["--recipe", str(recipe)]
-    if case == "recipe-dir":
+    recipe.write_text({"eagle3": "training:\n  strategy: eagle3\n", "no-strategy": "training:\n  num_epochs: 1\n",
+                       "pr-list": "pr: [max_depth, 2]\n", "pr-number": "pr: 3\n"}.get(case, "pr:\n  max_depth: 2\n"))
+    if case == "missing":
+        recipe.unlink()
+    elif case == "recipe-dir":
         args = ["--recipe", str(tmp_path)]
+    elif case in ("symbols-3", "symbols-4"):
+        args += ["--symbols", case[-1]]
     elif case in JSON_CASES:
-        recipe.write_text("pr:\n  max_depth: 2\n")
         (tmp_path / "a-file").write_text("mine")
-        args += ["--json", str(tmp_path if case == "json-dir" else tmp_path / "a-file" / "c.json")]
+        out = {"json-dir": tmp_path, "json-under-file": tmp_path / "a-file" / "c.json", "json-exists": tmp_path / "a-file",
+               "json-is-recipe": recipe}[case]
+        args += ["--json", str(out)] + (["--overwrite"] if case == "json-is-recipe" else [])
     elif case == "yaml":
         recipe.write_text("pr: [unclosed\n")
     elif case == "unknown":
@@ -53,9 +77,19 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys, case):
     err = capsys.readouterr().err.strip()
     assert err.startswith("pr-specforge control: ") and "\n" not in err
     assert {"missing": "does not exist", "yaml": "not valid YAML", "unknown": "max_dept", "override": "recon_grad",
-            "queries": "1 to N = 6", "recipe-dir": "is a directory; name a recipe YAML file", **JSON_CASES}[case] in err
+            "queries": "1 to N = 6", "recipe-dir": "is a directory; name a recipe YAML file", **JSON_CASES,
+            **RECIPE_CASES}[case] in err
     if case in JSON_CASES:
-        assert (tmp_path / "a-file").read_text() == "mine" and "control" not in capsys.readouterr().out
+        assert (tmp_path / "a-file").read_text() == "mine" and recipe.read_text() == "pr:\n  max_depth: 2\n"
+        assert "control" not in capsys.readouterr().out
+
+
+def test_an_eagle3_recipe_is_refused_and_pointed_at_its_pr_twin(capsys):
+    assert main(["--recipe", "recipes/smollm2-135m-cpu-eagle3.yaml", "--steps", "1"]) == 2
+    err = capsys.readouterr()
+    assert err.err.count("\n") == 1 and "training.strategy is 'eagle3'" in err.err and "verdict" not in err.out
+    assert "--recipe recipes/smollm2-135m-cpu.yaml" in err.err
+    assert "--recipe recipes/qwen3-8b-pr.yaml" in str(pytest.raises(Exception, recipe_pr, "recipes/qwen3-8b-eagle3.yaml").value)
 
 
 def test_cli_help_says_the_exit_codes(capsys):

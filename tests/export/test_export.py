@@ -157,6 +157,11 @@ def _draft_config_not_json(run, tmp_path):
 
 
 BAD_INPUTS["draft config that is not JSON"] = (_draft_config_not_json, "bad.json: not valid JSON")
+# issue 58: a --target that is not there was a WARNING and a context of 2048 (SGLang), a HFValidationError (HF)
+BAD_INPUTS["--target that does not exist"] = (lambda run, tmp: (_ckpt(run), {"target": str(tmp / "nonexistent")}),
+                                              "nonexistent: does not exist; name the target model's directory")
+BAD_INPUTS["--target that is no model directory"] = (lambda run, tmp: (_ckpt(run), {"target": str(tmp)}),
+                                                     ": no config.json; name the target model's directory")
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
@@ -211,6 +216,27 @@ def test_export_refuses_an_out_dir_whose_files_it_would_lose_in_one_line(trained
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert kept.read_text() == "mine" and not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+
+
+def test_overwrite_refuses_an_export_that_holds_a_users_file_and_deletes_nothing(trained_pr_run, tmp_path, capsys):
+    """Issue 58: --overwrite onto an earlier export holding the user's NOTES.md deleted it (rc 0)."""
+    from pr_specforge.export import main
+
+    for to in ("sglang", "hf"):
+        out = tmp_path / to
+        args = [_ckpt(trained_pr_run), str(out), "--to", to, "--target", str(trained_pr_run / "target"), "--overwrite"]
+        assert main(args) == 0 and main(args) == 0  # an export (every file it writes) is replaced
+        capsys.readouterr()
+        (out / "NOTES.md").write_text("mine")
+        (out / "extra").mkdir()
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "holds files that are not an earlier export's: NOTES.md (and 1 more)" in err[0], err
+        assert (out / "NOTES.md").read_text() == "mine" and (out / "extra").is_dir()
+    # --to hf with a --target that is not there: one line (was a HFValidationError traceback), nothing written
+    assert main([_ckpt(trained_pr_run), str(tmp_path / "never"), "--to", "hf", "--target", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert "--target /nonexistent: does not exist" in err and "Traceback" not in err and not (tmp_path / "never").exists()
 
 
 def test_export_is_atomic_and_does_not_clobber_without_overwrite(trained_pr_run, tmp_path):

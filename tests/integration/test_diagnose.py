@@ -135,3 +135,27 @@ def test_diagnose_interrupted_writes_no_json_and_the_rerun_cleans_a_killed_write
     assert main(argv) == 0
     assert json.loads(out.read_text())["batches"] == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["d.json", live.name])
+
+
+def test_diagnose_and_headroom_measure_the_same_samples_on_a_run_and_its_export(tied, tmp_path, capsys):
+    """Issue 58: the run's recipe seeded the held-out sampler with its training.seed (0), an export's rebuilt recipe
+    with SpecForge's default (42), so with --limit they read other samples (0.222 against 0.356 at step 0). Both now
+    seed it with --seed."""
+    from pr_specforge.eval.headroom import main as headroom
+    from pr_specforge.training.diagnose import main as diagnose
+
+    held, target = str(tied["held"]), str(tied["target"])
+    for limit in ("1", "2"):
+        got, pooled = {}, {}
+        for name, extra in (("run", []), ("hf", ["--target", target, "--ttt-length", "3"])):
+            out = tmp_path / f"{name}-{limit}"
+            assert diagnose([str(tied[name]), "--features", held, "--limit", limit, "--json", f"{out}.json",
+                             "--no-progress", *extra]) == 0
+            got[name] = json.loads(open(f"{out}.json").read())
+            assert headroom([str(tied[name]), "--features", held, "--limit", limit, "--out", f"{out}-h",
+                             "--no-progress", *extra]) == 0
+            pooled[name] = json.loads(open(f"{out}-h.json").read())["pooled"]
+        capsys.readouterr()
+        for key in ("positions", "one_pass_acc", "pr_counts", "sim"):
+            assert got["hf"][key] == got["run"][key], (limit, key)
+        assert pooled["hf"] == pooled["run"], limit

@@ -595,13 +595,8 @@ def test_save_refuses_to_replace_kept_rows_with_fewer_unless_told(regimes, tmp_p
     assert len(err) == 1 and "report-b48/results.jsonl: 800 rows kept" in err[0] and "has 10" in err[0], err
     assert len((kept / "seed0" / "report-b48" / "results.jsonl").read_text().splitlines()) == 800
     assert not (kept / "data_settings.json").exists() and not (kept / "seed0" / "settings.json").exists()  # nothing written
-    # so are the records the provenance reads: the stage times and the command log
+    # so is the command log the provenance reads (the stage times are merged: see the test below)
     (work / "seed0" / "report-b48" / "results.jsonl").write_text("".join(rows))  # as many rows: not refused for these
-    (kept / "stage_times.json").write_text(json.dumps({"features": 250.0, "seed0 eagle3: train": 900.0}))
-    (work / "stage_times.json").write_text(json.dumps({"features": 12.0}))
-    with pytest.raises(regimes.FewerRows, match=r"stage_times.json: 2 stages kept, .*work/stage_times.json has 1"):
-        regimes.save_rows(work, kept)
-    (work / "stage_times.json").write_text(json.dumps({"features": 12.0, "seed0 eagle3: train": 9.0, "x": 1.0}))
     (kept / "commands.log").write_text("pr-specforge data a\npr-specforge train b\n")
     (work / "commands.log").write_text("pr-specforge data a\n")
     with pytest.raises(regimes.FewerRows, match=r"commands.log: 2 lines kept, .* has 1"):
@@ -662,3 +657,102 @@ def test_the_provenance_is_a_table_from_structured_rows_and_a_bad_row_is_one_lin
         data = regimes.read_provenance(Path(path))
         assert data["rows"] and all(len(r["commit"]) == 7 for r in data["rows"])
         assert "session" not in open(path).read().lower() and "/work/" not in open(path).read()
+
+
+def _saved_gsm8k(tmp_path):
+    """The committed GSM8K folder's records a save compares (settings, manifests, stage times), copied under tmp_path."""
+    kept = tmp_path / "kept"
+    for rel in ("data_settings.json", "seed0/settings.json", "features/manifest.json", "screen/features/manifest.json",
+                "stage_times.json", "regenerated.jsonl", "regenerated.done"):
+        (kept / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(os.path.join(RESULTS, "regime-gsm8k", rel), kept / rel)
+    return kept
+
+
+def test_save_never_replaces_a_manifest_with_a_less_complete_one_and_merges_the_stage_times(regimes, tmp_path, capsys):
+    kept = _saved_gsm8k(tmp_path)
+    before = {p: p.read_bytes() for p in kept.rglob("*") if p.is_file()}
+    work = tmp_path / "regime-gsm8k"
+    (work / "features").mkdir(parents=True)
+    shutil.copy(kept / "data_settings.json", work / "data_settings.json")
+    # a sitting cut off while it rebuilt the features: the manifest of a run just begun, with this machine's paths
+    manifest = json.loads((kept / "features" / "manifest.json").read_text())
+    manifest = dict(manifest, status="in_progress", counts=dict(manifest["counts"], written=0),
+                    input=f"{work}/regenerated.jsonl", target=dict(manifest["target"], path=f"{work}/target"))
+    manifest.pop("vocab_fingerprint")
+    (work / "features" / "manifest.json").write_text(json.dumps(manifest))
+    (work / "stage_times.json").write_text(json.dumps({"features": 12.0, "seed5 pr-paper: train": 30.0}))
+    assert regimes.main(["save", "--workdir", str(work), "--to", str(kept)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "features/manifest.json: complete with 400 rows written kept" in err[0], err
+    assert "is not complete with 0 rows written" in err[0] and "nothing written" in err[0]
+    assert {p: p.read_bytes() for p in kept.rglob("*") if p.is_file()} == before
+    # complete again: saved, with the workdir's parent written $WORK; every kept stage time stays, the workdir's added
+    (work / "features" / "manifest.json").write_text(json.dumps(dict(manifest, status="complete", counts=dict(
+        manifest["counts"], written=400), vocab_fingerprint="d6b52059428c470d")))
+    assert regimes.main(["save", "--workdir", str(work), "--to", str(kept)]) == 0
+    saved = (kept / "features" / "manifest.json").read_text()
+    assert str(tmp_path) not in saved and json.loads(saved)["input"] == "$WORK/regime-gsm8k/regenerated.jsonl"
+    times = json.loads((kept / "stage_times.json").read_text())
+    old = json.loads(before[kept / "stage_times.json"])
+    assert times == {**old, "features": 12.0, "seed5 pr-paper: train": 30.0} and len(times) == len(old) + 1
+    # told to in so many words, the less complete manifest replaces it
+    (work / "features" / "manifest.json").write_text(json.dumps(manifest))
+    assert regimes.main(["save", "--workdir", str(work), "--to", str(kept), "--replace-with-fewer"]) == 0
+    assert json.loads((kept / "features" / "manifest.json").read_text())["status"] == "in_progress"
+
+
+def test_restore_refuses_a_workdir_made_with_other_settings_and_writes_nothing(regimes, tmp_path, capsys):
+    kept = _saved_gsm8k(tmp_path)
+    work = tmp_path / "work"
+    (work / "seed0").mkdir(parents=True)
+    settings = json.loads((kept / "data_settings.json").read_text())
+    (work / "data_settings.json").write_text(json.dumps(dict(settings, train_limit=200)))
+    (work / "regenerated.jsonl").write_text('{"id": "own"}\n')
+    argv = ["restore", "--from", str(kept), "--workdir", str(work)]
+    assert regimes.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "work/data_settings.json differs from" in err[0] and "train_limit: 200 here, 400 kept" in err[0], err
+    assert "nothing restored" in err[0] and not (work / "regenerated.done").exists() and not (work / "stage_times.json").exists()
+    # a seed's settings are compared the same way
+    (work / "data_settings.json").write_text(json.dumps(settings))
+    seed = json.loads((kept / "seed0" / "settings.json").read_text())
+    (work / "seed0" / "settings.json").write_text(json.dumps(dict(seed, epochs=1)))
+    assert regimes.main(argv) == 1
+    assert "seed0/settings.json differs" in capsys.readouterr().err
+    # the same settings (a second sitting): restored beside the workdir's own files, which are left alone
+    (work / "seed0" / "settings.json").write_text(json.dumps(seed))
+    assert regimes.main(argv) == 0
+    assert (work / "regenerated.done").exists() and (work / "regenerated.jsonl").read_text() == '{"id": "own"}\n'
+
+
+def test_a_dry_run_writes_nothing_and_a_negative_seed_is_refused(regimes, tmp_path, capsys):
+    work = tmp_path / "regime"
+    for regime in ("gsm8k", "sharegpt"):
+        assert regimes.main([regime, "--workdir", str(work), "--seeds", "0", "1", "--dry-run"]) == 0
+        assert not work.exists(), regime
+    capsys.readouterr()
+    # a real run's settings are not written by a dry run with other flags, so they do not refuse it
+    work.mkdir()
+    (work / "data_settings.json").write_text(json.dumps({"max_new_tokens": 256, "max_length": 2048,
+                                                          "draft_vocab_size": 8192, "train_limit": 400}))
+    assert regimes.main(["gsm8k", "--workdir", str(work), "--train-limit", "50", "--dry-run"]) == 1  # still compared
+    assert "train_limit: 400 -> 50" in capsys.readouterr().err
+    assert sorted(p.name for p in work.iterdir()) == ["data_settings.json"]
+    assert regimes.main(["gsm8k", "--workdir", str(tmp_path / "w2"), "--seeds", "0", "-1", "--dry-run"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--seeds: -1 is not a seed" in err[0], err
+    assert not (tmp_path / "w2").exists()
+
+
+def test_the_committed_report_equals_its_rendering_from_the_kept_rows(regimes, tmp_path, capsys):
+    """The module docstring's re-render of benchmarks/results/regimes.{md,json}, into tmp_path: a renderer changed
+    without a re-render (or rows changed without one) fails here."""
+    prefix = _committed_report_copy(tmp_path)
+    line = next(x for x in regimes.__doc__.splitlines() if "report --gsm8k benchmarks/results/regime-gsm8k" in x)
+    argv = line.split("regimes.py", 1)[1].split()
+    assert regimes.main([*argv, "--out", str(prefix)]) == 0
+    capsys.readouterr()
+    for suffix in (".md", ".json"):
+        with open(os.path.join(RESULTS, "regimes" + suffix)) as f:
+            assert prefix.with_suffix(suffix).read_text() == f.read(), f"benchmarks/results/regimes{suffix} is stale"

@@ -110,6 +110,8 @@ BASE = {"model": {"target_model_path": "t"}, "data": {"hidden_states_path": "f"}
     ({"backend": {"name": "deepspeed"}}, [], "backend.config", "recipes/deepspeed/zero2.json"),
     ({"backend": {"name": "horovod"}}, [], "backend.name", "one of ['fsdp', 'deepspeed']"),
     ({"training": {"strategy": "eagle3"}}, [], "pr:", "set training.strategy=pr"),
+    ({"pr": ["max_depth", 2]}, [], "pr: expected a mapping of PR settings", "got list"),  # was a TypeError traceback
+    ({"pr": 3}, [], "pr: expected a mapping of PR settings", "got int 3"),
 ])
 def test_bad_recipe_fails_at_load_naming_field_and_fix(tmp_path, edit, overrides, field, fix):
     raw = {**BASE, **edit}
