@@ -245,7 +245,9 @@ def drafter_bad_inputs(p):
     make_tiny_target(str(bad / "other-vocab-target"), vocab=101, seed=6)
     write_manifest_of(other_vocab, bad / "other-vocab-target")
     f = "--features"
+    later = {name: (str(path), needles) for name, (path, needles) in later_feature_file_cases(held, bad).items()}
     return {
+        **{name: ([str(run), f, path], needles) for name, (path, needles) in later.items()},
         "the target model directory as the drafter": ([str(p["target"]), f, str(held)], ("not an EAGLE-3 drafter", "not the target")),
         "a truncated training_state.pt": ([str(truncated), f, str(held)], ("does not load", "damaged")),
         "a run whose resolved_recipe.yaml is malformed": ([str(broken_run), f, str(held)], ("resolved_recipe.yaml", "not valid YAML", "line 3")),
@@ -260,6 +262,44 @@ def drafter_bad_inputs(p):
                                               ("--checkpoint", "no such checkpoint")),
         "a drafter path that is a file": ([str(root / "draft.json"), f, str(held)], ("draft.json", "not a training run")),
     }
+
+
+def later_feature_file_cases(held, bad):
+    """Copies of the features `held` whose LAST feature file (not the first, which was the only one checked) is
+    damaged: name -> (features dir, needles of its one line; each names the file)."""
+    import shutil
+
+    import torch
+
+    def damaged(name, edit):
+        out = bad / f"later-{name}"
+        shutil.copytree(held, out)
+        last = sorted(out.rglob("*.ckpt"))[-1]
+        edit(last)
+        return out, last.name
+
+    def rewrite(change):
+        def edit(path):
+            sample = torch.load(path, weights_only=True)
+            change(sample)
+            torch.save(sample, path)
+        return edit
+
+    cases = {
+        "a later features file truncated": (lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]), ("does not load",)),
+        "a later features file of garbage": (lambda p: p.write_bytes(b"not a torch file"), ("does not load",)),
+        "a later features file of another width": (rewrite(lambda s: s.update(hidden_state=s["hidden_state"][..., :-1])),
+                                                   ("hidden_state is", "one target and dtype")),
+        "a later features file without loss_mask": (rewrite(lambda s: s.pop("loss_mask")), ("missing key(s) ['loss_mask']",)),
+        "a later features file of another dtype": (rewrite(lambda s: s.update(hidden_state=s["hidden_state"].half(),
+                                                                              aux_hidden_state=s["aux_hidden_state"].half())),
+                                                   ("hidden_state is float16 of width",)),
+    }
+    out = {}
+    for name, (edit, needles) in cases.items():
+        path, file_name = damaged(name.replace(" ", "-"), edit)
+        out[name] = (path, (file_name, *needles))
+    return out
 
 
 # ---- kill -9 / Ctrl-C audit helpers (issue 43): shared by the train, headroom and diagnose kill tests

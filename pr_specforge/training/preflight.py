@@ -164,13 +164,17 @@ def check_same_schedule(output_dir: str, training) -> None:
         f"with --start-over to retrain {output_dir} from step 0; or keep training.{key}={old} to resume it")
 
 
-def _first_feature_file(root: str) -> Optional[str]:
+def _feature_files(root: str):
+    """The feature files under `root`, in a fixed order (directories and names sorted)."""
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
         for name in sorted(filenames):
             if name.endswith((".ckpt", ".ckpt.gz")):
-                return os.path.join(dirpath, name)
-    return None
+                yield os.path.join(dirpath, name)
+
+
+def _first_feature_file(root: str) -> Optional[str]:
+    return next(_feature_files(root), None)
 
 
 def check_run(recipe, start_over: bool = False, dry_run: bool = False) -> Optional[str]:
@@ -286,8 +290,53 @@ def _check_manifest_status(field: str, feats: str) -> None:
                           f"{feats} did not finish; rerun the same command to complete it")
 
 
-def check_feature_dir(field: str, feats: Optional[str], draft: Optional[dict], draft_path: Optional[str]):
-    """The first feature file under `feats`, checked against the draft config; None when unset."""
+#: what every SpecForge EAGLE-3 feature file holds
+FEATURE_KEYS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
+
+
+def _load_feature_file(path: str, feats: str, mmap: bool = False) -> dict:
+    """One feature file, loaded (memory-mapped where it can be: only its header is read) and checked to be a
+    SpecForge EAGLE-3 feature dict; one line naming the file otherwise."""
+    import torch
+
+    from pr_specforge.data.io import brief
+
+    try:
+        sample = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and not path.endswith(".gz"))
+    except Exception as e:  # truncated, not a torch file, pickled objects
+        raise ConfigError(f"feature file {path}: does not load ({brief(e)}); "
+                          f"delete it and rerun the `pr-specforge data hidden-states` command that wrote {feats}") from None
+    if not isinstance(sample, dict):
+        raise ConfigError(f"feature file {path}: holds a {type(sample).__name__}, not a SpecForge EAGLE-3 feature dict")
+    missing = [k for k in FEATURE_KEYS if k not in sample]
+    if missing:
+        raise ConfigError(f"feature file {path}: missing key(s) {missing}; not a SpecForge EAGLE-3 feature file")
+    return sample
+
+
+def check_every_feature_file(feats: str, first: str, sample: dict) -> None:
+    """Every feature file under `feats` after `first` loads and matches `sample` (the first's): the same keys, hidden
+    widths and dtypes; one line naming the first file that does not (a later file truncated, garbage, of another
+    target or dtype failed deep inside a measurement, or not at all)."""
+    def form(s: dict) -> dict:
+        return {k: (tuple(s[k].shape[-1:]), str(s[k].dtype)) for k in ("hidden_state", "aux_hidden_state")}
+
+    want = form(sample)
+    for path in _feature_files(feats):
+        if path == first:
+            continue
+        got = form(_load_feature_file(path, feats, mmap=True))
+        for key, ((width, dtype), (own_width, own_dtype)) in ((k, (want[k], got[k])) for k in want):
+            if (width, dtype) != (own_width, own_dtype):
+                raise ConfigError(f"feature file {path}: {key} is {own_dtype.replace('torch.', '')} of width "
+                                  f"{own_width[0]}, the first feature file ({first}) {dtype.replace('torch.', '')} of "
+                                  f"width {width[0]}; every file of {feats} must come from one target and dtype")
+
+
+def check_feature_dir(field: str, feats: Optional[str], draft: Optional[dict], draft_path: Optional[str],
+                      every: bool = False):
+    """The first feature file under `feats`, checked against the draft config (`every`: and each later file against
+    it, `check_every_feature_file`); None when unset."""
     if not feats:
         return None
     if not os.path.isdir(feats):
@@ -296,20 +345,9 @@ def check_feature_dir(field: str, feats: Optional[str], draft: Optional[dict], d
     if first is None:
         raise ConfigError(f"{field}: no .ckpt feature files under {feats}")
     _check_manifest_status(field, feats)
-    import torch
-
-    from pr_specforge.data.io import brief
-
-    try:
-        sample = torch.load(first, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, not a torch file, pickled objects
-        raise ConfigError(f"feature file {first}: does not load ({brief(e)}); "
-                          f"delete it and rerun the `pr-specforge data hidden-states` command that wrote {feats}") from None
-    if not isinstance(sample, dict):
-        raise ConfigError(f"feature file {first}: holds a {type(sample).__name__}, not a SpecForge EAGLE-3 feature dict")
-    missing = [k for k in ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state") if k not in sample]
-    if missing:
-        raise ConfigError(f"feature file {first}: missing key(s) {missing}; not a SpecForge EAGLE-3 feature file")
+    sample = _load_feature_file(first, feats)
+    if every:
+        check_every_feature_file(feats, first, sample)
     if draft is not None:
         target_hidden = int(draft.get("target_hidden_size") or draft.get("hidden_size"))
         width = int(sample["aux_hidden_state"].shape[-1])
