@@ -110,7 +110,10 @@ class Regime(ReportServes):
         from pr_specforge.eval.headroom import main
 
         prefix.parent.mkdir(parents=True, exist_ok=True)
-        self.build.call("headroom", main, [run, "--features", self.heldout, "--out", prefix, "--seed", seed, "--no-progress"])
+        # --overwrite: the stage runs when PREFIX.json (written first) is missing, so any .md or PNG beside it is this
+        # stage's own earlier output in the regime's workdir (its .json deleted to rerun the stage)
+        self.build.call("headroom", main, [run, "--features", self.heldout, "--out", prefix, "--seed", seed, "--no-progress",
+                                           "--overwrite"])
 
     def run(self) -> int:
         args, work, write = self.args, self.work, not self.args.dry_run  # a dry run writes nothing, not even settings

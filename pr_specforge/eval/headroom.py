@@ -36,7 +36,8 @@ has no reconsidered depths: its PR-only tables are omitted with a note, and `--p
 
 Writes PREFIX.md (the paper's numbers beside ours), PREFIX.json, PREFIX-acceptance.png (the
 acceptance-by-confidence curve) and PREFIX-reject-pool.png (the 3x3 heat map), each atomically
-(`--out DIR`, a directory: DIR/headroom.md and so on). Features made from another target than the
+(`--out DIR`, a directory: DIR/headroom.md and so on). A PREFIX one of whose files exists is refused in one
+line naming it, before any work, unless `--overwrite`. Features made from another target than the
 drafter's (their manifest's target fingerprint differs) are refused, as a features resume refuses them.
 
 Owns: the counts (`Headroom`, a chain observer of `training.simulate`), the report, its markdown
@@ -259,6 +260,8 @@ def check_k(k: int, raw: Dict[str, Any]) -> None:
 
 #: the file name `--out DIR` (an existing directory, or a path ending in a separator) writes under DIR
 DIR_PREFIX = "headroom"
+#: what `--out PREFIX` writes: PREFIX + each suffix (in this order; PREFIX.json first)
+OUTPUTS = (".json", ".md", "-acceptance.png", "-reject-pool.png")
 
 
 def output_prefix(out: str) -> str:
@@ -268,17 +271,25 @@ def output_prefix(out: str) -> str:
     return out
 
 
+def written(out: str) -> List[str]:
+    """The files of `--out` that exist (a refused run, an interrupted or killed one left them)."""
+    prefix = output_prefix(out)
+    return [prefix + suffix for suffix in OUTPUTS if os.path.lexists(prefix + suffix)]
+
+
 def run_headroom(drafter: str, features: str, out: str, *, checkpoint: Optional[str] = None, target: Optional[str] = None,
                  k: int = 6, pr_tables: bool = False, limit: Optional[int] = None, seed: int = 0,
-                 ttt_length: Optional[int] = None, progress: bool = True) -> Dict[str, Any]:
-    """Measure, then write PREFIX.{md,json} and the two PNGs; returns the report."""
+                 ttt_length: Optional[int] = None, progress: bool = True, overwrite: bool = False) -> Dict[str, Any]:
+    """Measure, then write PREFIX.{json,md} and the two PNGs; returns the report. Refuses, before any work, a
+    PREFIX whose files exist unless `overwrite`."""
     from pr_specforge.config import ConfigError
     from pr_specforge.data.io import atomic_write_json, atomic_write_text, check_writable_file
     from pr_specforge.eval.headroom_report import plot
     from pr_specforge.training.diagnose import diagnose, drafter_source, source_kind
 
     out = output_prefix(out)
-    check_writable_file("--out", out + ".md")
+    for suffix in OUTPUTS:
+        check_writable_file("--out", out + suffix, overwrite=overwrite)
     source_kind(drafter)
     source = drafter_source(drafter, checkpoint, features, target, ttt_length)
     strategy = (source.raw.get("training") or {}).get("strategy")
@@ -323,17 +334,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--limit", type=positive_int, default=None, help="at most this many batches")
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out sample order and the mixed rollout's "
                    "halt-depth sampling (a run and its export read the same samples at the same seed)")
+    p.add_argument("--overwrite", action="store_true", help="let --out replace the files an earlier run wrote there")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     try:
         report = run_headroom(args.drafter, args.features, args.out, checkpoint=args.checkpoint, target=args.target,
                               k=args.k, pr_tables=args.pr_tables, limit=args.limit, seed=args.seed,
-                              ttt_length=args.ttt_length, progress=not args.no_progress)
+                              ttt_length=args.ttt_length, progress=not args.no_progress, overwrite=args.overwrite)
     except (ConfigError, FileNotFoundError, ExportError, DataFormatError) as e:
         print(f"pr-specforge headroom: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("pr-specforge headroom: interrupted; no output file was left half-written (each is written whole or not at all; rerun the same command)", file=sys.stderr)
+        left = written(args.out)
+        rerun = (f"rerun the same command with --overwrite ({', '.join(left)} written)" if left and not args.overwrite
+                 else "rerun the same command")
+        print(f"pr-specforge headroom: interrupted; no output file was left half-written (each is written whole or not at all; {rerun})", file=sys.stderr)
         return 130
     pooled = report["pooled"]
     sg = pooled["second_guess"]

@@ -1,6 +1,6 @@
 """`pr-specforge diagnose`: a trained checkpoint's objective telemetry on held-out features.
 
-    pr-specforge diagnose DRAFTER --features HELDOUT_FEATURES [--checkpoint CKPT] [--target DIR] [--json OUT]
+    pr-specforge diagnose DRAFTER --features HELDOUT_FEATURES [--checkpoint CKPT] [--target DIR] [--json OUT [--overwrite]]
 
 Answers, on features the drafter never trained on: does the gate open (halt past depth 0,
 per depth-0 confidence band)? Do reconsidered depths compute anything else than depth 0
@@ -21,7 +21,8 @@ The drafter may be a run directory, a checkpoint directory, an HF export or an S
 an SGLang export is the plain EAGLE-3 drafter SGLang serves; a tied target such as SmolLM2 is read
 through its embedding, `target_lm_head_key`). `pr-specforge headroom` rebuilds drafters the same way,
 with its own chain observer. Features made from another target than the drafter's are refused
-(`check_same_target`: the features' manifest fingerprint, as a features resume checks it).
+(`check_same_target`: the features' manifest fingerprint, as a features resume checks it). A `--json` file that
+exists is refused in one line before any work, unless `--overwrite`.
 
 Owns: the aggregation and the table, `drafter_source`, `check_features_fit`, `check_same_target`. Does not own the metrics' definitions
 (`pr_specforge.training.objective.ttt`) or the data pipeline (SpecForge's).
@@ -473,7 +474,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--limit", type=positive_int, default=None, help="at most this many batches")
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out sample order and the halt-depth sampling "
                    "(a run and its export read the same samples at the same seed)")
-    p.add_argument("--json", default=None, help="write the metrics here (atomically)")
+    p.add_argument("--json", default=None, help="write the metrics here (atomically; a new file, or --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="let --json replace an existing file")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     from pr_specforge.export import ExportError
@@ -482,7 +484,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     try:
         if args.json:
-            check_writable_file("--json", args.json)
+            check_writable_file("--json", args.json, overwrite=args.overwrite)
         report = diagnose(args.run_dir, args.features, args.checkpoint, args.limit, args.seed, not args.no_progress,
                           target=args.target, ttt_length=args.ttt_length)
     except (ConfigError, FileNotFoundError, ExportError, DataFormatError) as e:

@@ -216,6 +216,25 @@ def test_headroom_audit_bad_inputs_answer_in_one_line(tied, tmp_path, capsys):
     assert not list(tmp_path.glob("y*"))
 
 
+def test_headroom_refuses_an_out_whose_files_exist_unless_overwrite(tied, tmp_path, capsys):
+    """Any one of the four files --out PREFIX (or --out DIR/) writes, already there: one line naming it, before any
+    work, the file left as it was and nothing else written; --overwrite replaces it."""
+    from pr_specforge.eval.headroom import OUTPUTS, main
+
+    run, held = str(tied["run"]), str(tied["held"])
+    (tmp_path / "d").mkdir()
+    for out, name in [*((str(tmp_path / f"z{i}"), f"z{i}{suffix}") for i, suffix in enumerate(OUTPUTS)),
+                      (f"{tmp_path / 'd'}{os.sep}", f"d/headroom{OUTPUTS[-1]}")]:
+        mine, before = tmp_path / name, set(tmp_path.rglob("*"))
+        mine.write_text("a user's notes\n")
+        rc = main([run, "--features", held, "--out", out, "--no-progress"])
+        _one_line_error(rc, capsys.readouterr().err, f"--out {mine}: exists", "pass --overwrite")
+        assert mine.read_text() == "a user's notes\n" and set(tmp_path.rglob("*")) == before | {mine}
+    assert main([run, "--features", held, "--out", str(tmp_path / "z0"), "--limit", "1", "--no-progress", "--overwrite"]) == 0
+    assert json.loads((tmp_path / "z0.json").read_text())["batches"] == 1
+    assert all((tmp_path / f"z0{suffix}").stat().st_size > 0 for suffix in OUTPUTS)
+
+
 def _whole_outputs(prefix):
     """PREFIX's outputs that exist, each checked whole: the JSON parses, the markdown names its positions, the PNGs
     end in their IEND chunk."""
@@ -238,7 +257,8 @@ def test_headroom_killed_or_interrupted_mid_run_leaves_no_partial_file_and_the_r
                                                                                                monkeypatch):
     """kill -9 once PREFIX.json is written (the other files mid-write or not yet), kill -9 a writer inside its
     write of PREFIX.md (its temp file left), Ctrl-C mid-forward: every output left is whole, the interrupt is one
-    line; the same command again writes all four and removes the killed writer's temp file."""
+    line; the same command refuses the files left in one line, and with --overwrite writes all four and removes the
+    killed writer's temp file."""
     from pr_specforge.eval.headroom import main
     from tests.helpers import interrupted_run, kill_a_writer_mid_write, sigkill_when
 
@@ -246,6 +266,9 @@ def test_headroom_killed_or_interrupted_mid_run_leaves_no_partial_file_and_the_r
     argv = [str(tied["run"]), "--features", str(tied["held"]), "--out", str(prefix), "--no-progress"]
     sigkill_when([sys.executable, "-m", "pr_specforge.cli", "headroom", *argv], (tmp_path / "h.json").exists, env=ENV)
     assert ".json" in _whole_outputs(prefix)
+    capsys.readouterr()
+    _one_line_error(main(argv), capsys.readouterr().err, f"--out {prefix}.json: exists", "--overwrite")  # what it left
+    argv.append("--overwrite")
     assert kill_a_writer_mid_write(tmp_path / "h.md", env=ENV)  # its temp file is left...
     _whole_outputs(prefix)  # ...and h.md, if the killed run wrote it, is still whole
     assert "rerun the same command" in interrupted_run(main, argv, capsys, monkeypatch, "headroom")

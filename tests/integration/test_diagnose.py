@@ -104,8 +104,11 @@ def test_diagnose_audit_bad_inputs_answer_in_one_line(tied, capsys):
     from tests.helpers import drafter_bad_inputs
 
     run, held, afile = str(tied["run"]), str(tied["held"]), tied["root"] / "draft.json"
+    kept = afile.read_bytes()
     own = {"--json naming a directory": ([run, "--features", held, "--json", str(tied["root"])], ("--json", "is a directory; name a file")),
-           "--json under a file": ([run, "--features", held, "--json", str(afile / "d.json")], ("--json", "is a file, not a directory"))}
+           "--json under a file": ([run, "--features", held, "--json", str(afile / "d.json")], ("--json", "is a file, not a directory")),
+           "--json naming a file that exists": ([run, "--features", held, "--json", str(afile)],
+                                                (f"--json {afile}: exists", "pass --overwrite"))}
     for case, (argv, needles) in {**drafter_bad_inputs(tied), **own}.items():  # in process: an uncaught error fails the test
         try:
             rc = main([*argv, "--no-progress"])
@@ -115,6 +118,18 @@ def test_diagnose_audit_bad_inputs_answer_in_one_line(tied, capsys):
         lines = [x for x in out.splitlines() if x.startswith("pr-specforge diagnose:")]
         assert rc == 2 and "Traceback" not in out and len(lines) == 1, f"{case}: {out[-1500:]}"
         assert all(n in lines[0] for n in needles), f"{case}: {lines[0]}"
+    assert afile.read_bytes() == kept  # the user's file is left as it was
+
+
+def test_diagnose_overwrite_replaces_an_existing_json(tied, tmp_path, capsys):
+    from pr_specforge.training.diagnose import main
+
+    out = tmp_path / "d.json"
+    out.write_text("a user's notes\n")
+    argv = [str(tied["run"]), "--features", str(tied["held"]), "--json", str(out), "--no-progress", "--limit", "1"]
+    assert main(argv) == 2 and out.read_text() == "a user's notes\n"
+    assert main([*argv, "--overwrite"]) == 0
+    assert json.loads(out.read_text())["batches"] == 1
 
 
 def test_diagnose_interrupted_writes_no_json_and_the_rerun_cleans_a_killed_writers_temp(tied, tmp_path, capsys, monkeypatch):
