@@ -6,7 +6,8 @@
 
 Per-prompt rows go to OUT_DIR/results.jsonl (a rerun skips prompts already there, when made with the
 same settings, drafter files and prompt text; otherwise it says what changed, and --start-over discards them);
-the summary, report.md and plots are rewritten from all rows at the end.
+the summary, report.md and plots are rewritten from all rows at the end (--json: a new file, or an earlier
+eval summary; any other file there is refused before any work).
 Exit codes: 0 ok, 2 bad arguments or inputs, 3 a temperature-0 output was not lossless, 130 interrupted.
 
 speedup = tokens/s of speculative decoding over the target's own autoregressive decoding, on the
@@ -40,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="prompts per set")
     p.add_argument("--skip", type=int, default=0,
                    help="skip the first N prompts of each set (e.g. 40: a pilot check disjoint from a 40-prompt evaluation)")
-    p.add_argument("--json", default=None, help="write the summary JSON here")
+    p.add_argument("--json", default=None, help="write the summary JSON here (a new file, or an earlier eval summary, "
+                   "which a rerun rewrites; any other file that exists is refused)")
     p.add_argument("--out-dir", default="eval_out", help="per-prompt JSONL, report.md and plots")
     p.add_argument("--device", default="cpu", help="torch device for the target and the drafters (cpu, cuda, cuda:1)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -87,6 +89,23 @@ def select_prompts(source: str, skip: int, limit: Optional[int], turns: str) -> 
     return prompts
 
 
+def check_summary_path(path: str) -> None:
+    """`--json`, before any work: a new file, or an earlier eval summary (a JSON object with a `results` list), which
+    this run rewrites from all rows as it rewrites OUT_DIR's report. Any other file that exists (a user's notes, a
+    recipe), a directory or a path under a file is refused in one line naming it."""
+    from pr_specforge.data.io import DataFormatError, check_writable_file, read_json_object
+
+    check_writable_file("--json", path)
+    if os.path.lexists(path):
+        try:
+            summary = read_json_object(path, "--json")
+        except DataFormatError:
+            summary = None
+        if not isinstance((summary or {}).get("results"), list):
+            raise ValueError(f"--json {path}: exists and is not an eval summary (eval replaces only its own); "
+                             "name a new file, or move this one")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
@@ -113,6 +132,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise ValueError(f"--skip must be >= 0, got {args.skip}")
         if args.batch_prompts < 1:
             raise ValueError(f"--batch-prompts must be >= 1, got {args.batch_prompts}")
+        if args.json:
+            check_summary_path(args.json)
         settings = EvalSettings(
             budgets=args.budget,
             temperatures=args.temperature,

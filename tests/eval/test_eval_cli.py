@@ -210,6 +210,39 @@ BAD_INPUTS.update({
     "negative --batch-prompts": (["--batch-prompts", "-2"], None, "--batch-prompts must be >= 1, got -2"),
 })
 
+def _edit_json_a_users_file(root, tmp, args):
+    (tmp / "notes.md").write_text("a user's notes\n")
+    args += ["--json", str(tmp / "notes.md")]
+
+
+def _edit_json_another_json_object(root, tmp, args):
+    (tmp / "recipe.json").write_text(json.dumps({"model": {"results": "not a list"}}))
+    args += ["--json", str(tmp / "recipe.json")]
+
+
+def _edit_json_a_directory(root, tmp, args):
+    args += ["--json", str(tmp)]
+
+
+BAD_INPUTS.update({  # issue 58 item 6: eval rewrites its own summary on a rerun, never another file
+    "--json naming a user's file": ([], _edit_json_a_users_file, "notes.md: exists and is not an eval summary"),
+    "--json naming another JSON object": ([], _edit_json_another_json_object, "recipe.json: exists and is not an eval summary"),
+    "--json naming a directory": ([], _edit_json_a_directory, "is a directory; name a file"),
+})
+
+
+def test_json_never_replaces_a_file_that_is_not_an_eval_summary(dirs, tmp_path, capsys):
+    """Refused before any work, the file left as it was (an earlier summary is rewritten: the end-to-end test's rerun)."""
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}\n')
+    assert main(base_args(dirs, tmp_path / "o") + ["--json", str(notes)]) == 2
+    err = capsys.readouterr().err
+    assert [x for x in err.splitlines() if x.startswith("pr-specforge eval:")] == [
+        f"pr-specforge eval: --json {notes}: exists and is not an eval summary (eval replaces only its own); "
+        "name a new file, or move this one"], err
+    assert notes.read_text() == '{"mine": 1}\n' and not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_input_is_one_clear_line(dirs, tmp_path, capsys, case):
     extra, edit, needle = BAD_INPUTS[case]
