@@ -335,9 +335,15 @@ def plot_run(run_dir: str, out_path: Optional[str] = None) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="pr-specforge plot", description="render a run's metrics.jsonl to PNG")
     parser.add_argument("run_dir", help="the run's output_dir (holding metrics.jsonl), or the JSONL itself")
-    parser.add_argument("-o", "--output", default=None, help=f"PNG path (default: RUN_DIR/{PLOT_FILE})")
+    parser.add_argument("-o", "--output", default=None, help=f"PNG path: a new file, or --overwrite (default: RUN_DIR/{PLOT_FILE}, "
+                        "the run's own plot, rewritten)")
+    parser.add_argument("--overwrite", action="store_true", help="let -o replace an existing file")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
+        if args.output:
+            from pr_specforge.data.io import check_writable_file
+
+            check_writable_file("-o", args.output, overwrite=args.overwrite)
         out = plot_run(args.run_dir, args.output)
     except (FileNotFoundError, ValueError) as e:
         print(f"pr-specforge plot: {e}", file=sys.stderr)

@@ -87,6 +87,25 @@ def test_plot_refuses_a_dir_without_metrics(tmp_path):
     assert rc == 2 and "no metrics file" in log
 
 
+def test_plot_o_refuses_an_existing_file_unless_overwrite(tmp_path):
+    """issue 58 item 6: -o naming a file that exists (a user's notes, the run's own metrics) is one line naming it,
+    the file left as it was; --overwrite replaces it; the run's own metrics.png (no -o) is rewritten as before."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0}) + "\n" + json.dumps({"step": 2, "loss": 2.5}) + "\n")
+    notes = tmp_path / "notes.md"
+    notes.write_text("a user's notes\n")
+    kept = {p: p.read_bytes() for p in (notes, tmp_path / "metrics.jsonl")}
+    for target, needle in [*((p, f"-o {p}: exists; pass --overwrite") for p in kept), (tmp_path, "is a directory; name a file")]:
+        rc, log = run_cli("plot", tmp_path, "-o", target, cwd=tmp_path)
+        lines = [x for x in log.splitlines() if x.startswith("pr-specforge plot:")]
+        assert rc == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in log, log[-2000:]
+    assert {p: p.read_bytes() for p in kept} == kept and not (tmp_path / "metrics.png").exists()
+    rc, log = run_cli("plot", tmp_path, "-o", notes, "--overwrite", cwd=tmp_path)
+    assert rc == 0 and notes.read_bytes().startswith(b"\x89PNG"), log[-2000:]
+    for _ in range(2):
+        rc, log = run_cli("plot", tmp_path, cwd=tmp_path)
+        assert rc == 0 and (tmp_path / "metrics.png").read_bytes().startswith(b"\x89PNG"), log[-2000:]
+
+
 # ---------------------------------------------------------------- issue 44: plot's input and panels
 def test_plot_merges_a_steps_rows_warns_on_a_bad_line_and_keeps_samples_off_the_tokens_axis(tmp_path):
     from pr_specforge.training.telemetry import plotted_panels
