@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from pr_specforge.eval.experiment_report import build_report, render_markdown, write_report
+from pr_specforge.eval.experiment_report import build_report, check_report_prefix, render_markdown, write_report
 from pr_specforge.stages import HELDOUT_PROMPTS, REPO_ROOT, STAGE_ERRORS, Stage, StageBuilder, check_settings, run_stages, train_command
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pr-specforge experiment", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default="work/experiment")
     p.add_argument("--report", default=None,
-                   help="report path prefix (.md, .json and -*.png are written); default "
+                   help="report path prefix (.md, .json and -*.png are written: new files, or an earlier report of "
+                        "the experiment, which each run rewrites); default "
                         "benchmarks/results/smollm2-cpu, with -seedN appended for seeds other than 0")
     p.add_argument("--conversations", type=int, default=4000)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -97,8 +98,14 @@ class Experiment:
         self.evals = {"b48": work / f"eval-b48-seed{args.seed}", "b24": work / f"eval-b24-seed{args.seed}"}
         self.diags = {name: work / "diagnose" / f"{name}-seed{args.seed}.json" for name in RECIPES}
 
+    def report_prefix(self) -> Path:
+        """`--report`, or the committed `benchmarks/results/smollm2-cpu{,-seedN}`."""
+        default = REPO_ROOT / "benchmarks" / "results" / ("smollm2-cpu" + (f"-seed{self.args.seed}" if self.args.seed else ""))
+        return Path(self.args.report) if self.args.report else default
+
     def run(self) -> Dict:
         args, work = self.args, self.work
+        check_report_prefix(self.report_prefix())  # before any stage: a --report naming a user's file is refused
         work.mkdir(parents=True, exist_ok=True)
         # data settings are shared by every seed; seeds and reports may differ between invocations
         check_settings(work / "data_settings.json", {k: getattr(args, k) for k in (
@@ -112,8 +119,7 @@ class Experiment:
         timings = run_stages(self.shared_stages(), shared_times) | run_stages(seeded, seed_times)
         report = build_report(args, work, self.runs, self.evals, timings, self.diags, train_commands={
             name: train_command(str(RECIPES[name]), self.train_overrides(name)) for name in RECIPES})
-        prefix = args.report or str(REPO_ROOT / "benchmarks" / "results" / ("smollm2-cpu" + (f"-seed{args.seed}" if args.seed else "")))
-        write_report(report, Path(prefix))
+        write_report(report, self.report_prefix())
         return report
 
     def shared_stages(self) -> List[Stage]:

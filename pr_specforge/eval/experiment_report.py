@@ -257,6 +257,31 @@ def _md_heldout(report: dict) -> List[str]:
     return lines
 
 
+#: what `write_report` writes: PREFIX + each suffix
+REPORT_FILES = (".json", ".md", "-tau.png", "-gate.png")
+
+
+def check_report_prefix(prefix: Path) -> None:
+    """`--report PREFIX`, before any stage: its files may be an earlier report of the experiment (PREFIX.json an
+    object with the report's `settings` and `results`), which every run rewrites from its workdir; any other file
+    there (a user's notes, another JSON), a directory or a path under a file is refused in one line naming it."""
+    from pr_specforge.data.io import DataFormatError, check_writable_file, read_json_object
+
+    paths = [str(prefix) + suffix for suffix in REPORT_FILES]
+    for path in paths:
+        check_writable_file("--report", path)
+    there = [path for path in paths if os.path.lexists(path)]
+    if not there:
+        return
+    try:
+        earlier = read_json_object(paths[0]) if os.path.isfile(paths[0]) else {}
+    except DataFormatError:
+        earlier = {}
+    if not (isinstance(earlier.get("results"), list) and isinstance(earlier.get("settings"), dict)):
+        raise ValueError(f"--report {there[0]}: exists, and {paths[0]} is not an earlier experiment report (the "
+                         "experiment replaces only its own); name another --report prefix, or move it")
+
+
 def write_report(report: dict, prefix: Path) -> None:
     from pr_specforge.data.io import atomic_write_json, atomic_write_text
 

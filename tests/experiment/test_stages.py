@@ -255,3 +255,29 @@ def test_the_summary_prints_the_controls_verdict_and_what_to_change_when_the_gat
     working = {**halted, "pr/depth_marginal_0": 0.5, "pr/depth_marginal_1": 0.25, "pr/depth_marginal_2": 0.25}
     assert len(pipeline.control_lines(out, working)) == 2
     assert pipeline.control_lines(tmp_path / "none.json", {}) == []  # no control run, an EAGLE-3 run: nothing
+
+
+def test_experiment_report_never_replaces_a_file_that_is_not_an_earlier_report(tmp_path, capsys):
+    """issue 58 item 6: --report PREFIX where a file the report writes exists and PREFIX.json is not an experiment
+    report (a user's notes, another JSON object) is one line naming it, before any stage (no workdir made), the file
+    left as it was; an earlier report there is rewritten, as every run rewrites it from its workdir."""
+    from pr_specforge.eval.experiment_report import check_report_prefix
+    from pr_specforge.experiment import main
+
+    work = tmp_path / "work"
+    notes, other = tmp_path / "notes.md", tmp_path / "other.json"
+    notes.write_text("a user's notes\n")
+    other.write_text(json.dumps({"results": []}))  # no settings: not a report of the experiment
+    for prefix, mine in ((tmp_path / "notes", notes), (tmp_path / "other", other)):
+        assert main(["--workdir", str(work), "--report", str(prefix)]) == 1
+        lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("pr-specforge experiment:")]
+        assert len(lines) == 1 and f"--report {mine}: exists" in lines[0] and "not an earlier experiment report" in lines[0], lines
+    assert notes.read_text() == "a user's notes\n" and json.loads(other.read_text()) == {"results": []}
+    assert not work.exists()
+    (tmp_path / "d.md").mkdir()
+    with pytest.raises(ValueError, match="is a directory"):
+        check_report_prefix(tmp_path / "d")
+    (tmp_path / "r.json").write_text(json.dumps({"settings": {"seed": 0}, "results": []}))
+    (tmp_path / "r.md").write_text("# the earlier report\n")
+    check_report_prefix(tmp_path / "r")  # an earlier report: rewritten by the run
+    check_report_prefix(tmp_path / "new")
