@@ -106,6 +106,18 @@ def check_summary_path(path: str) -> None:
                              "name a new file, or move this one")
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """The arguments' own checks, before any work: one ValueError line each."""
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    if args.skip < 0:
+        raise ValueError(f"--skip must be >= 0, got {args.skip}")
+    if args.batch_prompts < 1:
+        raise ValueError(f"--batch-prompts must be >= 1, got {args.batch_prompts}")
+    if args.json:
+        check_summary_path(args.json)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
@@ -126,14 +138,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     dtype = getattr(torch, args.dtype)
     try:
-        if args.limit is not None and args.limit < 1:
-            raise ValueError(f"--limit must be >= 1, got {args.limit}")
-        if args.skip < 0:
-            raise ValueError(f"--skip must be >= 0, got {args.skip}")
-        if args.batch_prompts < 1:
-            raise ValueError(f"--batch-prompts must be >= 1, got {args.batch_prompts}")
-        if args.json:
-            check_summary_path(args.json)
+        check_args(args)
         settings = EvalSettings(
             budgets=args.budget,
             temperatures=args.temperature,
