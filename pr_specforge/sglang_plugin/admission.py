@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 META_KEY = REQUEST_KEY  # meta_info["pr_eagle3"]: one entry per output token, the last the request's total
 REQUEST_FIELD = f"sampling_params.custom_params.{REQUEST_KEY}"
 HOOK_TARGET = "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue"
+#: the worker's warning for a drafted round SGLang never reported verified (the fault test reads server logs for it)
+UNREPORTED_LINE = "PR_EAGLE3: a drafted round's verify result never reached the worker (not in its requests' meta_info)"
 _installed = False
 
 

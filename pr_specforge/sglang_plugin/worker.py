@@ -65,7 +65,7 @@ from pr_specforge.serving.tensor_tree import TensorTreeBuilder
 from pr_specforge.sglang_plugin.checks import (
     check_readouts, check_round_graph, check_row_attention, check_server_args, load_pr_drafter, overlap_on, rows_for,
     rows_room)
-from pr_specforge.sglang_plugin.admission import record_round, worker_shape
+from pr_specforge.sglang_plugin.admission import UNREPORTED_LINE, record_round, worker_shape
 from pr_specforge.sglang_plugin.draft_model import use_for_draft
 from pr_specforge.sglang_plugin.encoding import check_encoded, encode_packed, encode_tree, round_counts
 from pr_specforge.sglang_plugin.round_graph import RoundGraphs, padded_size, round_sizes
@@ -312,6 +312,7 @@ class PRDraftWorker(EagleDraftWorker):
             return EagleVerifyInput.create_idle_input(self.topk, self.speculative_num_steps,
                                                       self.speculative_num_draft_tokens)
         while len(self.pr_pending) > MAX_PENDING:  # rounds SGLang never reported verified: settled, not recorded
+            log.warning(UNREPORTED_LINE)
             p = self.pr_pending.popleft()
             if p.counts is None:
                 self._settle_round(p)
