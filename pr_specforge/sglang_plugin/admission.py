@@ -72,6 +72,8 @@ def admit(scheduler, req, is_retracted: bool = False, *args, **kwargs) -> None:
     server_args = scheduler.server_args
     pr = getattr(server_args, "speculative_algorithm", None) == ALGORITHM
     if is_retracted or req.finished() or getattr(req, "to_finish", None) is not None:
+        if pr:  # a request SGLang refused itself still carries the key (a batch's lists must align)
+            start_meta(req, admitted_shape(req))
         return None
     shape = None
     try:

@@ -91,3 +91,26 @@ def test_a_requests_meta_info_holds_its_state_after_each_round_one_entry_per_out
 def test_the_worker_drafts_a_request_admission_did_not_see_at_its_own_shape_or_the_servers():
     assert worker_shape(_req({"m": 0}), SERVER, ROOM).m == 0
     assert worker_shape(_req({"m": "x"}), SERVER, ROOM) == SERVER  # logged, never raised in the scheduler
+
+
+def test_every_request_of_a_pr_server_gets_the_meta_info_key_refused_or_finished_ones_too(monkeypatch):
+    """`admit` on SGLang's own `Req` (its `set_finish_with_abort` asks the tensor-parallel rank, which only a server
+    has: rank 0 here); the server's limits are put where `limits` caches them (no export is read)."""
+    import sglang.srt.managers.schedule_batch as schedule_batch
+
+    from pr_specforge.sglang_plugin import admission
+    from pr_specforge.sglang_plugin.admission import admit
+
+    monkeypatch.setattr(schedule_batch, "get_tensor_model_parallel_rank", lambda: 0)
+    server = SimpleNamespace(device="cpu", speculative_algorithm="PR_EAGLE3")
+    admission._LIMITS[id(server)] = SERVER, ROOM
+    scheduler = SimpleNamespace(server_args=server)
+    good, bad, done = _req({"m": 0}), _req({"m": -1}), _req()
+    done.set_finish_with_abort("refused by SGLang itself")
+    for req in (good, bad, done):
+        admit(scheduler, req)
+        assert META_KEY in req.customized_info
+    assert good.to_finish is None and good.pr_shape.m == 0
+    assert bad.to_finish.message.startswith(f"{FIELD}.m -1 is outside [0, 3]")
+    assert done.to_finish.message == "refused by SGLang itself"
+    admission._LIMITS.pop(id(server))
