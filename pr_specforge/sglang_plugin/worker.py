@@ -24,7 +24,9 @@ where SGLang's runner can run the rows):
     with it), so SGLang's overlap schedule can run it (`supports_overlap=True`): the lengths, bonus
     tokens and features are read on the device, the host gives what it holds (request slots, allocated KV slots as
     the lengths' bound, uniforms), and each round's six numbers per request (the encoding's check, the counters)
-    are read at the next round's draft (`_settle`; with a round log, right after the round's verify).
+    are read when SGLang has the round's verify result on the host (`on_verify_complete_cpu` -> `pr_verified`, which
+    also records them into each request's `meta_info["pr_eagle3"]`, `admission`; with a round log, right after the
+    round's verify, `_settle`).
     The tree logic, the encoding's result (3) and the verify input are the same for both.
 Path `ours`, request by request:
   1. the request's committed drafter context is its rows of SGLang's draft KV pool (slots
