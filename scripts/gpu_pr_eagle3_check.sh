@@ -13,6 +13,10 @@
 #      times, the model-compute floor, tokens/s (serving_cost-graphs-{off,on}.{json,md}).
 #   3. tokens/s with SGLang's overlap schedule off, then on (graphs on, untimed servers: the round timer would
 #      synchronise the device): serving_cost-overlap-{off,on}.{json,md}.
+#   4. temperature > 0 (never run on the CPU, which refuses it per request): SGLang's sampling verify over a PR
+#      tree, 2000 seeded requests at T = 1 against plain sampling, a chi-square test of homogeneity per emitted
+#      position (tests/sglang_live/test_live_pr_eagle3_sampling.py); and the fault and load module on the GPU
+#      (tests/sglang_live/test_live_pr_eagle3_faults.py: retraction, a disconnect, bad requests, the context limit).
 # Usage: scripts/gpu_pr_eagle3_check.sh [OUTDIR] [TARGET] [DRAFT]
 #   TARGET, DRAFT: a target and its PR export `--to sglang` (default: make run's work/smollm2/target and
 #   work/smollm2/export/pr-sglang; without them step 2 is skipped and says so).
@@ -43,6 +47,8 @@ for graphs in 0 1; do
   run "equality-graphs-$graphs" env PR_SPECFORGE_LIVE_DEVICE=cuda PR_SPECFORGE_LIVE_CUDA_GRAPH=$graphs \
     "$PY" -m pytest -q -p no:cacheprovider "${LIVE[@]}" -k "not cpu_serve_script"
 done
+run "sampling-and-faults" env PR_SPECFORGE_LIVE_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider \
+  tests/sglang_live/test_live_pr_eagle3_sampling.py tests/sglang_live/test_live_pr_eagle3_faults.py
 if [ -f "$TARGET/config.json" ] && [ -f "$DRAFT/config.json" ]; then
   for graphs in off on; do
     flag=(); [ $graphs = on ] && flag=(--cuda-graph)

@@ -29,10 +29,11 @@ for ARG in "$@"; do
     PREV=$ARG
 done
 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pr_specforge.sglang_cpu.preflight "$TARGET" "$DRAFT" "$PORT" "$ALGO" || exit 2
+SPEC=(--speculative-algorithm EAGLE3 --speculative-draft-model-path "$DRAFT"
+      --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
+if [ "$DRAFT" = none ]; then SPEC=(); fi
 export PYTHONPATH="$ROOT/pr_specforge/sglang_cpu/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PR_SPECFORGE_SGLANG_CPU=1 SGLANG_USE_CPU_ENGINE=1 SGLANG_NATIVE_MOVE_KV_CACHE=1 TRITON_INTERPRET=1
 exec nice -n 19 "$PY" -m sglang.launch_server --model-path "$TARGET" \
     --device cpu --attention-backend torch_native --disable-cuda-graph --disable-overlap-schedule --sleep-on-idle --dtype float32 \
-    --host 127.0.0.1 --port "$PORT" --max-total-tokens 4096 \
-    --speculative-algorithm EAGLE3 --speculative-draft-model-path "$DRAFT" \
-    --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 "$@"
+    --host 127.0.0.1 --port "$PORT" --max-total-tokens 4096 ${SPEC[@]+"${SPEC[@]}"} "$@"

@@ -7,6 +7,7 @@ directory as the draft ("not a registered model"), the target as the draft ("no 
 hot_token_id"), a renamed or missing tensor, a draft whose config's context length is below the
 target's (a `ValueError` about `SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN`), a port in use (`Errno 98`,
 then a hang). Each is one line here, naming the directory or port and the fix, and exit 2.
+DRAFT_DIR `none` (`scripts/sglang_cpu_serve_plain.sh`, the plain reference server): the target and the port only.
 With ALGORITHM `PR_EAGLE3` (the last `--speculative-algorithm` the script passes), the export is also
 checked as the `PR_EAGLE3` plugin checks it at start-up (`sglang_plugin.checks.check_drafter`).
 The tensor check is the exporter's own (`pr_specforge.export.check_weights`: every name, shape and
@@ -152,9 +153,16 @@ def check_pr_drafter(draft: str, cfg: Dict[str, Any]) -> None:
         raise PreflightError(f"DRAFT {draft}: {e}") from None
 
 
+PLAIN = "none"  # DRAFT_DIR of a plain server (no speculative decoding): `scripts/sglang_cpu_serve_plain.sh`
+
+
 def preflight(target: str, draft: str, port: str, algorithm: str = "EAGLE3") -> None:
-    """The cheap checks first: the port and the configs before the tensors (which import SpecForge)."""
+    """The cheap checks first: the port and the configs before the tensors (which import SpecForge). DRAFT_DIR
+    `none`: a plain server, whose target and port are checked."""
     check_target(target)
+    if draft == PLAIN:
+        check_port(port)
+        return
     cfg = check_draft_kind(draft, target)
     check_port(port)
     check_context(draft, cfg, target)

@@ -2,7 +2,8 @@
 
 SGLang runs every function of the `sglang.srt.plugins` entry-point group (pyproject.toml) in each of
 its processes before it parses arguments; ours is `register`, which adds `PR_EAGLE3` to SGLang's
-speculative registry (`SpeculativeAlgorithm.register`). Nothing of SGLang is edited or patched.
+speculative registry (`SpeculativeAlgorithm.register`), and its per-request admission to SGLang's plugin hook
+registry (`HookRegistry`, which SGLang applies). Nothing of SGLang is edited.
 
   * `algorithm` - the registration: an algorithm that answers as EAGLE-3 (3-layer capture, the
     draft KV pool, EAGLE radix keys), fills what 0.5.14's `CustomSpecAlgo` lacks, runs the EAGLE
@@ -12,6 +13,8 @@ speculative registry (`SpeculativeAlgorithm.register`). Nothing of SGLang is edi
     SGLang's draft KV pool, and encodes the tree for SGLang's own `build_tree`; verify and
     draft-extend are SGLang's.
   * `checks` - the shape, the refusals, loading the PR drafter from the export.
+  * `admission` - per request, in the scheduler (a hook of SGLang's plugin hook registry): the refusals of what
+    the server cannot serve (HTTP 400, one line), and each `PR_EAGLE3` response's `meta_info["pr_eagle3"]`.
   * `timing` - with `PR_EAGLE3_ROUND_TIMES=FILE` only: each decode round's time, phases and model compute, for
     EAGLE-3 and PR_EAGLE3 alike (`benchmarks/serving_cost.py`).
 
@@ -31,6 +34,9 @@ def register() -> None:
     from pr_specforge.sglang_plugin.algorithm import register_algorithm
 
     register_algorithm()
+    from pr_specforge.sglang_plugin.admission import install as install_admission
+
+    install_admission()
     if os.environ.get(TIMES_ENV):
         from pr_specforge.sglang_plugin.timing import install
 

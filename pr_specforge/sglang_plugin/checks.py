@@ -9,7 +9,8 @@ Owns:
   * `check_server_args` - the one-line refusals (`PRServeError`): tp > 1, k < 2, page size > 1,
     the overlap schedule, a shape whose tree cannot fill B nodes, a drafter without PR tensors,
     a PR tensor renamed or missing, `norm_output`.
-  * `request_shape` - a request's own B_w / m (`custom_params["pr_eagle3"]`), k, gamma and B staying the server's.
+  * `PRServeShape.guaranteed_nodes`, `rows_room`, `tree_rows` - what a request's own B_w / m is checked against
+    (`admission.request_shape`, where a request is refused).
   * `load_pr_drafter` - our `LlamaForCausalLMEagle3PR` with every tensor of the `--to sglang`
     export (EAGLE-3 and `pr_*`), for the draft worker's tree rows.
 
@@ -190,27 +191,6 @@ def check_shape(shape: PRServeShape) -> None:
         raise PRServeError(
             f"{ALGORITHM}: the tree k={shape.k}, B_w={shape.bw}, gamma={shape.gamma} holds only {have} nodes for sure, "
             f"fewer than B={shape.budget} (--speculative-num-draft-tokens {shape.budget + 1}); lower it to <= {have + 1}")
-
-
-def request_shape(shape: PRServeShape, custom_params, max_rows: Optional[int] = None) -> PRServeShape:
-    """`shape` with a request's own B_w / m (`custom_params["pr_eagle3"]`); an override that is not an
-    integer in range, whose tree could not fill B nodes, or whose rows exceed `max_rows` (the draft KV slots of
-    `PR_EAGLE3_ROWS=sglang`) is ignored (logged): a request cannot stop the server."""
-    own = (custom_params or {}).get(REQUEST_KEY) if isinstance(custom_params, dict) else None
-    if not own:
-        return shape
-    try:
-        asked = PRServeShape(k=shape.k, bw=int(own.get("bw", shape.bw)), m=int(own.get("m", shape.m)),
-                             gamma=shape.gamma, budget=shape.budget)
-        if asked.bw < 1 or asked.m < 0:
-            raise PRServeError(f"B_w {asked.bw} / m {asked.m} out of range")
-        check_shape(asked)
-        if max_rows is not None and tree_rows(asked) > max_rows:
-            raise PRServeError(f"{tree_rows(asked)} tree rows exceed the {max_rows} draft KV slots reserved")
-    except (TypeError, ValueError, AttributeError) as e:
-        log.warning("%s: ignoring the request's %s=%r (%s)", ALGORITHM, REQUEST_KEY, own, e)
-        return shape
-    return asked
 
 
 def _skeleton(export_config: Dict, device):

@@ -24,7 +24,9 @@ where SGLang's runner can run the rows):
     with it), so SGLang's overlap schedule can run it (`supports_overlap=True`): the lengths, bonus
     tokens and features are read on the device, the host gives what it holds (request slots, allocated KV slots as
     the lengths' bound, uniforms), and each round's six numbers per request (the encoding's check, the counters)
-    are read at the next round's draft (`_settle`; with a round log, right after the round's verify).
+    are read when SGLang has the round's verify result on the host (`on_verify_complete_cpu` -> `pr_verified`, which
+    also records them into each request's `meta_info["pr_eagle3"]`, `admission`; with a round log, right after the
+    round's verify, `_settle`).
     The tree logic, the encoding's result (3) and the verify input are the same for both.
 Path `ours`, request by request:
   1. the request's committed drafter context is its rows of SGLang's draft KV pool (slots
@@ -44,12 +46,13 @@ request's last, dropped draft too).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
 import os
-from dataclasses import dataclass
-from typing import Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, Optional
 
 import torch
 from sglang.srt.layers.radix_attention import RadixAttention
@@ -62,8 +65,9 @@ from pr_specforge.serving.drafter_runtime import DrafterRuntime, readouts_row_in
 from pr_specforge.serving.host_reads import NoHostReads, to_device
 from pr_specforge.serving.tensor_tree import TensorTreeBuilder
 from pr_specforge.sglang_plugin.checks import (
-    check_readouts, check_round_graph, check_row_attention, check_server_args, load_pr_drafter, overlap_on, request_shape,
-    rows_for, rows_room)
+    check_readouts, check_round_graph, check_row_attention, check_server_args, load_pr_drafter, overlap_on, rows_for,
+    rows_room)
+from pr_specforge.sglang_plugin.admission import UNREPORTED_LINE, record_round, worker_shape
 from pr_specforge.sglang_plugin.draft_model import use_for_draft
 from pr_specforge.sglang_plugin.encoding import check_encoded, encode_packed, encode_tree, round_counts
 from pr_specforge.sglang_plugin.round_graph import RoundGraphs, padded_size, round_sizes
@@ -76,7 +80,8 @@ log = logging.getLogger(__name__)
 class _Pending:
     """A round's host part, left for `PRDraftWorker._settle`: its summary on its way to the host (`done`: the copy's
     event on CUDA, else None), per request its id, allocated slots, how its round ran and its padded batch, and with
-    a round log the lengths on the device and the packed trees per group (builder, packed, kept, members, size)."""
+    a round log the lengths on the device and the packed trees per group (builder, packed, kept, members, size);
+    the batch's requests, and once settled each one's counters (`COUNTERS`)."""
 
     summary: torch.Tensor
     done: Optional[object]
@@ -86,6 +91,8 @@ class _Pending:
     graph_batch: List[int]
     seq_lens: Optional[torch.Tensor]
     built: list
+    reqs: list = field(default_factory=list)
+    counts: Optional[list] = None
 
 
 def _to_host(summary: torch.Tensor):
@@ -108,6 +115,7 @@ def _kv_room(allocated: Optional[int], seq_len: Optional[int]) -> Optional[int]:
 ROUND_LOG = "PR_EAGLE3_ROUND_LOG"
 CHECK_HOST_READS = "PR_EAGLE3_CHECK_HOST_READS"  # on: every `sglang`-path draft under NoHostReads(host_data=True)
 COUNTERS = ("recon_rows", "recon_kept", "repriced_kept")  # a request's per-round counters, summed on the worker
+MAX_PENDING = 2  # drafted rounds awaiting SGLang's verify result: one, and one more under the overlap schedule
 #: the start-up line of the `sglang` row path (benchmarks/serving_cost.py reads it from the server's log)
 READY_LINE = ("PR_EAGLE3 rows' attention: %s; readouts: %s; round graph: %s; a row's readouts are the same bits in any "
               "call on this machine: %s")
@@ -127,7 +135,8 @@ class PRDraftWorker(EagleDraftWorker):
         """The worker's round bookkeeping from nothing: totals over every request's rounds, no pending round, the
         round log (`PR_EAGLE3_ROUND_LOG`) or None."""
         self.pr_totals: Dict[str, int] = dict.fromkeys(("rounds",) + COUNTERS, 0)
-        self.pr_pending = None  # the latest round's host part, settled at the next draft (`_settle`)
+        # the drafted rounds whose verify SGLang has not processed yet, oldest first (`pr_verified`)
+        self.pr_pending: Deque[_Pending] = collections.deque()
         self.pr_log = log_path
 
     def alloc_memory_pool(self, *args, **kwargs):
@@ -156,7 +165,7 @@ class PRDraftWorker(EagleDraftWorker):
         """The round's builder: the server's shape, or the request's `custom_params["pr_eagle3"]` B_w / m
         (a `TensorTreeBuilder` over our runtime, or with `PR_EAGLE3_ROWS=sglang` a `BatchedTreeBuilder` whose rows
         run in SGLang's draft model runner)."""
-        shape = request_shape(self.pr_shape, getattr(req.sampling_params, "custom_params", None), self.pr_max_rows)
+        shape = worker_shape(req, self.pr_shape, self.pr_max_rows)
         key = (shape.bw, shape.m)
         if key not in self.pr_builders:
             cfg = shape.tree_config()
@@ -222,7 +231,7 @@ class PRDraftWorker(EagleDraftWorker):
                 built.append((builder, packed, kept, members, size))
         pending = _Pending(*_to_host(summary), [req.rid for req in batch.reqs],
                            [req.kv_allocated_len for req in batch.reqs], graph, graph_batch,
-                           batch.seq_lens.clone() if self.pr_log else None, built)
+                           batch.seq_lens.clone() if self.pr_log else None, built, list(batch.reqs))
         return (parent_list, top_scores_index, draft_tokens), pending
 
     def _pad_request(self, draft_input) -> BatchRequest:
@@ -242,13 +251,31 @@ class PRDraftWorker(EagleDraftWorker):
         return allocated if allocated > 0 else self.req_to_token_pool.req_to_token.shape[1]
 
     def _settle(self) -> None:
-        """The host's part of the latest round of the `sglang` path: its encodings checked (`check_encoded`), its
-        counters summed and, with a round log, its lines written. `draft` leaves it pending so that nothing in the
-        draft waits for the device; it is settled at the next round's draft, or with a round log right after its
-        verify (`PREagleWorkerV2.forward_batch_generation`)."""
-        p, self.pr_pending = self.pr_pending, None
-        if p is None:
+        """Every pending round's host part, where not yet settled (`_settle_round`): with a round log, right after
+        the verify (`PREagleWorkerV2.forward_batch_generation`)."""
+        for p in self.pr_pending:
+            if p.counts is None:
+                self._settle_round(p)
+
+    def pr_verified(self) -> None:
+        """SGLang has the oldest pending round's verify result on the host (`on_verify_complete_cpu`, after the
+        result's copy is done, so its summary is too): the round settled where still pending (`_settle_round`) and
+        recorded into each request's meta info (`admission.record_round`), for the requests SGLang counts it for:
+        neither finished nor retracted (the round an overlap schedule drafts after a request's last is dropped)."""
+        if not self.pr_pending:
             return
+        p = self.pr_pending.popleft()
+        if p.counts is None:
+            self._settle_round(p)
+        for req, counts in zip(p.reqs, p.counts):
+            if not (req.finished() or getattr(req, "is_retracted", False)):
+                record_round(req, counts[0], counts[1])
+
+    def _settle_round(self, p: _Pending) -> None:
+        """The host's part of a round of the `sglang` path: its encodings checked (`check_encoded`), its
+        counters summed and, with a round log, its lines written. `draft` leaves it pending so that nothing in the
+        draft waits for the device; it is settled when SGLang processes the round's verify result (`pr_verified`),
+        or with a round log right after its verify (`_settle`)."""
         if p.done is not None:
             p.done.synchronize()
         shape = self.pr_shape
@@ -257,6 +284,7 @@ class PRDraftWorker(EagleDraftWorker):
         for builder, packed, kept, members, size in p.built:
             for b, tree in zip(members, builder.unpack(packed.cpu(), kept, [lengths[b] for b in members], size=size)):
                 trees[b] = tree
+        p.counts = [s[3:] for s in p.summary.tolist()]
         for b, s in enumerate(p.summary.tolist()):
             check_encoded(s[:3], shape.budget, shape.k, shape.parent_width())
             self._count(p.rids[b], lengths[b], s[3:], trees[b], len(p.rids), _kv_room(p.allocated[b], lengths[b]),
@@ -285,12 +313,17 @@ class PRDraftWorker(EagleDraftWorker):
         if batch.forward_mode.is_idle():
             return EagleVerifyInput.create_idle_input(self.topk, self.speculative_num_steps,
                                                       self.speculative_num_draft_tokens)
-        self._settle()  # the previous round's host part, where it is still pending
+        while len(self.pr_pending) > MAX_PENDING:  # rounds SGLang never reported verified: settled, not recorded
+            log.warning(UNREPORTED_LINE)
+            p = self.pr_pending.popleft()
+            if p.counts is None:
+                self._settle_round(p)
         draft_input = batch.spec_info
         width = shape.parent_width()
         if self.pr_rows is not None:
             with self._host_read_check():
-                verify, self.pr_pending = self._batched_rounds(batch, draft_input, width)
+                verify, pending = self._batched_rounds(batch, draft_input, width)
+            self.pr_pending.append(pending)
         else:
             lengths = batch.seq_lens.tolist()
             rows = self.req_to_token_pool.req_to_token[batch.req_pool_indices]
@@ -298,9 +331,11 @@ class PRDraftWorker(EagleDraftWorker):
             trees = [self._round(req, rows[b, : lengths[b]].long(), int(bonus[b]), draft_input.hidden_states[b])
                      for b, req in enumerate(batch.reqs)]
             verify = self._encode(trees, width)
+            counts = [[getattr(tree, name) for name in COUNTERS] for tree in trees]
             for b, (tree, req) in enumerate(zip(trees, batch.reqs)):
-                self._count(req.rid, lengths[b], [getattr(tree, name) for name in COUNTERS], tree, len(trees),
+                self._count(req.rid, lengths[b], counts[b], tree, len(trees),
                             _kv_room(getattr(req, "kv_allocated_len", None), lengths[b]), "off")
+            self.pr_pending.append(_Pending(None, None, [], [], [], [], None, [], list(batch.reqs), counts))
         return self._verify_input(batch, draft_input, *verify)
 
     def _host_read_check(self):
@@ -364,6 +399,12 @@ class PREagleWorkerV2(EAGLEWorkerV2):
 
     def forward_batch_generation(self, batch, *args, **kwargs):
         out = super().forward_batch_generation(batch, *args, **kwargs)
-        if self._draft_worker.pr_log:  # a round log is written as each round ends (else at the next draft)
+        if self._draft_worker.pr_log:  # a round log is written as each round ends (else when SGLang processes it)
             self._draft_worker._settle()
         return out
+
+    def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size: int = 0) -> None:
+        """SGLang's hook after a decode batch's verify result is on the host: that round's host part
+        (`PRDraftWorker.pr_verified`: counters, each request's meta info)."""
+        super().on_verify_complete_cpu(num_correct_drafts_per_req, batch_size=batch_size)
+        self._draft_worker.pr_verified()

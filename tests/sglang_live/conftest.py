@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -128,11 +129,24 @@ def live_run(tmp_path_factory):
             "eagle3": str(root / "eagle3-sglang"), "hf": str(root / "hf"), "prompts": prompts}
 
 
+PLAIN_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "sglang_cpu_serve_plain.sh")
+
+
 @pytest.fixture(scope="package")
 def plain_server(live_run, tmp_path_factory):
     """The port of SGLang serving the target alone (plain greedy; with its tokenizer and chat template). Package-scoped:
-    one start-up for every live module (its scheduler sleeps on idle, `--sleep-on-idle`)."""
-    with sglang_server(live_run["target"], tmp_path_factory.mktemp("log") / "plain.log") as port:
+    one start-up for every live module (its scheduler sleeps on idle, `--sleep-on-idle`). On a CPU it is the
+    documented plain reference server, `scripts/sglang_cpu_serve_plain.sh`."""
+    log = tmp_path_factory.mktemp("log") / "plain.log"
+    if LIVE_DEVICE != "cpu":
+        with sglang_server(live_run["target"], log) as port:
+            yield port
+        return
+    from pr_specforge.sglang_cpu import child_env
+
+    port = free_port()
+    env = child_env(dict(ENV, HF_HUB_OFFLINE="1", PYTHON=sys.executable))
+    with serving(["bash", PLAIN_SCRIPT, live_run["target"], str(port)], port, log, env):
         yield port
 
 

@@ -52,8 +52,11 @@ def pr_server(live_run, log_dir, shape: Shape, times=None, env=None, args=(), ov
                          env=env, overlap=overlap), rounds
 
 
-def generate(port: int, ids, bw=None, m=None) -> dict:
+def generate(port: int, ids, bw=None, m=None, seed=None) -> dict:
+    """A greedy request (`seed`: its `sampling_seed`, which seeds the PR tree as our decoder's `seed` does)."""
     params = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+    if seed is not None:
+        params["sampling_seed"] = seed
     if bw is not None or m is not None:
         params["custom_params"] = {"pr_eagle3": {k: v for k, v in (("bw", bw), ("m", m)) if v is not None}}
     return post(port, "/generate", {"input_ids": list(ids), "sampling_params": params})
@@ -77,7 +80,8 @@ class Ours:
         self.target, _ = load_target(live_run["target"])
         self.drafter = load_drafter(live_run["hf"], "cpu", torch.float32)
 
-    def decode(self, shape: Shape, prompts):
+    def decode(self, shape: Shape, prompts, seeds=None):
+        """Each prompt decoded at `shape` with its seed (`seeds`, default 0 for each)."""
         from pr_specforge.serving import SpeculativeDecoder, TreeConfig
 
         dec = SpeculativeDecoder(self.target, self.drafter, TreeConfig(budget=shape.budget, k=shape.k, bw=shape.bw,
@@ -90,9 +94,9 @@ class Ours:
             return tree
 
         dec.draft = recording
-        for p in prompts:
+        for p, seed in zip(prompts, seeds or [0] * len(prompts)):
             trees.append([])
-            res = dec.generate(p, MAX_NEW, 0.0, 0, None)
+            res = dec.generate(p, MAX_NEW, 0.0, seed, None)
             out.append({"tokens": res.tokens, "rounds": res.rounds, "accepted": sum(res.accept_lengths) - res.rounds,
                         "recon_kept": res.recon_kept, "recon_rows": res.recon_rows, "trees": trees[-1]})
         return out

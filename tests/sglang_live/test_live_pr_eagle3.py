@@ -70,6 +70,25 @@ def test_m0_serves_exactly_our_evaluators_m0_tree(live_run, server, ours):
     assert_same(served, ours.decode(Shape(k=2, bw=2, m=0, gamma=3, budget=6), live_run["prompts"]))
 
 
+def test_sampling_seed_seeds_the_tree_as_the_evaluators_seed_and_meta_info_carries_the_counters(live_run, server,
+                                                                                                 ours, sequential):
+    """The seed convention: a request's `sampling_seed` (0 when unset) seeds its PR tree as our evaluator's seed
+    does (the evaluator gives prompt i seed + i): with equal seeds every round's tree and counter is equal. And
+    `meta_info["pr_eagle3"]`, read without the round log, says the same counters and the B_w and m served."""
+    port, rounds = server
+    seeds = [3 + i for i in range(len(live_run["prompts"]))]
+    outs = [generate(port, p, seed=s) for p, s in zip(live_run["prompts"], seeds)]
+    served = [served_counts(o, round_log(rounds), OVERLAP) for o in outs]
+    reference = ours.decode(SHAPE, live_run["prompts"], seeds)
+    assert_same(served, reference)
+    assert [s["trees"] for s in served] != [s["trees"] for s in sequential], "seeds 3.. drew the trees of seed 0"
+    for out, ref in zip(outs, reference):
+        assert out["meta_info"]["pr_eagle3"][-1] == {"bw": SHAPE.bw, "m": SHAPE.m, "rounds": ref["rounds"],
+                                                     "recon_rows": ref["recon_rows"], "recon_kept": ref["recon_kept"]}
+    m0 = generate(port, live_run["prompts"][1], m=0)["meta_info"]["pr_eagle3"][-1]
+    assert (m0["bw"], m0["m"], m0["recon_rows"], m0["recon_kept"]) == (SHAPE.bw, 0, 0, 0)
+
+
 def test_the_rounds_are_timed_for_m0_and_m1_and_reconsideration_rows_are_draft_compute(live_run, server):
     port, rounds = server
     outs = [generate(port, live_run["prompts"][1], m=m) for m in (0, 1)]

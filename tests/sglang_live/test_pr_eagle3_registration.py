@@ -158,17 +158,6 @@ def test_an_export_with_norm_output_is_refused(live_run, cpu_engine, tmp_path):
         _server_args(live_run, str(path))
 
 
-def test_a_request_may_set_its_own_bw_and_m_but_not_a_shape_that_cannot_fill_b():
-    from pr_specforge.sglang_plugin.checks import request_shape
-
-    server = _shape(k=2, bw=2, m=1, gamma=3, budget=6)
-    assert request_shape(server, None) == server and request_shape(server, {"other": 1}) == server
-    assert request_shape(server, {"pr_eagle3": {"m": 0}}) == _shape(k=2, bw=2, m=0, gamma=3, budget=6)
-    assert request_shape(server, {"pr_eagle3": {"bw": 1}}).bw == 1  # k + k + k = 6 nodes: fills B 6
-    assert request_shape(_shape(k=2, bw=2, m=1, gamma=3, budget=7), {"pr_eagle3": {"bw": 1}}).bw == 2  # 6 < 7
-    assert request_shape(server, {"pr_eagle3": {"m": "x"}}) == server
-
-
 def test_the_export_may_carry_its_serving_defaults(live_run, cpu_engine, tmp_path):
     from pr_specforge.sglang_plugin.checks import check_server_args
 

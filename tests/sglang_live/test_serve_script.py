@@ -7,7 +7,8 @@ decode, unchanged), the drafter config keeps 512, and the run's checkpoint is ex
 does (`export CKPT OUT --to sglang --target TARGET`). The script then serves it with its defaults (float32,
 chain of 3): the output must be the target's greedy decode and the accepted drafts our evaluator's, prompt
 by prompt, and plain greedy serving's. This is the PR export served as EAGLE-3 (its `pr_*` tensors
-are skipped). A renamed or missing tensor fails it (the script's preflight names the tensor, or the bridge's `DraftLoadError` stops the server), as would a drafter left random.
+are skipped). A request at temperature 0.8 is refused in one line (HTTP 400: no sampling verify on a CPU) and the
+server serves the next. A renamed or missing tensor fails it (the script's preflight names the tensor, or the bridge's `DraftLoadError` stops the server), as would a drafter left random.
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ import json
 import os
 import re
 import sys
+import urllib.error
+
+import pytest
 
 from pr_specforge.sglang_cpu import child_env
 from tests.export.conftest import ENV
 from tests.export.test_export import long_context_target
-from tests.sglang_live.conftest import STEPS, _free_port, greedy, serving
+from tests.sglang_live.conftest import STEPS, _free_port, greedy, post, serving
 from tests.sglang_live.eagle3 import CHAIN_STEPS, MAX_NEW, served_tau
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "sglang_cpu_serve.sh")
@@ -41,6 +45,13 @@ def test_the_serve_script_serves_an_export_made_against_a_longer_context_target(
     env = child_env(dict(ENV, HF_HUB_OFFLINE="1", PYTHON=sys.executable))
     with serving(["bash", SCRIPT, str(target), str(export), str(port)], port, tmp_path / "server.log", env):
         served = [greedy(port, p, MAX_NEW) for p in live_run["prompts"]]
+        sampled = {"input_ids": live_run["prompts"][0], "sampling_params": {"temperature": 0.8, "max_new_tokens": 4}}
+        with pytest.raises(urllib.error.HTTPError) as refused:  # EAGLE3 on a CPU: no sampling verify, one line
+            post(port, "/generate", sampled)
+        assert refused.value.code == 400
+        assert json.loads(refused.value.read())["error"]["message"].startswith(
+            "sampling_params.temperature 0.8 (top_k all): this speculative server on a CPU verifies greedily only")
+        assert greedy(port, live_run["prompts"][0], MAX_NEW)["output_ids"] == served[0]["output_ids"]  # still serving
     reference = our_decoder(CHAIN_STEPS)  # the script's default: a chain of 3 drafts
     assert [o["output_ids"] for o in served] == [r.tokens for r in reference] == plain  # lossless
     for out, ref in zip(served, reference):
