@@ -10,8 +10,8 @@ Owns:
     the overlap schedule, a shape whose tree cannot fill B nodes, a drafter without PR tensors,
     a PR tensor renamed or missing, `norm_output`.
   * `request_shape` - a request's own B_w / m (`custom_params["pr_eagle3"]`), k, gamma and B staying the server's.
-  * `load_pr_drafter` - our `LlamaForCausalLMEagle3PR` with every tensor of the `--to sglang`
-    export (EAGLE-3 and `pr_*`), for the draft worker's tree rows.
+  * `load_pr_drafter` - our serving drafter (`core.eagle3.PRServingDrafter`, plain torch: no SpecForge) with
+    every tensor of the `--to sglang` export (EAGLE-3 and `pr_*`), for the draft worker's tree rows.
 
 Does not own: the registration (`sglang_plugin.algorithm`), the round (`sglang_plugin.worker`).
 """
@@ -214,10 +214,14 @@ def request_shape(shape: PRServeShape, custom_params, max_rows: Optional[int] = 
 
 
 def _skeleton(export_config: Dict, device):
-    from pr_specforge.export import build_drafter_skeleton
+    """The serving drafter of the export's config (`core.eagle3`: plain torch, no SpecForge)."""
+    from pr_specforge.core.eagle3 import PRServingDrafter, ServingDrafterError
 
-    with torch.device(device):
-        return build_drafter_skeleton(export_config, "pr", None)
+    try:
+        with torch.device(device):
+            return PRServingDrafter.from_export_config(export_config).float()
+    except (ServingDrafterError, ValueError) as e:
+        raise PRServeError(f"{ALGORITHM}: {e}") from None
 
 
 def check_drafter(draft_dir: str, export_config: Dict) -> None:
@@ -226,7 +230,7 @@ def check_drafter(draft_dir: str, export_config: Dict) -> None:
     from safetensors import safe_open
 
     from pr_specforge.config import PR_CONFIG_KEY
-    from pr_specforge.modeling.drafter import PR_PARAM_PREFIXES
+    from pr_specforge.core.parts import PR_PARAM_PREFIXES
 
     path = os.path.join(draft_dir, "model.safetensors")
     if PR_CONFIG_KEY not in export_config:
@@ -308,10 +312,8 @@ def check_readouts() -> str:
 
 @torch.no_grad()
 def load_pr_drafter(draft_dir: str, device, dtype: torch.dtype, embedding: torch.Tensor):
-    """Our PR drafter with every tensor of the export, the target's `embedding` shared, RoPE rebuilt, eval mode."""
+    """The serving drafter (`core.eagle3`) with every tensor of the export, the target's `embedding` shared, eval mode."""
     from safetensors.torch import load_file
-
-    from pr_specforge.modeling.drafter import rebuild_rope
 
     export_config = read_export_config(draft_dir)
     model = _skeleton(export_config, "cpu")
@@ -321,5 +323,4 @@ def load_pr_drafter(draft_dir: str, device, dtype: torch.dtype, embedding: torch
         raise PRServeError(f"{ALGORITHM}: {draft_dir} does not fill the PR drafter: missing {missing}, unknown {unexpected}")
     rows = model.embed_tokens.weight.shape[0]  # SGLang pads its vocabulary embedding (to a multiple of 64)
     model.embed_tokens.weight.copy_(embedding.detach()[:rows].to("cpu", model.embed_tokens.weight.dtype))
-    rebuild_rope(model)
     return model.to(device=device, dtype=dtype).eval()
