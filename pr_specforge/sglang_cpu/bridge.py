@@ -282,12 +282,26 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _sglang_release() -> tuple:
+    from importlib.metadata import version
+
+    from pr_specforge.sglang_plugin.seam import version_tuple
+
+    return version_tuple(version("sglang"))
+
+
 def install() -> bool:
-    """Patch SGLang's modules as they are imported (and those already imported); False on a CUDA machine."""
+    """Patch SGLang's modules as they are imported (and those already imported); False on a CUDA machine.
+    SGLang 0.5.16+: the stand-in `sgl_kernel` of `kernels` instead (plain serving and the tree kernels; the
+    patches above are 0.5.14's)."""
     if any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
         return True
     if "torch" in sys.modules and not _on_cpu():
         return False
+    if _sglang_release() >= (0, 5, 16):
+        from pr_specforge.sglang_cpu.kernels import install_stand_in
+
+        return install_stand_in()
     os.environ.setdefault("SGLANG_NATIVE_MOVE_KV_CACHE", "1")
     sys.meta_path.insert(0, _PatchAfterImport())
     for name in PATCHES:

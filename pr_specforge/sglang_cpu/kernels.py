@@ -14,8 +14,12 @@ assign_req_to_token_pool_cpu            `assign_req_to_token_pool`: each request
   (mem_cache/allocation.py)               `req_to_token` row, from `start` to `end`
 copy_all_layer_kv_cache_cpu             `copy_kv_rows`: for every KV buffer (a raw address and a row stride
   (kernels/ops/kvcache/cache_move.py)     in bytes), row `src[i]` copied onto row `tgt[i]` (`ctypes.memmove`)
-the speculative ops (cache_locs,        `unbridged` (the speculative path on 0.5.16+ is not bridged here)
-  eagle, spec_tree, multi_layer_eagle)
+build_tree_kernel_efficient_cpu         SGLang's own Triton kernel of the op (`spec_tree.sgl_build_tree_kernel_
+  (kernels/ops/speculative/spec_tree.py)  triton`, XPU's path; run by the Triton interpreter, TRITON_INTERPRET=1)
+verify_tree_greedy_cpu                  SGLang's own Triton kernel (`spec_tree.verify_tree_greedy_triton`), the same
+  (kernels/ops/speculative/spec_tree.py)  way
+the other speculative ops (cache_locs,  `unbridged`: raise NotImplementedError naming the op (SGLang's EAGLE path
+  eagle, multi_layer_eagle)               on 0.5.16+ is not bridged on this CPU: docs/export.md, "SGLang versions")
 =====================================  =====================================================================
 
 Any other name is absent (`from sgl_kernel import x` raises ImportError, as without sgl-kernel).
@@ -29,8 +33,7 @@ import sys
 import types
 
 UNBRIDGED = ("rotate_input_ids_cpu", "fill_accept_out_cache_loc_cpu",
-             "fill_bonus_tokens_cpu", "assign_draft_cache_locs_contiguous_cpu", "assign_extend_cache_locs_cpu",
-             "build_tree_kernel_efficient_cpu", "verify_tree_greedy_cpu")
+             "fill_bonus_tokens_cpu", "assign_draft_cache_locs_contiguous_cpu", "assign_extend_cache_locs_cpu")
 
 
 def assign_req_to_token_pool(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
@@ -53,6 +56,22 @@ def copy_kv_rows(data_ptrs, strides, tgt_loc, src_loc) -> None:
             ctypes.memmove(int(base) + t * stride, int(base) + s * stride, stride)
 
 
+def build_tree_triton(*args):
+    """Replaces sgl-kernel's `build_tree_kernel_efficient_cpu` (same arguments) by SGLang's Triton kernel of it."""
+    from sglang.kernels.ops.speculative.spec_tree import sgl_build_tree_kernel_triton
+
+    return sgl_build_tree_kernel_triton(*args)
+
+
+def verify_tree_greedy_triton(predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+                              retrive_next_sibling, target_predict):
+    """Replaces sgl-kernel's `verify_tree_greedy_cpu` (its keywords) by SGLang's Triton kernel of it."""
+    from sglang.kernels.ops.speculative.spec_tree import verify_tree_greedy_triton as kernel
+
+    return kernel(predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+                  retrive_next_sibling, target_predict)
+
+
 def unbridged(name: str):
     def op(*args, **kwargs):
         raise NotImplementedError(f"sgl-kernel's {name} has no CPU stand-in in pr_specforge.sglang_cpu.kernels")
@@ -68,6 +87,8 @@ class _StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module = types.ModuleType("sgl_kernel", __doc__)
         module.assign_req_to_token_pool_cpu = assign_req_to_token_pool
         module.copy_all_layer_kv_cache_cpu = copy_kv_rows
+        module.build_tree_kernel_efficient_cpu = build_tree_triton
+        module.verify_tree_greedy_cpu = verify_tree_greedy_triton
         for name in UNBRIDGED:
             setattr(module, name, unbridged(name))
         module.__pr_specforge_stand_in__ = True

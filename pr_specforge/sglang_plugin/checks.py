@@ -26,13 +26,13 @@ from typing import Dict, Optional
 
 import torch
 
+from pr_specforge.config import PR_SERVING_DEFAULT_M as DEFAULT_M
+from pr_specforge.config import PR_SERVING_KEY as SERVING_KEY  # an export's config.json: {"bw": int, "m": int}
 from pr_specforge.data.io import read_json_object
 from pr_specforge.serving.tree import TreeConfig
 
 ALGORITHM = "PR_EAGLE3"
-SERVING_KEY = "pr_serving"  # optional config.json entry of an export: {"bw": int, "m": int}
 ENV_BW, ENV_M = "PR_EAGLE3_BW", "PR_EAGLE3_M"
-DEFAULT_M = 3  # the paper's m
 REQUEST_KEY = "pr_eagle3"  # a request's own B_w / m: sampling_params.custom_params["pr_eagle3"] = {"bw": .., "m": ..}
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,11 @@ class PRServeShape:
         return min(self.budget, 1 + (self.gamma - 1) * self.bw)
 
     def kernel_steps(self) -> int:
-        """`spec_steps` of `build_tree_kernel_efficient` for groups 2k wide: its parent list holds them all."""
-        return 1 + math.ceil((self.groups() - 1) / (2 * self.k))
+        """`spec_steps` of `build_tree_kernel_efficient` for groups 2k wide: its parent list holds them all, and at
+        least gamma, the tree's depth: SGLang's Triton build (0.5.16+, the CPU and XPU path) walks a node's ancestors
+        `spec_steps` times at most, so a smaller value drops the deepest ancestors from the mask (measured on
+        0.5.23: `tests/sglang_plugin/test_sglang_lines.py`); the padded parent list entries are never read."""
+        return max(1 + math.ceil((self.groups() - 1) / (2 * self.k)), self.gamma)
 
     def parent_width(self) -> int:
         """The width of `build_tree_kernel_efficient`'s parent list at `kernel_steps` (groups 2k wide)."""
