@@ -1,4 +1,5 @@
-"""SGLang 0.5.16+ on a CPU without sgl-kernel's CPU ops: a stand-in `sgl_kernel` module (bridge, tests only).
+"""SGLang 0.5.16+ on a CPU without sgl-kernel's CPU ops: a stand-in `sgl_kernel` module (bridge, tests only; with
+it, plain serving and EAGLE3 / PR_EAGLE3 with a Triton draft backend run on 0.5.23 here: docs/export.md).
 
 With `SGLANG_USE_CPU_ENGINE=1`, SGLang 0.5.16+ imports, at module load, sgl-kernel ops built for CPUs
 (`from sgl_kernel import *_cpu`, e.g. `mem_cache/allocation.py`, `mem_cache/memory_pool.py` through
@@ -18,8 +19,13 @@ build_tree_kernel_efficient_cpu         SGLang's own Triton kernel of the op (`s
   (kernels/ops/speculative/spec_tree.py)  triton`, XPU's path; run by the Triton interpreter, TRITON_INTERPRET=1)
 verify_tree_greedy_cpu                  SGLang's own Triton kernel (`spec_tree.verify_tree_greedy_triton`), the same
   (kernels/ops/speculative/spec_tree.py)  way
-the other speculative ops (cache_locs,  `unbridged`: raise NotImplementedError naming the op (SGLang's EAGLE path
-  eagle, multi_layer_eagle)               on 0.5.16+ is not bridged on this CPU: docs/export.md, "SGLang versions")
+assign_draft_cache_locs_contiguous_cpu  SGLang's own Triton kernels of the two ops (`assign_draft_cache_locs_
+assign_extend_cache_locs_cpu              contiguous`, `assign_extend_cache_locs`), the interpreter again
+  (kernels/ops/speculative/cache_locs.py)
+fill_bonus_tokens_cpu                   `fill_bonus_tokens`: each request's last accepted token
+fill_accept_out_cache_loc_cpu           `fill_accept_out_cache_loc`: the accepted slots, packed in order
+  (kernels/ops/speculative/eagle.py)
+rotate_input_ids_cpu (multi-layer EAGLE) `unbridged`: raises NotImplementedError naming the op
 =====================================  =====================================================================
 
 Any other name is absent (`from sgl_kernel import x` raises ImportError, as without sgl-kernel).
@@ -32,8 +38,7 @@ import importlib.machinery
 import sys
 import types
 
-UNBRIDGED = ("rotate_input_ids_cpu", "fill_accept_out_cache_loc_cpu",
-             "fill_bonus_tokens_cpu", "assign_draft_cache_locs_contiguous_cpu", "assign_extend_cache_locs_cpu")
+UNBRIDGED = ("rotate_input_ids_cpu",)
 
 
 def assign_req_to_token_pool(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
@@ -72,6 +77,41 @@ def verify_tree_greedy_triton(predicts, accept_index, accept_token_num, candidat
                   retrive_next_sibling, target_predict)
 
 
+def draft_cache_locs(req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len, topk, num_cols) -> None:
+    """Replaces sgl-kernel's `assign_draft_cache_locs_contiguous_cpu` by SGLang's Triton kernel of it."""
+    from sglang.kernels.ops.speculative.cache_locs import assign_draft_cache_locs_contiguous as kernel
+
+    bs = seq_lens.shape[0]
+    kernel[(bs,)](req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len, topk, num_cols, positions=None,
+                  mrope=None, BS=bs, WRITE_POSITIONS=False, WRITE_MROPE=False)
+
+
+def extend_cache_locs(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len) -> None:
+    """Replaces sgl-kernel's `assign_extend_cache_locs_cpu` by SGLang's Triton kernel of it."""
+    from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs as kernel
+
+    bs = req_pool_indices.shape[0]
+    kernel[(bs,)](req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len,
+                  1 << max(bs - 1, 0).bit_length())
+
+
+def fill_bonus_tokens(accept_tokens, accept_lens, bonus_tokens, accept_stride) -> None:
+    """Replaces sgl-kernel's `fill_bonus_tokens_cpu`: request b's bonus token is its last accepted one,
+    `accept_tokens[b * stride + accept_lens[b] - 1]`."""
+    import torch
+
+    rows = torch.arange(accept_lens.numel(), device=accept_lens.device)
+    bonus_tokens.copy_(accept_tokens.reshape(-1)[rows * accept_stride + accept_lens.long() - 1].to(bonus_tokens.dtype))
+
+
+def fill_accept_out_cache_loc(accept_index, out_cache_loc, accept_out_cache_loc) -> None:
+    """Replaces sgl-kernel's `fill_accept_out_cache_loc_cpu`: the slots of the accepted entries (`!= -1`) of
+    `accept_index`, in order, at the front of `accept_out_cache_loc`."""
+    flat = accept_index.reshape(-1)
+    kept = flat[flat != -1].long()
+    accept_out_cache_loc[: kept.numel()] = out_cache_loc[kept].to(accept_out_cache_loc.dtype)
+
+
 def unbridged(name: str):
     def op(*args, **kwargs):
         raise NotImplementedError(f"sgl-kernel's {name} has no CPU stand-in in pr_specforge.sglang_cpu.kernels")
@@ -89,6 +129,10 @@ class _StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.copy_all_layer_kv_cache_cpu = copy_kv_rows
         module.build_tree_kernel_efficient_cpu = build_tree_triton
         module.verify_tree_greedy_cpu = verify_tree_greedy_triton
+        module.assign_draft_cache_locs_contiguous_cpu = draft_cache_locs
+        module.assign_extend_cache_locs_cpu = extend_cache_locs
+        module.fill_bonus_tokens_cpu = fill_bonus_tokens
+        module.fill_accept_out_cache_loc_cpu = fill_accept_out_cache_loc
         for name in UNBRIDGED:
             setattr(module, name, unbridged(name))
         module.__pr_specforge_stand_in__ = True
