@@ -1,8 +1,8 @@
 """SGLang 0.5.23 live on this CPU (`.venv-serve`: SGLang's own pins, the serving install, no SpecForge), through the
 CPU bridge (`sglang_cpu.kernels`' stand-in `sgl_kernel`): plain greedy serving of the live target equals SGLang
 0.5.14's (the package's `plain` server), and a real `PR_EAGLE3` launch on 0.5.23 takes the serving install's
-entry point and refuses an unsupported shape in one line. (EAGLE3 / PR_EAGLE3 rounds on 0.5.23 are not bridged on a
-CPU: docs/export.md, "SGLang versions"; their touch points run in tests/sglang_plugin/test_sglang_lines.py.)"""
+entry point and refuses an unsupported shape in one line. (PR_EAGLE3's rounds on 0.5.23: test_live_pr_eagle3_0523.py;
+its touch points one by one: tests/sglang_plugin/test_sglang_lines.py.)"""
 
 from __future__ import annotations
 
