@@ -24,6 +24,8 @@ RECON_HEADS = ("shared", "separate")
 MAX_SUPPORTED_DEPTH = 8
 #: the draft config (config.json) field holding a PR drafter's `PRDraftSettings`
 PR_CONFIG_KEY = "pr_config"
+PR_SERVING_KEY = "pr_serving"  # an SGLang export's PR_EAGLE3 serving defaults: {"bw": int (optional), "m": int}
+PR_SERVING_DEFAULT_M = 3  # the paper's m
 RECON_GRADS = ("full", "isolated")
 BALANCE_NORMS = ("per_minibatch", "per_position")
 #: the one attention layout the pr algorithm trains with: it composes the attention of its co-forwarded rows itself

@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from pr_specforge.config import PR_SERVING_DEFAULT_M, PR_SERVING_KEY
 from pr_specforge.data.io import DataFormatError, honour_umask_tree, read_json_file
 from pr_specforge.training.backends.checkpoint import RECIPE_STATE_KEY  # the resolved recipe inside a checkpoint
 from pr_specforge.modeling.drafter import (
@@ -241,8 +242,18 @@ def fit_context(cfg: Dict[str, Any], context: Optional[int]) -> None:
         log.info("SGLang config: max_position_embeddings %s -> %s (the target's context length)", own, context)
 
 
+def serving_entry(bw: Optional[int], m: Optional[int]) -> Dict[str, int]:
+    """The export's `pr_serving` entry: m (default the paper's 3) and B_w when given (else the launch's k)."""
+    entry = {"m": PR_SERVING_DEFAULT_M if m is None else int(m)}
+    if bw is not None:
+        entry["bw"] = int(bw)
+    if entry.get("bw", 1) < 1 or entry["m"] < 0:
+        raise ExportError(f"--bw must be >= 1 and --m >= 0, got --bw {bw} --m {m}")
+    return entry
+
+
 def sglang_config(draft_config: Dict[str, Any], model, capture_layers: Optional[List[int]], dtype: torch.dtype,
-                  context: Optional[int] = None) -> Dict[str, Any]:
+                  context: Optional[int] = None, serving: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
     cfg = {k: v for k, v in draft_config.items() if k != PR_CONFIG_KEY}
     fit_context(cfg, context)
     cfg.update(architectures=[EAGLE3_ARCHITECTURE], model_type="llama", num_hidden_layers=1,
@@ -254,6 +265,7 @@ def sglang_config(draft_config: Dict[str, Any], model, capture_layers: Optional[
     settings = getattr(model, "pr_settings", None)
     if settings is not None:
         cfg[PR_CONFIG_KEY] = settings.to_dict()
+        cfg[PR_SERVING_KEY] = dict(serving or serving_entry(None, None))
     # SGLang's `norm_output: true`: the next draft step reads the normed feature, i.e. post-norm feedback.
     # SpecForge's key of that name says whether logits are normed (true, its default, is what SGLang
     # always does): written only when true for both, so either reader loads the drafter as trained.
@@ -274,10 +286,15 @@ def check_sglang_names(names: Sequence[str]) -> None:
 # ------------------------------------------------------------------------------ export
 def export_checkpoint(checkpoint: str, out_dir: str, to: str, *, draft_config: Optional[str] = None,
                       vocab_mapping: Optional[str] = None, target: Optional[str] = None,
-                      dtype: Optional[str] = None, overwrite: bool = False) -> str:
-    """Check the checkpoint against its draft config, then write `out_dir` atomically; returns it."""
+                      dtype: Optional[str] = None, overwrite: bool = False, bw: Optional[int] = None,
+                      m: Optional[int] = None) -> str:
+    """Check the checkpoint against its draft config, then write `out_dir` atomically; returns it. `bw` / `m`: the
+    `pr_serving` entry of a PR drafter's SGLang config (what `PR_EAGLE3` serves by default)."""
     if to not in ("sglang", "hf"):
         raise ExportError(f"--to must be sglang or hf, got {to!r}")
+    serving = serving_entry(bw, m)
+    if to != "sglang" and (bw is not None or m is not None):
+        raise ExportError("--bw / --m are PR_EAGLE3's serving defaults: they go with --to sglang")
     check_out_dir(out_dir, overwrite)
     check_target(target)
     state = read_checkpoint(checkpoint)
@@ -308,6 +325,8 @@ def export_checkpoint(checkpoint: str, out_dir: str, to: str, *, draft_config: O
         raise ExportError("the checkpoint has no t2d/d2t and no vocab mapping was found; pass --vocab-mapping")
     if strategy == "pr" and not any(k.startswith(PR_PARAM_PREFIXES) for k in weights):
         raise ExportError("a pr checkpoint without pr_self_query/pr_halt_gate tensors: not a PR drafter")
+    if strategy != "pr" and (bw is not None or m is not None):
+        raise ExportError(f"--bw / --m are PR_EAGLE3's serving defaults; {checkpoint} is an {strategy} checkpoint")
 
     model = build_drafter_skeleton(draft_cfg, strategy, state.get("pr_settings"))
     if to == "sglang" and hasattr(model, "second_layer"):
@@ -324,7 +343,8 @@ def export_checkpoint(checkpoint: str, out_dir: str, to: str, *, draft_config: O
     record = _target_record(target, capture_layers)
     try:
         if to == "sglang":
-            _write_sglang(tmp, model, weights, draft_cfg, capture_layers, out_dtype, target_context(target), record)
+            _write_sglang(tmp, model, weights, draft_cfg, capture_layers, out_dtype, target_context(target), record,
+                          serving)
         else:
             _write_hf(tmp, model, weights, target, out_dtype, recipe, record)
         _replace_dir(tmp, out_dir)
@@ -399,7 +419,7 @@ def _target_record(target: Optional[str], capture_layers: Optional[List[int]]) -
 
 def _write_sglang(tmp: str, model, weights: Dict[str, torch.Tensor], draft_cfg: Dict[str, Any],
                   capture_layers: Optional[List[int]], dtype: torch.dtype, context: Optional[int],
-                  record: Optional[Dict[str, Any]]) -> None:
+                  record: Optional[Dict[str, Any]], serving: Optional[Dict[str, int]] = None) -> None:
     from safetensors.torch import save_file
 
     from pr_specforge.data.hidden_states import TARGET_RECORD_KEY
@@ -407,7 +427,7 @@ def _write_sglang(tmp: str, model, weights: Dict[str, torch.Tensor], draft_cfg: 
     check_sglang_names(list(weights))
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in weights.items()}
     save_file(tensors, os.path.join(tmp, SAFETENSORS_NAME), metadata={"format": "pt"})
-    cfg = sglang_config(draft_cfg, model, capture_layers, dtype, context)
+    cfg = sglang_config(draft_cfg, model, capture_layers, dtype, context, serving)
     if record:
         cfg[TARGET_RECORD_KEY] = record
     _write_json(os.path.join(tmp, "config.json"), cfg)
@@ -473,6 +493,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="target model dir: embedding for --to hf, default captured layers")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"), help="tensor dtype (default: as trained)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    p.add_argument("--bw", type=int, default=None,
+                   help="--to sglang, a PR drafter: the B_w PR_EAGLE3 serves by default (pr_serving; default: the launch's k)")
+    p.add_argument("--m", type=int, default=None,
+                   help="--to sglang, a PR drafter: the m PR_EAGLE3 serves by default (pr_serving; default 3)")
     return p
 
 
@@ -481,7 +505,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         out = export_checkpoint(args.checkpoint, args.out_dir, args.to, draft_config=args.draft_config,
                                 vocab_mapping=args.vocab_mapping, target=args.target, dtype=args.dtype,
-                                overwrite=args.overwrite)
+                                overwrite=args.overwrite, bw=args.bw, m=args.m)
     except ExportError as e:
         print(f"pr-specforge export: {e}", file=sys.stderr)
         return 2

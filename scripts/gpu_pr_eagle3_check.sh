@@ -22,6 +22,8 @@
 #   work/smollm2/export/pr-sglang; without them step 2 is skipped and says so).
 # Needs a Python ($PYTHON, default .venv/bin/python, else python3) with this repo installed and SGLang 0.5.14
 # with its CUDA kernels (`make setup` installs both from PyPI on a GPU box with network).
+# SGLang 0.5.23: SGLANG_PYTHON=.venv-serve/bin/python (scripts/setup_serve.sh: SGLang 0.5.23 + `pip install ./serving`)
+# runs every server with that interpreter (PR_SPECFORGE_SGLANG_PYTHON), the evaluator staying in $PYTHON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR="${1:-${OUT:-$(mktemp -d)}}"
@@ -35,6 +37,13 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 if ! "$PY" -c 'import sglang, sgl_kernel' 2>/dev/null; then
   echo "gpu_pr_eagle3_check: $PY cannot import sglang with its CUDA kernels (sgl_kernel): install SGLang 0.5.14 (make setup)"; exit 2
+fi
+if [ -n "${SGLANG_PYTHON:-}" ]; then
+  if ! "$SGLANG_PYTHON" -c 'import sglang, sgl_kernel' 2>/dev/null; then
+    echo "gpu_pr_eagle3_check: SGLANG_PYTHON=$SGLANG_PYTHON cannot import sglang with its CUDA kernels (scripts/setup_serve.sh)"; exit 2
+  fi
+  export PR_SPECFORGE_SGLANG_PYTHON="$SGLANG_PYTHON"
+  "$SGLANG_PYTHON" -c 'import torch, sglang; print("servers: torch", torch.__version__, "sglang", sglang.__version__)'
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 "$PY" -c 'import torch, sglang; print("torch", torch.__version__, "cuda", torch.version.cuda, "sglang", sglang.__version__)'

@@ -32,7 +32,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 
-from pr_specforge.modeling.drafter import LlamaForCausalLMEagle3PR
+from pr_specforge.core.parts import PRRows
 
 
 def aux_layer_ids(drafter: nn.Module, num_target_layers: int) -> List[int]:
@@ -77,7 +77,7 @@ class DrafterRuntime:
 
     def __init__(self, drafter: nn.Module, target: Optional[nn.Module] = None) -> None:
         self.drafter = drafter
-        self.is_pr = isinstance(drafter, LlamaForCausalLMEagle3PR)
+        self.is_pr = isinstance(drafter, PRRows)
         attn = drafter.midlayer.self_attn
         self.second = getattr(drafter, "second_layer", None)
         self.layers = 1 if self.second is None else 2
@@ -238,7 +238,7 @@ class DrafterRuntime:
     def _qkv(self, emb: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, max_position: Optional[int] = None,
              recon_rows: Optional[torch.Tensor] = None):
         # Unbound call: the row API only touches `midlayer`, so it serves EAGLE-3 drafters too.
-        return LlamaForCausalLMEagle3PR.layer_qkv(self.drafter, emb, hidden, pos, max_position, recon_rows)
+        return PRRows.layer_qkv(self.drafter, emb, hidden, pos, max_position, recon_rows)
 
     # --------------------------------------------------------------- forwards
     @torch.no_grad()
@@ -256,7 +256,7 @@ class DrafterRuntime:
         self.reserve(start + t)
         causal = torch.ones(t, start + t, dtype=torch.bool, device=self.device).tril(start)
         q, k, v = self._qkv(emb, hidden, pos, start + t - 1)  # [1, H, T, Dh]
-        feature = LlamaForCausalLMEagle3PR.layer_finish(self.drafter, self._extend_attend(0, q, k, v, start, causal), hidden)
+        feature = PRRows.layer_finish(self.drafter, self._extend_attend(0, q, k, v, start, causal), hidden)
         if self.second is not None:
             q, k, v = self.second.qkv(feature, pos, start + t - 1)
             feature = self.second.finish(self._extend_attend(1, q, k, v, start, causal), feature)
@@ -301,7 +301,7 @@ class DrafterRuntime:
         hidden = hidden[:, None].to(self.dtype)
         q, k, v = self._qkv(input_emb[:, None].to(self.dtype), hidden, positions[:, None], recon_rows=recon_rows)
         out = self._rows_attend(0, q[:, :, 0], k[:, :, 0], v[:, :, 0], ctx_len, tree_k, tree_v, allow)
-        feature = LlamaForCausalLMEagle3PR.layer_finish(self.drafter, out[:, :, None], hidden, recon_rows)
+        feature = PRRows.layer_finish(self.drafter, out[:, :, None], hidden, recon_rows)
         ks, vs = [k[:, :, 0]], [v[:, :, 0]]
         if self.second is not None:
             q, k, v = self.second.qkv(feature, positions[:, None])
@@ -350,7 +350,7 @@ class DrafterRuntime:
         hidden = hidden[:, None].to(self.dtype)
         q, k, v = self._qkv(input_emb[:, None].to(self.dtype), hidden, positions[:, None], max_position, recon_rows)
         out = self._tree_attend(0, q, k, v, first_col, mask)
-        feature = LlamaForCausalLMEagle3PR.layer_finish(self.drafter, out[:, :, None], hidden, recon_rows)
+        feature = PRRows.layer_finish(self.drafter, out[:, :, None], hidden, recon_rows)
         if self.second is not None:
             q, k, v = self.second.qkv(feature, positions[:, None], max_position)
             feature = self.second.finish(self._tree_attend(1, q, k, v, first_col, mask)[:, :, None], feature)

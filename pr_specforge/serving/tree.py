@@ -54,7 +54,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from pr_specforge.modeling.drafter import halting_distribution
+from pr_specforge.core.parts import halting_distribution
 from pr_specforge.serving.drafter_runtime import DrafterRuntime
 
 

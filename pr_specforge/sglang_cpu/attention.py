@@ -66,9 +66,14 @@ def verify_or_draft_extend(original):
         for b in range(bs):
             if mode.is_target_verify():  # seq_lens: the committed prefix; the tree follows it
                 prefix = seq_lens[b]
-                span = forward_batch.spec_info.custom_mask[offset: offset + width * (prefix + width)]
-                offset += width * (prefix + width)
-                mask = span.view(width, prefix + width).bool()
+                custom = forward_batch.spec_info.custom_mask
+                if custom.numel() == bs * width * width:  # QLEN_ONLY (SGLang 0.5.16+ on a CPU): the tree part alone
+                    tree = custom[b * width * width: (b + 1) * width * width].view(width, width).bool()
+                    mask = torch.cat([tree.new_ones(width, prefix), tree], 1)
+                else:  # FULL_MASK: each row's prefix, then its tree part
+                    span = custom[offset: offset + width * (prefix + width)]
+                    offset += width * (prefix + width)
+                    mask = span.view(width, prefix + width).bool()
             else:  # DRAFT_EXTEND_V2: seq_lens already include the `width` slots written now
                 prefix = seq_lens[b] - width
                 mask = torch.ones(width, prefix + width, dtype=torch.bool).tril(prefix)

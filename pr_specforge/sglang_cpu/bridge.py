@@ -254,10 +254,15 @@ def _on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
-def _apply(name: str, module) -> None:
+#: SGLang 0.5.16+: the one 0.5.14 patch that still applies (the draft runs SGLang's Triton backend in the interpreter;
+#: the target's torch_native backend still has no TARGET_VERIFY); the CUDA-only ops: `kernels`' stand-in sgl_kernel
+PATCHES_0516: Dict[str, Callable] = {"sglang.srt.layers.attention.torch_native_backend": _patch_torch_native}
+
+
+def _apply(name: str, module, patches: Dict[str, Callable] = PATCHES) -> None:
     if getattr(module, "__pr_specforge_cpu_bridge__", False):
         return
-    PATCHES[name](module)
+    patches[name](module)
     module.__pr_specforge_cpu_bridge__ = True
     log.debug("sglang cpu bridge: patched %s", name)
 
@@ -265,8 +270,11 @@ def _apply(name: str, module) -> None:
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
     """Finds the patched modules with the normal path finder and runs the patch after the module body."""
 
+    def __init__(self, patches: Dict[str, Callable] = PATCHES) -> None:
+        self.patches = patches
+
     def find_spec(self, fullname, path, target=None):
-        if fullname not in PATCHES:
+        if fullname not in self.patches:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
@@ -276,21 +284,37 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
         def exec_module(module):
             run_body(module)
             if _on_cpu():
-                _apply(fullname, module)
+                _apply(fullname, module, self.patches)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
+def _sglang_release() -> tuple:
+    from importlib.metadata import version
+
+    from pr_specforge.sglang_plugin.seam import version_tuple
+
+    return version_tuple(version("sglang"))
+
+
 def install() -> bool:
-    """Patch SGLang's modules as they are imported (and those already imported); False on a CUDA machine."""
+    """Patch SGLang's modules as they are imported (and those already imported); False on a CUDA machine.
+    SGLang 0.5.16+: the stand-in `sgl_kernel` of `kernels` and `PATCHES_0516` (the rest of `PATCHES` is 0.5.14's;
+    the draft there runs SGLang's Triton backend in the interpreter)."""
     if any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
         return True
     if "torch" in sys.modules and not _on_cpu():
         return False
+    patches = PATCHES
+    if _sglang_release() >= (0, 5, 16):
+        from pr_specforge.sglang_cpu.kernels import install_stand_in
+
+        install_stand_in()
+        patches = PATCHES_0516
     os.environ.setdefault("SGLANG_NATIVE_MOVE_KV_CACHE", "1")
-    sys.meta_path.insert(0, _PatchAfterImport())
-    for name in PATCHES:
+    sys.meta_path.insert(0, _PatchAfterImport(patches))
+    for name in patches:
         if name in sys.modules and _on_cpu():
-            _apply(name, sys.modules[name])
+            _apply(name, sys.modules[name], patches)
     return True

@@ -57,6 +57,9 @@ OVERLAP_OFF = "--disable-overlap-schedule"
 GPU_SERVER_FLAGS = ("--device", "cuda", "--attention-backend", "triton", "--disable-overlap-schedule", "--sleep-on-idle")
 
 
+SGLANG_PYTHON_ENV = "PR_SPECFORGE_SGLANG_PYTHON"  # the interpreter whose SGLang serves (default: this one)
+
+
 def check_device(device: str) -> str:
     if device not in DEVICES:
         raise ValueError(f"device {device!r} is not one of {', '.join(DEVICES)}")
@@ -76,7 +79,8 @@ def launch_command(model: str, port: int, *args: str, dtype: str = "float32", ma
         flags = GPU_SERVER_FLAGS + (() if cuda_graph else ("--disable-cuda-graph",))
     if overlap:
         flags = tuple(f for f in flags if f != OVERLAP_OFF)
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--dtype", dtype, *flags,
+    python = os.environ.get(SGLANG_PYTHON_ENV) or sys.executable  # e.g. .venv-serve/bin/python: SGLang 0.5.23's servers
+    return [python, "-m", "sglang.launch_server", "--model-path", model, "--dtype", dtype, *flags,
             "--host", "127.0.0.1", "--port", str(port), "--max-total-tokens", str(max_total_tokens), *args]
 
 

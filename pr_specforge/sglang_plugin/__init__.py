@@ -1,4 +1,5 @@
-"""`--speculative-algorithm PR_EAGLE3`: Parallel Reconsideration served inside SGLang 0.5.14, as a plugin.
+"""`--speculative-algorithm PR_EAGLE3`: Parallel Reconsideration served inside SGLang (0.5.14, 0.5.15.post1,
+0.5.16-0.5.23), as a plugin.
 
 SGLang runs every function of the `sglang.srt.plugins` entry-point group (pyproject.toml) in each of
 its processes before it parses arguments; ours is `register`, which adds `PR_EAGLE3` to SGLang's
@@ -12,9 +13,10 @@ registry (`HookRegistry`, which SGLang applies). Nothing of SGLang is edited.
     with `pr_specforge.serving.tensor_tree` per request, reading the drafter's committed context from
     SGLang's draft KV pool, and encodes the tree for SGLang's own `build_tree`; verify and
     draft-extend are SGLang's.
-  * `checks` - the shape, the refusals, loading the PR drafter from the export.
+  * `checks` - the shape, the refusals, loading the PR drafter from the export (`core.eagle3`: no SpecForge).
   * `admission` - per request, in the scheduler (a hook of SGLang's plugin hook registry): the refusals of what
     the server cannot serve (HTTP 400, one line), and each `PR_EAGLE3` response's `meta_info["pr_eagle3"]`.
+  * `seam` - every SGLang call whose form differs between the supported lines, and the version refusal.
   * `timing` - with `PR_EAGLE3_ROUND_TIMES=FILE` only: each decode round's time, phases and model compute, for
     EAGLE-3 and PR_EAGLE3 alike (`benchmarks/serving_cost.py`).
 

@@ -11,8 +11,8 @@ Owns:
     a PR tensor renamed or missing, `norm_output`.
   * `PRServeShape.guaranteed_nodes`, `rows_room`, `tree_rows` - what a request's own B_w / m is checked against
     (`admission.request_shape`, where a request is refused).
-  * `load_pr_drafter` - our `LlamaForCausalLMEagle3PR` with every tensor of the `--to sglang`
-    export (EAGLE-3 and `pr_*`), for the draft worker's tree rows.
+  * `load_pr_drafter` - our serving drafter (`core.eagle3.PRServingDrafter`, plain torch: no SpecForge) with
+    every tensor of the `--to sglang` export (EAGLE-3 and `pr_*`), for the draft worker's tree rows.
 
 Does not own: the registration (`sglang_plugin.algorithm`), the round (`sglang_plugin.worker`).
 """
@@ -27,13 +27,13 @@ from typing import Dict, Optional
 
 import torch
 
+from pr_specforge.config import PR_SERVING_DEFAULT_M as DEFAULT_M
+from pr_specforge.config import PR_SERVING_KEY as SERVING_KEY  # an export's config.json: {"bw": int, "m": int}
 from pr_specforge.data.io import read_json_object
 from pr_specforge.serving.tree import TreeConfig
 
 ALGORITHM = "PR_EAGLE3"
-SERVING_KEY = "pr_serving"  # optional config.json entry of an export: {"bw": int, "m": int}
 ENV_BW, ENV_M = "PR_EAGLE3_BW", "PR_EAGLE3_M"
-DEFAULT_M = 3  # the paper's m
 REQUEST_KEY = "pr_eagle3"  # a request's own B_w / m: sampling_params.custom_params["pr_eagle3"] = {"bw": .., "m": ..}
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,11 @@ class PRServeShape:
         return min(self.budget, 1 + (self.gamma - 1) * self.bw)
 
     def kernel_steps(self) -> int:
-        """`spec_steps` of `build_tree_kernel_efficient` for groups 2k wide: its parent list holds them all."""
-        return 1 + math.ceil((self.groups() - 1) / (2 * self.k))
+        """`spec_steps` of `build_tree_kernel_efficient` for groups 2k wide: its parent list holds them all, and at
+        least gamma, the tree's depth: SGLang's Triton build (0.5.16+, the CPU and XPU path) walks a node's ancestors
+        `spec_steps` times at most, so a smaller value drops the deepest ancestors from the mask (measured on
+        0.5.23: `tests/sglang_plugin/test_sglang_lines.py`); the padded parent list entries are never read."""
+        return max(1 + math.ceil((self.groups() - 1) / (2 * self.k)), self.gamma)
 
     def parent_width(self) -> int:
         """The width of `build_tree_kernel_efficient`'s parent list at `kernel_steps` (groups 2k wide)."""
@@ -194,10 +197,14 @@ def check_shape(shape: PRServeShape) -> None:
 
 
 def _skeleton(export_config: Dict, device):
-    from pr_specforge.export import build_drafter_skeleton
+    """The serving drafter of the export's config (`core.eagle3`: plain torch, no SpecForge)."""
+    from pr_specforge.core.eagle3 import PRServingDrafter, ServingDrafterError
 
-    with torch.device(device):
-        return build_drafter_skeleton(export_config, "pr", None)
+    try:
+        with torch.device(device):
+            return PRServingDrafter.from_export_config(export_config).float()
+    except (ServingDrafterError, ValueError) as e:
+        raise PRServeError(f"{ALGORITHM}: {e}") from None
 
 
 def check_drafter(draft_dir: str, export_config: Dict) -> None:
@@ -206,7 +213,7 @@ def check_drafter(draft_dir: str, export_config: Dict) -> None:
     from safetensors import safe_open
 
     from pr_specforge.config import PR_CONFIG_KEY
-    from pr_specforge.modeling.drafter import PR_PARAM_PREFIXES
+    from pr_specforge.core.parts import PR_PARAM_PREFIXES
 
     path = os.path.join(draft_dir, "model.safetensors")
     if PR_CONFIG_KEY not in export_config:
@@ -288,10 +295,8 @@ def check_readouts() -> str:
 
 @torch.no_grad()
 def load_pr_drafter(draft_dir: str, device, dtype: torch.dtype, embedding: torch.Tensor):
-    """Our PR drafter with every tensor of the export, the target's `embedding` shared, RoPE rebuilt, eval mode."""
+    """The serving drafter (`core.eagle3`) with every tensor of the export, the target's `embedding` shared, eval mode."""
     from safetensors.torch import load_file
-
-    from pr_specforge.modeling.drafter import rebuild_rope
 
     export_config = read_export_config(draft_dir)
     model = _skeleton(export_config, "cpu")
@@ -301,5 +306,4 @@ def load_pr_drafter(draft_dir: str, device, dtype: torch.dtype, embedding: torch
         raise PRServeError(f"{ALGORITHM}: {draft_dir} does not fill the PR drafter: missing {missing}, unknown {unexpected}")
     rows = model.embed_tokens.weight.shape[0]  # SGLang pads its vocabulary embedding (to a multiple of 64)
     model.embed_tokens.weight.copy_(embedding.detach()[:rows].to("cpu", model.embed_tokens.weight.dtype))
-    rebuild_rope(model)
     return model.to(device=device, dtype=dtype).eval()

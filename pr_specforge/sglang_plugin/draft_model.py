@@ -3,7 +3,7 @@
 `PRDraftModel` subclasses SGLang 0.5.14's `LlamaForCausalLMEagle3` (`models/llama_eagle3.py`), so draft-extend,
 the shared embedding and every EAGLE-3 tensor are SGLang's own. It adds:
   * the PR tensors of the `--to sglang` export (`pr_self_query.*`, `pr_halt_gate.*`, `pr_recon_head.*` when the
-    drafter has a second head), as the same modules our drafter uses (`pr_specforge.modeling`), loaded by
+    drafter has a second head), as the same modules our drafters use (`pr_specforge.core.parts`), loaded by
     `load_weights` and checked there: a PR tensor of the file that fills nothing, or a PR parameter left
     unfilled, raises (the EAGLE-3 tensors go to SGLang's loader);
   * a forward for a PR draft step's rows (`spec_info.pr_recon_index` set): eager decode passes no
@@ -30,7 +30,7 @@ from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
 
 from pr_specforge.config import PRDraftSettings
-from pr_specforge.modeling.drafter import PR_PARAM_PREFIXES, HaltGate, SelfQuery
+from pr_specforge.core.parts import PR_PARAM_PREFIXES, HaltGate, SelfQuery
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 

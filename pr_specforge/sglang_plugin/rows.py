@@ -191,17 +191,16 @@ class SGLangRows(RuntimeRows):
 
     def _forward_batch(self, n: int):
         """A DECODE `ForwardBatch` of `n` rows over the round's requests (SGLang's own constructor); the steps fill it."""
-        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
+        from pr_specforge.sglang_plugin.seam import draft_forward_batch
 
         batch, spec = self.batch, copy.copy(self.draft_input)
         spec.num_tokens_per_req = spec.num_tokens_for_logprob_per_req = self.tb.per_step
         spec.positions = None
         saved = batch.spec_info, batch.out_cache_loc
         batch.spec_info, batch.out_cache_loc = spec, torch.zeros(n, dtype=torch.int64, device=self.rt.device)
-        batch.capture_hidden_mode = CaptureHiddenMode.LAST
         try:  # SGLang's constructor reads the batch's host mirrors: once per graph key, and in every eager round
             with host_reads_allowed():
-                fb = ForwardBatch.init_new(batch, self.runner)
+                fb = draft_forward_batch(batch, self.runner)
         finally:
             batch.spec_info, batch.out_cache_loc = saved
         return fb, spec

@@ -56,7 +56,6 @@ from typing import Deque, Dict, List, Optional
 
 import torch
 from sglang.srt.layers.radix_attention import RadixAttention
-from sglang.srt.speculative import eagle_utils
 from sglang.srt.speculative.eagle_info import EagleVerifyInput
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
 
@@ -71,6 +70,7 @@ from pr_specforge.sglang_plugin.admission import UNREPORTED_LINE, record_round, 
 from pr_specforge.sglang_plugin.draft_model import use_for_draft
 from pr_specforge.sglang_plugin.encoding import check_encoded, encode_packed, encode_tree, round_counts
 from pr_specforge.sglang_plugin.round_graph import RoundGraphs, padded_size, round_sizes
+from pr_specforge.sglang_plugin import seam
 from pr_specforge.sglang_plugin.rows import PoolContext, SGLangRows, env_mode
 
 log = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ class PRDraftWorker(EagleDraftWorker):
             builder = self._builder(batch.reqs[members[0]])
             self.pr_rows.prepare(batch, draft_input)
             requests = [BatchRequest(PoolContext(self.pr_rt.drafter, self._length_bound(batch.reqs[b]),
-                                                 batch.reqs[b].req_pool_idx, batch.seq_lens[b]),
+                                                 seam.req_pool_idx(batch.reqs[b]), batch.seq_lens[b]),
                                      draft_input.bonus_tokens[b], draft_input.hidden_states[b],
                                      self._generator(batch.reqs[b]))
                         for b in members]
@@ -230,7 +230,7 @@ class PRDraftWorker(EagleDraftWorker):
             if self.pr_log:  # for the round log's trees (valid until this batch size's next round)
                 built.append((builder, packed, kept, members, size))
         pending = _Pending(*_to_host(summary), [req.rid for req in batch.reqs],
-                           [req.kv_allocated_len for req in batch.reqs], graph, graph_batch,
+                           [seam.kv_allocated_len(req) for req in batch.reqs], graph, graph_batch,
                            batch.seq_lens.clone() if self.pr_log else None, built, list(batch.reqs))
         return (parent_list, top_scores_index, draft_tokens), pending
 
@@ -247,7 +247,7 @@ class PRDraftWorker(EagleDraftWorker):
     def _length_bound(self, req) -> int:
         """An upper bound of a request's context length the host holds: its allocated KV slots (SGLang's V2
         decode allocates them from the host's committed length before each round), else the request table's width."""
-        allocated = int(getattr(req, "kv_allocated_len", 0) or 0)
+        allocated = int(seam.kv_allocated_len(req) or 0)
         return allocated if allocated > 0 else self.req_to_token_pool.req_to_token.shape[1]
 
     def _settle(self) -> None:
@@ -308,11 +308,13 @@ class PRDraftWorker(EagleDraftWorker):
                 f.write(json.dumps(line) + "\n")
 
     @torch.no_grad()
-    def draft(self, batch):
+    def draft(self, batch, with_topology: bool = False):
+        if with_topology:  # SGLang 0.5.22+ asks for it under pipeline parallelism only
+            raise RuntimeError("PR_EAGLE3 drafts on one rank: pipeline parallelism (draft with_topology) is not supported")
         shape = self.pr_shape
         if batch.forward_mode.is_idle():
-            return EagleVerifyInput.create_idle_input(self.topk, self.speculative_num_steps,
-                                                      self.speculative_num_draft_tokens)
+            return seam.idle_verify_input(self.topk, self.speculative_num_steps, self.speculative_num_draft_tokens,
+                                          batch.seq_lens.device)
         while len(self.pr_pending) > MAX_PENDING:  # rounds SGLang never reported verified: settled, not recorded
             log.warning(UNREPORTED_LINE)
             p = self.pr_pending.popleft()
@@ -334,7 +336,7 @@ class PRDraftWorker(EagleDraftWorker):
             counts = [[getattr(tree, name) for name in COUNTERS] for tree in trees]
             for b, (tree, req) in enumerate(zip(trees, batch.reqs)):
                 self._count(req.rid, lengths[b], counts[b], tree, len(trees),
-                            _kv_room(getattr(req, "kv_allocated_len", None), lengths[b]), "off")
+                            _kv_room(seam.kv_allocated_len(req), lengths[b]), "off")
             self.pr_pending.append(_Pending(None, None, [], [], [], [], None, [], list(batch.reqs), counts))
         return self._verify_input(batch, draft_input, *verify)
 
@@ -364,21 +366,17 @@ class PRDraftWorker(EagleDraftWorker):
         return parent_list, top_scores_index, draft_tokens
 
     def _verify_input(self, batch, draft_input, parent_list, top_scores_index, draft_tokens) -> EagleVerifyInput:
-        """SGLang's own tree build (`build_tree_kernel_efficient`, groups 2k wide) and verify input. The build sizes an
-        unallocated tree mask by the lengths' sum: the batch's host sum, else (as SGLang's own draft does, with no host
-        read) an upper bound, or 0 where the mask's buffer is preallocated."""
+        """SGLang's own tree build (`build_tree_kernel_efficient`, groups 2k wide, into the target backend's verify
+        buffers: `seam.build_tree`) and verify input. The build sizes an unallocated tree mask by the lengths' sum:
+        the batch's host sum, else (as SGLang's own draft does, with no host read) an upper bound, the backend's
+        longest context (else the request table's width) per request."""
         shape, dev = self.pr_shape, batch.seq_lens.device
         backend = self.target_worker.model_runner.attn_backend
-        tree_mask_buf, position_buf = backend.get_verify_buffers_to_fill_after_draft()
-        seq_lens_sum = batch.seq_lens_sum
-        if seq_lens_sum is None:  # the backend's longest context, else the request table's width
-            longest = getattr(backend, "max_context_len", None) or self.req_to_token_pool.req_to_token.shape[1]
-            seq_lens_sum = 0 if tree_mask_buf is not None else len(batch.reqs) * longest
-        tree_mask, position, retrieve_index, retrieve_next_token, retrieve_next_sibling, tokens = \
-            eagle_utils.build_tree_kernel_efficient(
-                draft_input.bonus_tokens, parent_list.to(dev), top_scores_index.to(dev), draft_tokens.to(dev),
-                batch.seq_lens, seq_lens_sum, 2 * shape.k, shape.kernel_steps(), shape.budget + 1,
-                self.tree_mask_mode, tree_mask_buf, position_buf)
+        longest = getattr(backend, "max_context_len", None) or self.req_to_token_pool.req_to_token.shape[1]
+        tree_mask, position, retrieve_index, retrieve_next_token, retrieve_next_sibling, tokens = seam.build_tree(
+            backend, self.tree_mask_mode, draft_input.bonus_tokens, parent_list.to(dev), top_scores_index.to(dev),
+            draft_tokens.to(dev), batch.seq_lens, batch.seq_lens_sum, 2 * shape.k, shape.kernel_steps(),
+            shape.budget + 1, len(batch.reqs), longest)
         return EagleVerifyInput(
             draft_token=tokens, custom_mask=tree_mask, positions=position, retrieve_index=retrieve_index,
             retrieve_next_token=retrieve_next_token, retrieve_next_sibling=retrieve_next_sibling,

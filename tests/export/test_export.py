@@ -162,6 +162,20 @@ BAD_INPUTS["--target that does not exist"] = (lambda run, tmp: (_ckpt(run), {"ta
                                               "nonexistent: does not exist; name the target model's directory")
 BAD_INPUTS["--target that is no model directory"] = (lambda run, tmp: (_ckpt(run), {"target": str(tmp)}),
                                                      ": no config.json; name the target model's directory")
+BAD_INPUTS["a B_w of 0 for PR_EAGLE3"] = (lambda run, tmp: (_ckpt(run), {"bw": "0"}), "--bw must be >= 1 and --m >= 0")
+BAD_INPUTS["a negative m for PR_EAGLE3"] = (lambda run, tmp: (_ckpt(run), {"m": "-1"}), "--bw must be >= 1 and --m >= 0")
+
+
+def test_a_pr_sglang_export_carries_pr_eagle3s_serving_defaults(trained_pr_run, tmp_path):
+    """`pr_serving` (what `PR_EAGLE3` serves by default): m 3 and the launch's k without flags, else --bw / --m."""
+    from pr_specforge.export import main
+
+    plain = export_checkpoint(_ckpt(trained_pr_run), str(tmp_path / "plain"), "sglang")
+    assert json.load(open(os.path.join(plain, "config.json")))["pr_serving"] == {"m": 3}
+    assert main([_ckpt(trained_pr_run), str(tmp_path / "set"), "--to", "sglang", "--bw", "4", "--m", "1"]) == 0
+    assert json.load(open(tmp_path / "set" / "config.json"))["pr_serving"] == {"bw": 4, "m": 1}
+    with pytest.raises(ExportError, match="they go with --to sglang"):
+        export_checkpoint(_ckpt(trained_pr_run), str(tmp_path / "hf"), "hf", m=2)
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))

@@ -225,3 +225,15 @@ def test_the_row_attention_switch_picks_triton_on_cuda_and_refuses_a_bad_value(l
     with pytest.raises(PRServeError, match="PR_EAGLE3_ROW_ATTENTION='flashinfer' is not one of auto, torch_native, "
                                            "triton$"):
         check_server_args(args)
+
+
+@pytest.mark.parametrize("version", ["0.5.13", "0.5.24", "0.6.0"])
+def test_an_sglang_outside_the_supported_range_is_refused_in_one_line(version, live_run, cpu_engine, monkeypatch):
+    """`seam.check_version` at argument resolution: the line names the range and the version it found."""
+    from pr_specforge.sglang_plugin import seam
+
+    monkeypatch.setattr(seam, "installed_version", lambda: version)
+    with pytest.raises(seam.UnsupportedSGLang) as e:
+        _server_args(live_run, live_run["pr"])
+    assert str(e.value) == f"PR_EAGLE3 supports SGLang 0.5.14, 0.5.15.post1 and 0.5.16-0.5.23; this is SGLang {version}"
+    assert seam.check_version("0.5.15.post1") == "0.5.15.post1" and seam.check_version("0.5.23") == "0.5.23"

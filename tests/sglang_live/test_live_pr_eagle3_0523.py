@@ -1,0 +1,55 @@
+"""`PR_EAGLE3` live on SGLang 0.5.23 on this CPU: `.venv-serve` (SGLang's own pins, `pip install ./serving`, no
+SpecForge) behind the CPU bridge's stand-in `sgl_kernel` (`sglang_cpu.kernels`), the target and the PR rows on
+SGLang's own Triton attention in Triton's interpreter (`--attention-backend triton`, `PR_EAGLE3_ROW_ATTENTION=triton`;
+0.5.23's torch_native has no EAGLE draft backend). fp32, greedy, 127.0.0.1. At (k 2, B_w 2, m 1, gamma 3, B 6), as
+test_live_pr_eagle3.py on 0.5.14, tolerance zero: four concurrent requests and the same four one by one each equal
+our decoder (outputs = plain greedy serving, verify rounds, accepted drafts, counters, every round's tree); a
+request's m = 0 equals our m = 0; a repeated prompt hits the radix cache and gives the same. (The one-line refusal
+through a real 0.5.23 launch: test_live_sglang_0523.py.)"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from pr_specforge.sglang_cpu.server import SGLANG_PYTHON_ENV
+from tests.serve_contract import serve_python
+from tests.sglang_live.pr_eagle3 import Ours, Shape, assert_same, generate, pr_server, round_log, served_counts
+
+SHAPE = Shape(k=2, bw=2, m=1, gamma=3, budget=6)
+
+
+@pytest.fixture(scope="module")
+def served(live_run, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(SGLANG_PYTHON_ENV, serve_python())
+        ctx, rounds = pr_server(live_run, tmp_path_factory.mktemp("pr_eagle3_0523"), SHAPE,
+                                env={"PR_EAGLE3_ROW_ATTENTION": "triton"},
+                                args=("--speculative-draft-attention-backend", "triton"))
+        with ctx as port:
+            with ThreadPoolExecutor(4) as pool:
+                concurrent = list(pool.map(lambda p: generate(port, p), live_run["prompts"]))
+            sequential = [generate(port, p) for p in live_run["prompts"]]
+            alone = generate(port, live_run["prompts"][1], m=0)
+    log = round_log(rounds)
+    return ([served_counts(o, log) for o in concurrent], [served_counts(o, log) for o in sequential],
+            served_counts(alone, log), sequential, [r for rs in log.values() for r in rs])
+
+
+def test_on_0_5_23_four_concurrent_and_four_sequential_requests_equal_our_decoder(live_run, plain, served):
+    concurrent, sequential, _, outs, rounds = served
+    ours = Ours(live_run).decode(SHAPE, live_run["prompts"])
+    assert_same(concurrent, ours)
+    assert_same(sequential, ours)
+    assert [s["tokens"] for s in sequential] == plain  # = plain greedy serving
+    assert sum(s["recon_rows"] for s in concurrent) > 0
+    assert all(r["rows"] == "sglang" and r["attention"] == "triton" for r in rounds)
+    assert max(r["batch"] for r in rounds) > 1
+    assert all(o["meta_info"]["cached_tokens"] > 0 for o in outs), "the second request of each prompt hits the radix cache"
+
+
+def test_on_0_5_23_m0_equals_our_decoders_m0_tree(live_run, served):
+    alone = served[2]
+    assert alone["recon_rows"] == 0
+    assert_same([alone], Ours(live_run).decode(Shape(k=2, bw=2, m=0, gamma=3, budget=6), live_run["prompts"][1:2]))
