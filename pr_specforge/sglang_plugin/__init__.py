@@ -31,11 +31,34 @@ ALGORITHM = "PR_EAGLE3"
 TIMES_ENV = "PR_EAGLE3_ROUND_TIMES"  # `timing.ENV`, read here without importing SGLang
 
 
+def one_line_refusals() -> None:
+    """A `checks.PRServeError` that ends an SGLang process (a launch refused while SGLang resolves its arguments,
+    before anything starts) prints as its one line, `PRServeError: ...`, instead of a traceback through SGLang's
+    launch path; any other exception goes to the hook the process had. Idempotent."""
+    import sys
+
+    previous = sys.excepthook
+    if getattr(previous, "pr_eagle3", False):
+        return
+
+    def hook(kind, value, tb):
+        from pr_specforge.sglang_plugin.checks import PRServeError
+
+        if isinstance(value, PRServeError):
+            sys.stderr.write(f"PRServeError: {value}\n")  # the process's last words, as a CLI main would say them
+        else:
+            previous(kind, value, tb)
+
+    hook.pr_eagle3 = True
+    sys.excepthook = hook
+
+
 def register() -> None:
     """The entry point: register `PR_EAGLE3` (idempotent; a second call in one process does nothing)."""
     from pr_specforge.sglang_plugin.algorithm import register_algorithm
 
     register_algorithm()
+    one_line_refusals()
     from pr_specforge.sglang_plugin.admission import install as install_admission
 
     install_admission()
