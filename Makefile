@@ -17,8 +17,8 @@ setup-serve:
 run: setup
 	.venv/bin/pr-specforge run $(ARGS)
 
-# The test suite (CPU, tiny random models, serial; 15 min of tests on 2 quiet cores at 262a00d, 879 s; the SGLang
-# 0.5.23 line adds ~3 min of tests and, once, the ~4.5-min .venv-serve install).
+# The test suite (CPU, tiny random models, serial; both SGLang lines: 14 min of tests on 2 quiet cores at 5c1b7c9,
+# 830 s, of which the 0.5.23 line ~3 min; .venv-serve's install adds ~4.5 min once).
 test: setup setup-serve
 	PR_SERVE_VENV_REQUIRED=1 .venv/bin/python -m pytest -q tests $(ARGS)
 
