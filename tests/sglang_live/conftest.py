@@ -16,6 +16,8 @@ import contextlib
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
 
 import pytest
@@ -25,6 +27,21 @@ from pr_specforge.sglang_cpu.server import ServerFailed, free_port, launch_comma
 from tests.export.conftest import ENV, train_workspace
 
 STEPS = 48
+
+
+def refused_launch(cmd, env) -> str:
+    """Run a server launch that must be refused before it starts: its process group is killed after it (also on
+    failure); it must exit non-zero and print no traceback. Returns its last non-empty line, the refusal."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]  # one line, not a traceback through SGLang's launch path
+    return [line for line in out.splitlines() if line.strip()][-1]
 
 
 def _free_port() -> int:

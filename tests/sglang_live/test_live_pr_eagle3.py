@@ -13,18 +13,16 @@ and the times are checked.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests.export.conftest import ENV
 from tests.helpers import load_benchmark
-from tests.sglang_live.conftest import LIVE_CUDA_GRAPH, LIVE_DEVICE, _free_port, assert_round_times, greedy
+from tests.sglang_live.conftest import (LIVE_CUDA_GRAPH, LIVE_DEVICE, _free_port, assert_round_times, greedy,
+                                        refused_launch)
 from tests.sglang_live.pr_eagle3 import MAX_NEW, Ours, Shape, assert_same, generate, pr_server, round_log, served_counts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -137,15 +135,5 @@ def test_the_cpu_serve_script_launches_pr_eagle3_and_refuses_topk_1_in_one_line(
     script = os.path.join(ROOT, "scripts", "sglang_cpu_serve_pr.sh")
     cmd = [script, live_run["target"], live_run["pr"], str(_free_port()), "--speculative-eagle-topk", "1",
            "--speculative-num-draft-tokens", "4"]
-    proc = subprocess.Popen(cmd, env=dict(ENV, HF_HUB_OFFLINE="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0
-    last = [line for line in out.splitlines() if line.strip()][-1]
-    assert "Traceback" not in out, out[-3000:]  # one line, not a traceback through SGLang's launch path
-    assert last.startswith("PRServeError: PR_EAGLE3 needs --speculative-eagle-topk >= 2"), \
-        out[-3000:]
+    last = refused_launch(cmd, dict(ENV, HF_HUB_OFFLINE="1"))
+    assert last.startswith("PRServeError: PR_EAGLE3 needs --speculative-eagle-topk >= 2"), last

@@ -6,15 +6,10 @@ its touch points one by one: tests/sglang_plugin/test_sglang_lines.py.)"""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import subprocess
-
 from pr_specforge.sglang_cpu import SERVER_FLAGS, child_env
 from pr_specforge.sglang_cpu.server import SGLANG_PYTHON_ENV
 from tests.serve_contract import ROOT, serve_python
-from tests.sglang_live.conftest import ENV, greedy, sglang_server
+from tests.sglang_live.conftest import ENV, greedy, refused_launch, sglang_server
 from tests.sglang_live.eagle3 import MAX_NEW
 
 
@@ -34,15 +29,5 @@ def test_a_pr_eagle3_launch_on_0_5_23_refuses_topk_1_in_one_line(live_run):
            "--dtype", "float32", "--host", "127.0.0.1", "--port", str(_free_port()), "--speculative-algorithm",
            "PR_EAGLE3", "--speculative-draft-model-path", live_run["pr"], "--speculative-num-steps", "3",
            "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
-    proc = subprocess.Popen(cmd, env=child_env(dict(ENV, HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0
-    last = [line for line in out.splitlines() if line.strip()][-1]
-    assert "Traceback" not in out, out[-3000:]  # one line, not a traceback through SGLang's launch path
-    assert last.startswith("PRServeError: PR_EAGLE3 needs --speculative-eagle-topk >= 2"), \
-        out[-3000:]
+    last = refused_launch(cmd, child_env(dict(ENV, HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)))
+    assert last.startswith("PRServeError: PR_EAGLE3 needs --speculative-eagle-topk >= 2"), last
