@@ -14,8 +14,9 @@ Stages (each skipped when its output exists, so a rerun resumes where it stopped
   8. control      the positive control (`pr-specforge control`) on the recipe's own `pr:` options: does this
                   objective learn a second pass where one is needed? (about a minute of one core)
 then prints a summary of what it made, the control's verdict beside the served tau, and, where the
-gate halted at depth 0 almost everywhere, what to change to see reconsideration run. Each stage calls the same entry point a user
-would (`pr-specforge data ...`, `train`, `export`, `eval`), built by `stages.StageBuilder`.
+gate halted at depth 0 almost everywhere, what to change to see reconsideration run. Each stage calls
+the same entry point a user would (`pr-specforge data ...`, `train`, `export`, `eval`, `control`), built by
+`stages.StageBuilder`.
 
 Owns: which stages `run` runs, with which settings, and the summary. Does not own any
 stage's work or argument list (`pr_specforge.stages`).
@@ -189,7 +190,6 @@ def summary(work: Path, run_dir: Path, export_sglang: Path, export_hf: Path, eva
     lines.append("stage times     " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()))
     lines.append("=" * 72)
     return "\n".join(lines)
-
 
 
 def control_lines(path: Path, metrics: Dict) -> List[str]:
