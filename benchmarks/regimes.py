@@ -109,6 +109,10 @@ def _regime_arguments(sp: argparse.ArgumentParser, *, workdir: str, drafters: Li
     sp.add_argument("--report-step", type=int, default=None, help=report_step_help)
     sp.add_argument("--report-dirs", nargs="+", default=list(REPORT_FOLDERS), choices=REPORT_FOLDERS, metavar="FOLDER",
                     help=REPORT_DIRS_HELP)
+    sp.add_argument("--report-temperatures", nargs="+", type=float, default=None, metavar="T",
+                    choices=sorted({float(t) for d in REPORT_DIRS for t in d[3]}),
+                    help="serve only these of each report folder's temperatures (default: all; T = 0 cells alone decide "
+                         "the verdict): T = 1 is served by a later sitting into the same folders")
     sp.add_argument("--serve-max-new-tokens", type=int, default=serve_max_new_tokens)
     sp.add_argument("--until", choices=STAGE_GROUPS, default="report", help="run the stages up to this group")
     sp.add_argument("--dry-run", action="store_true", help="print the stages and their outputs, run nothing")

@@ -44,8 +44,8 @@ class ReportServes:
                 "two_layer": [n for n in names if n == "eagle3-2layer"], "bw9": [n for n in names if n == "eagle3"]}
 
     def report_serves(self, seed: int, limit: Optional[int] = None) -> List[tuple]:
-        """The report serves of `--report-dirs`, (name, out_dir, `serve_settings`), in `REPORT_DIRS` order, on the
-        first `limit` problems (default `--report-limit`); every folder after the first lends the first one's target
+        """The report serves of `--report-dirs` at `--report-temperatures` (a folder left with none is not served),
+        (name, out_dir, `serve_settings`), in `REPORT_DIRS` order, on the first `limit` problems (default `--report-limit`); every folder after the first lends the first one's target
         decodes (`eval --baseline-from`: same target, prompts and seeds; a problem it has not decoded yet is decoded
         anew), also when a second runner serves that first folder."""
         sd, who = self.seed_dir(seed), self.report_drafters()
@@ -53,10 +53,13 @@ class ReportServes:
         # served here first, or by another runner: lent only once it has served something
         lends = REPORT_DIRS[0][0] in self.args.report_dirs or (first / "eval_config.json").exists()
         limit = self.args.report_limit if limit is None else limit
+        only = getattr(self.args, "report_temperatures", None)  # --report-temperatures: a folder's other cells wait
+        cells = [(out, group, budget, [t for t in temps if only is None or float(t) in only], bw)
+                 for out, group, budget, temps, bw in REPORT_DIRS]
         return [(f"seed{seed} {out}", sd / out, self.serve_settings(seed, self.report_prompts(), limit, [budget], temps,
                                                                     bw=bw, drafters=who[group],
                                                                     baseline_from=[] if sd / out == first or not lends else [first]))
-                for out, group, budget, temps, bw in REPORT_DIRS if who[group] and out in self.args.report_dirs]
+                for out, group, budget, temps, bw in cells if who[group] and temps and out in self.args.report_dirs]
 
     def serve_stage(self, name: str, out: Path, settings: dict) -> Stage:
         """`eval` of `settings` into `out`, done once the folder's summary counts `settings`' problems in every cell

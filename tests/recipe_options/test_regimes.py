@@ -111,6 +111,20 @@ def test_the_paper_sittings_script_runs_the_documented_flags_and_drafters(regime
     assert "git status --porcelain" in script and "sittings.jsonl" in script and "benchmarks/study/regime_paper.sh 1 train" in doc
 
 
+@pytest.mark.parametrize("env, bad", [({"REPORT_TEMPS": "0 0.5"}, "REPORT_TEMPS: '0.5'"), ({"DRAFTERS": "pr"}, "DRAFTERS: 'pr'"),
+                                      ({"THREADS": "two"}, "THREADS must be a positive integer")])
+def test_the_paper_sittings_script_refuses_a_bad_setting_in_one_line_before_any_work(regimes, tmp_path, env, bad):
+    import os
+    import subprocess
+
+    script = regimes.REPO_ROOT / "benchmarks" / "study" / "regime_paper.sh"
+    work = tmp_path / "work"
+    done = subprocess.run(["bash", str(script), "0", "report"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "WORK": str(work), **env})
+    assert done.returncode == 2 and bad in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not work.exists()  # nothing written, nothing restored
+
+
 def test_the_held_out_measures_record_the_curve_and_what_the_depths_compute(regimes, tmp_path):
     from study.regime_measures import FLAT_GAIN, measures, write_measures
 
@@ -235,6 +249,16 @@ def test_screening_serves_the_screen_split_and_the_report_the_report_split_with_
                for _, out, st in side.report_serves(0))
     with pytest.raises(SystemExit):
         _regime(regimes, tmp_path, "--report-dirs", "report-b96")
+    # the T = 0 cells first (they alone decide the verdict): every folder at T = 0 only; a later sitting serves T = 1
+    t0 = _regime(regimes, tmp_path, "--drafters", "eagle3", "pr-paper", "--report-temperatures", "0")
+    t0_cells = {name.split()[1]: (values(a, "--temperature"), drafters(a))
+                for name, out, st in t0.report_serves(0) for a in [t0.build.eval_argv(out, **st)]}
+    assert t0_cells == {"report-b48": (["0"], ["eagle3", "pr-paper"]), "report-b24": (["0"], ["eagle3", "pr-paper"]),
+                        "report-bw9-b48": (["0"], ["eagle3"])}
+    t1 = _regime(regimes, tmp_path, "--drafters", "pr-paper", "--report-temperatures", "1")
+    assert [(name, st["temperatures"]) for name, _, st in t1.report_serves(0)] == [("seed0 report-b48", [1])]
+    with pytest.raises(SystemExit):  # a temperature no report folder serves
+        _regime(regimes, tmp_path, "--report-temperatures", "0.5")
 
 
 def _served(path, rows, finished=None):
