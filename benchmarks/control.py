@@ -8,7 +8,8 @@ a cycle of N = 6 symbols drawn per sample from a pool of 2 N, every symbol asked
 with the set's `pr:` options and measures on held-out samples the
 accuracy of depth 0 and depth 1 on 1-hop queries (f(a): one attention pass answers them) and
 2-hop queries (f(f(a)): they need two), and the gate's mean q per depth on each kind. Every
-set but `default` is `recipes/_base/paper-pr.yaml`'s options with the named change; the sets
+set but `default` and the README's recipes (`recipes/NAME.yaml`: each recipe's own `pr:` options, what
+`pr-specforge control --recipe` tests) is `recipes/_base/paper-pr.yaml`'s options with the named change; the sets
 that start from a trained EAGLE-3 drafter start from one trained on the task for as many steps.
 Sets run with `--sets` are merged into an existing `--json` (the others are kept), and the
 markdown is rendered from the JSON (`--render-only` re-renders it). Accuracies do not depend on
@@ -43,6 +44,12 @@ OPTION_SETS: Dict[str, Any] = {
     "gate input not detached": ("gate_detach_input false", {"gate_detach_input": False}),
     "post-norm feedback": ("post_norm_feedback true (EAGLE-3.1)", {"post_norm_feedback": True}),
 }
+#: the README's PR recipes (its "Recipes" table), each tested with its own `pr:` options (`extends:` resolved), as
+#: `pr-specforge control --recipe RECIPE` tests it: set name -> recipe path
+RECIPES = ("smollm2-135m-cpu.yaml", "smollm2-135m-cpu-online.yaml", "llama3.1-8b-pr.yaml", "qwen3-8b-pr.yaml",
+           "gemma3-12b-pr.yaml")
+for _recipe in RECIPES:
+    OPTION_SETS[f"recipes/{_recipe}"] = ("the README's recipe: its own pr: options", f"recipes/{_recipe}")
 
 
 def option_set_pr(name: str):
@@ -52,6 +59,8 @@ def option_set_pr(name: str):
     _, overrides = OPTION_SETS[name]
     if overrides is None:
         return PRConfig()
+    if isinstance(overrides, str):  # a recipe: its own options
+        return recipe_pr(os.path.join(ROOT, overrides))
     base = recipe_pr(os.path.join(ROOT, PAPER_RECIPE)).to_dict()
     return PRConfig.from_mapping({**base, **overrides})
 
