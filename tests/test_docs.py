@@ -89,3 +89,38 @@ def test_no_document_speaks_of_sittings_or_one_machines_paths(pattern):
     hits = [f"{doc.relative_to(ROOT)}:{i}" for doc in DOCS for i, line in enumerate(doc.read_text().splitlines(), 1)
             if re.search(pattern, line, re.I)]
     assert not hits, f"{pattern} in:\n" + "\n".join(hits)
+
+
+def test_every_pr_recipe_the_readme_lists_shows_its_positive_control_from_the_committed_rows():
+    """The README's "Recipes" table prints, beside each PR recipe, the positive control run on that recipe's own
+    `pr:` options (benchmarks/control.py's `recipes/NAME.yaml` sets): a recipe whose options change since, or a cell
+    that disagrees with the rows, fails here."""
+    import itertools
+    import json
+
+    from pr_specforge.control.cli import recipe_pr
+    from pr_specforge.control.run import ControlSettings, control_pr
+    from pr_specforge.training.recipe import read_recipe_mapping
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Recipes"):readme.index("## Layout")]
+    report = json.loads((ROOT / "benchmarks" / "results" / "control.json").read_text())
+    settings = ControlSettings(**{k: v for k, v in report["settings"].items()})
+    checked = 0
+    for line in table.splitlines():
+        m = re.match(r"\| `(recipes/[^`]+)` \|.*\| ([^|]+) \|$", line)
+        if not m:
+            continue
+        braces = [g.split(",") for g in re.findall(r"\{([^}]+)\}", m.group(1))]
+        pattern = re.sub(r"\{[^}]+\}", "{}", m.group(1))
+        for parts in itertools.product(*braces):
+            name = pattern.format(*parts)
+            if (read_recipe_mapping(str(ROOT / name)).get("training") or {}).get("strategy") != "pr":
+                continue
+            row = report["sets"][name]
+            assert row["pr"] == control_pr(recipe_pr(str(ROOT / name)), settings).to_dict(), f"{name}: options changed since its control"
+            two = row["result"]["two_hop"]["accuracy"]
+            cell = f"{'passes' if row['verdict']['learns_second_pass'] else 'fails'}: {two[0]:.1%} → {max(two[1:]):.1%}"
+            assert cell in m.group(2), f"{name}: README shows {m.group(2)!r}, the control's rows {cell!r}"
+            checked += 1
+    assert checked == 5  # smollm2 offline and online, the three 8B-12B recipes
