@@ -32,8 +32,9 @@ KEEP = ("data_settings.json", "splits/splits.json", "features/manifest.json",
         "seed*/measures/*.json", *RESTORE)
 
 
-#: the records `save` writes with the workdir's parent as `$WORK` (manifests, settings, reports, the command log)
-SCRUBBED = (".json", ".log")
+#: the records `save` writes with the workdir's parent as `$WORK` (manifests, settings, reports, the command log, the
+#: sittings' provenance rows and any other JSON-lines record)
+SCRUBBED = (".json", ".log", ".jsonl")
 
 
 def _copy_tree(src: Path, dst: Path, globs: Sequence[str], overwrite: bool, scrub: bool = False) -> List[Path]:

@@ -706,6 +706,7 @@ def test_save_never_replaces_a_manifest_with_a_less_complete_one_and_merges_the_
     manifest.pop("vocab_fingerprint")
     (work / "features" / "manifest.json").write_text(json.dumps(manifest))
     (work / "stage_times.json").write_text(json.dumps({"features": 12.0, "seed5 pr-paper: train": 30.0}))
+    (work / "sittings.jsonl").write_text(json.dumps({"commit": "abc1234", "command": f"regimes.py gsm8k --workdir {work}"}) + "\n")
     assert regimes.main(["save", "--workdir", str(work), "--to", str(kept)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "features/manifest.json: complete with 400 rows written kept" in err[0], err
@@ -717,6 +718,7 @@ def test_save_never_replaces_a_manifest_with_a_less_complete_one_and_merges_the_
     assert regimes.main(["save", "--workdir", str(work), "--to", str(kept)]) == 0
     saved = (kept / "features" / "manifest.json").read_text()
     assert str(tmp_path) not in saved and json.loads(saved)["input"] == "$WORK/regime-gsm8k/regenerated.jsonl"
+    assert json.loads((kept / "sittings.jsonl").read_text())["command"] == "regimes.py gsm8k --workdir $WORK/regime-gsm8k"
     times = json.loads((kept / "stage_times.json").read_text())
     old = json.loads(before[kept / "stage_times.json"])
     assert times == {**old, "features": 12.0, "seed5 pr-paper: train": 30.0} and len(times) == len(old) + 1
