@@ -49,8 +49,15 @@ def measures(run: Path, diagnose_json: Path, headroom_json: Path) -> dict:
     return {"curve": curve, "steps": curve[-1][0] if curve else None, **flattening(curve),
             "feature_change": {str(r): pr[f"pr/feature_change_depth_{r}"] for r in depths},
             "argmax_agree": {str(r): pr.get(f"pr/argmax_agree_depth_{r}") for r in depths},
-            "recovered_share": pr.get("pr/recovered_share"),
+            **depth_use(pr), "recovered_share": pr.get("pr/recovered_share"),
             "recovered_low_cd": table7["recovered"][0][3] if table7.get("recovered") else None}
+
+
+def depth_use(pr: dict) -> dict:
+    """From `diagnose`'s `pr` metrics: each depth's top-1 accuracy (`acc_depth`, depth 0 first) and the share of
+    positions whose sampled halt depth is 0 (`halt_at_0`: the gate's verdict on every reconsidered depth)."""
+    depths = sorted(int(k.rsplit("_", 1)[1]) for k in pr if k.startswith("pr/acc_depth_") and k.rsplit("_", 1)[1].isdigit())
+    return {"acc_depth": {str(r): pr[f"pr/acc_depth_{r}"] for r in depths}, "halt_at_0": pr.get("pr/halt_share_depth_0")}
 
 
 def write_measures(run: Path, diagnose_json: Path, headroom_json: Path, out: Path) -> None:
@@ -64,7 +71,10 @@ def read_measures(work: Path) -> Dict[str, Dict[str, dict]]:
     """seedN -> drafter -> its measures file, from a workdir or a folder `save` kept."""
     out: Dict[str, Dict[str, dict]] = {}
     for f in sorted(work.glob("seed*/measures/*.json")):
-        out.setdefault(f.parent.parent.name, {})[f.stem] = json.loads(f.read_text())
+        m = json.loads(f.read_text())
+        if "acc_depth" not in m and (diag := f.parent.parent / "diagnose" / f"{f.stem}.json").exists():
+            m.update(depth_use(json.loads(diag.read_text()).get("pr") or {}))  # a file written before they were kept
+        out.setdefault(f.parent.parent.name, {})[f.stem] = m
     return out
 
 
@@ -78,16 +88,20 @@ def render_measures(per_seed: Dict[str, Dict[str, dict]]) -> List[str]:
         return []
     lines = ["### Held-out measures before serving", "",
              f"The last interval's gain in held-out simulated acceptance length; flattened below +{FLAT_GAIN:.0%}. "
+             "Top-1 accuracy per depth, and the share of positions the gate halts at depth 0 (diagnose's sampled halt depths); "
              "||f^r-f^0||/||f^0|| and the top-1 agreement with depth 0 per reconsidered depth r; recovered: the share of "
              "depth-0 misses some depth >= 1 gets right (diagnose); c_d < 0.5: Table 7's recovered rejects (headroom).", "",
-             "| seed | drafter | steps | last gain | flattened | ||f^r-f^0||/||f^0|| | top-1 = depth 0's | recovered | c_d < 0.5 recovered |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| seed | drafter | steps | last gain | flattened | accuracy, depth 0 / 1 / ... | halts at depth 0 | "
+             "||f^r-f^0||/||f^0|| | top-1 = depth 0's | recovered | c_d < 0.5 recovered |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for sd, drafters in sorted(per_seed.items()):
         for name, m in sorted(drafters.items()):
             flat = "-" if m.get("flattened") is None else ("yes" if m["flattened"] else "no")
             change = " / ".join(f"{v:.3f}" for v in (m.get("feature_change") or {}).values()) or "-"
             agree = " / ".join(_pct(v) for v in (m.get("argmax_agree") or {}).values()) or "-"
             lines.append(f"| {sd} | {name} | {m.get('steps') if m.get('steps') is not None else '-'} | "
-                         f"{_pct(m.get('last_gain'), signed=True)} | {flat} | {change} | {agree} | "
+                         f"{_pct(m.get('last_gain'), signed=True)} | {flat} | "
+                         f"{' / '.join(_pct(v) for v in (m.get('acc_depth') or {}).values()) or '-'} | {_pct(m.get('halt_at_0'))} | "
+                         f"{change} | {agree} | "
                          f"{_pct(m.get('recovered_share'))} | {_pct(m.get('recovered_low_cd'))} |")
     return lines + [""]

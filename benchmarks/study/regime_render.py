@@ -62,7 +62,8 @@ def render_cells(cells: List[dict]) -> List[str]:
     lines = []
     for c in cells:
         lines += [f"B {c['budget']}, T {c['temperature']:g}:", "",
-                  "| drafter | prompts | tau | gain over | gain [95% CI] | one-pass part | mechanism |", "|---|---|---|---|---|---|---|"]
+                  "| drafter | prompts | tau | gain over | gain [95% CI] | one-pass part | mechanism | nodes verified per round: proposed / repriced by reconsideration |",
+                  "|---|---|---|---|---|---|---|---|"]
         for name, key in TABLE_ROWS:
             if c["tau"].get(name) is None:
                 continue
@@ -71,7 +72,8 @@ def render_cells(cells: List[dict]) -> List[str]:
                 extra = f"; over eagle3: {format_gain(c[f'{name}@eagle3'])}"
             lines.append(f"| {name} | {c['prompts'].get(name, '-')} | {c['tau'][name]:.3f} | {BASE_OF.get(name, '-') if key else '-'} | "
                          f"{format_gain(c.get(key)) if key else '-'}{extra} | {format_gain(c.get(f'{key}/one-pass')) if key else '-'} | "
-                         f"{format_gain(c.get(f'{key}/mechanism')) if key else '-'} |")
+                         f"{format_gain(c.get(f'{key}/mechanism')) if key else '-'} | "
+                         f"{' / '.join(f'{x:.3f}' for x in kept) if (kept := (c.get('recon_kept') or {}).get(name)) else '-'} |")
         lines.append("")
     return lines
 
@@ -164,8 +166,9 @@ def render(report: dict) -> str:
 
 
 def report_shrinks(old_path: Path, report: dict) -> List[str]:
-    """What the report at `old_path` holds that `report` does not: a regime, a seed of its report split, or report
-    problems (one line each; [] when there is no report there)."""
+    """What the report at `old_path` holds that `report` does not: a regime, a seed of its report split, or a
+    drafter's problems in a cell (one line each; [] when there is no report there). A drafter the report at
+    `old_path` did not hold is no loss, however few problems it has served yet (a drafter being added round by round)."""
     if not old_path.exists():
         return []
     try:
@@ -180,11 +183,16 @@ def report_shrinks(old_path: Path, report: dict) -> List[str]:
         if name not in new_rows:
             out.append(f"it holds the {name} regime, this report none")
         for seed, summary in sorted((row.get("seeds") or {}).items()):
-            had, has = summary.get("problems") or 0, (new_seeds.get(str(seed)) or {}).get("problems")
-            if has is None:
+            if str(seed) not in new_seeds:
                 out.append(f"it holds {name} seed {seed}'s report split, this report none")
-            elif has < had:
-                out.append(f"it holds {name} seed {seed} at {had} report problems, this report at {has}")
+                continue
+            now = {(c["budget"], c["temperature"]): c.get("prompts") or {} for c in new_seeds[str(seed)].get("cells") or []}
+            for c in summary.get("cells") or []:
+                for drafter, had in sorted((c.get("prompts") or {}).items()):
+                    has = now.get((c["budget"], c["temperature"]), {}).get(drafter, 0)
+                    if has < had:
+                        out.append(f"it holds {name} seed {seed} {drafter} at B {c['budget']}, T {c['temperature']:g} on "
+                                   f"{had} report problems, this report on {has}")
     return out
 
 

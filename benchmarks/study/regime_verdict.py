@@ -60,7 +60,13 @@ def seed_summary(sd: Path, n: int = 2000, split: str = "report") -> dict:
     for budget, temp in cells_served:
         cell: dict = {"budget": budget, "temperature": temp,
                       "tau": {d: tau(r) for (d, b, t), r in sorted(rows.items()) if (b, t) == (budget, temp)},
-                      "prompts": {d: len(r) for (d, b, t), r in sorted(rows.items()) if (b, t) == (budget, temp)}}
+                      "prompts": {d: len(r) for (d, b, t), r in sorted(rows.items()) if (b, t) == (budget, temp)},
+                      # a PR drafter's nodes in the tree sent to verification, per round, that a reconsidered feature
+                      # proposed (`recon_kept`) or repriced (`repriced_kept`, Eq. 9): (0, 0) when its served trees
+                      # are its one-pass trees
+                      "recon_kept": {d: tuple(sum(x.get(f) or 0 for x in r.values()) / max(1, sum(x["rounds"] for x in r.values()))
+                                              for f in ("recon_kept", "repriced_kept"))
+                                     for (d, b, t), r in sorted(rows.items()) if (b, t) == (budget, temp) and d in BASELINE}}
         if not cell["tau"]:
             continue
         for name, (drafter, base, one_pass) in pairs.items():

@@ -137,7 +137,8 @@ def test_the_held_out_measures_record_the_curve_and_what_the_depths_compute(regi
     (sd / "diagnose").mkdir()
     (sd / "diagnose" / "pr-paper.json").write_text(json.dumps({"pr": {
         "pr/feature_change_depth_1": 0.31, "pr/feature_change_depth_2": 0.4, "pr/argmax_agree_depth_1": 0.9,
-        "pr/argmax_agree_depth_2": 0.85, "pr/recovered_share": 0.07}}))
+        "pr/argmax_agree_depth_2": 0.85, "pr/recovered_share": 0.07, "pr/acc_depth_0": 0.46, "pr/acc_depth_1": 0.42,
+        "pr/acc_depth_2": 0.38, "pr/acc_depth_0_conf_lt50": 0.29, "pr/halt_share_depth_0": 0.997}}))
     (sd / "headroom").mkdir()
     (sd / "headroom" / "pr-paper.json").write_text(json.dumps({"pooled": {"table7": {"recovered": [[0, 0, 0, 0.063]]}}}))
     write_measures(run, sd / "diagnose" / "pr-paper.json", sd / "headroom" / "pr-paper.json", sd / "measures" / "pr-paper.json")
@@ -146,6 +147,7 @@ def test_the_held_out_measures_record_the_curve_and_what_the_depths_compute(regi
     assert m["last_gain"] == pytest.approx(0.745 / 0.74 - 1) and m["last_gain"] < FLAT_GAIN and m["flattened"]
     assert m["feature_change"] == {"1": 0.31, "2": 0.4} and m["argmax_agree"] == {"1": 0.9, "2": 0.85}
     assert m["recovered_share"] == 0.07 and m["recovered_low_cd"] == 0.063
+    assert m["acc_depth"] == {"0": 0.46, "1": 0.42, "2": 0.38} and m["halt_at_0"] == 0.997  # per depth, not per band
     # an EAGLE-3 run: its curve only; a curve still rising has not flattened
     (tmp_path / "e").mkdir()
     (tmp_path / "e" / "metrics.jsonl").write_text('{"step": 250, "eval/avg_loss": 9, "eval/simulated_acc_len": 0.6}\n'
@@ -158,7 +160,26 @@ def test_the_held_out_measures_record_the_curve_and_what_the_depths_compute(regi
     assert row["measures"] == {"seed0": {"pr-paper": m}}
     text = regimes.render({"regimes": [row]})
     assert "### Held-out measures before serving" in text
-    assert "| seed0 | pr-paper | 750 | +0.7% | yes | 0.310 / 0.400 | 90.0% / 85.0% | 7.0% | 6.3% |" in text
+    assert "| seed0 | pr-paper | 750 | +0.7% | yes | 46.0% / 42.0% / 38.0% | 99.7% | 0.310 / 0.400 | 90.0% / 85.0% | 7.0% | 6.3% |" in text
+    # a measures file written before the depths' accuracy and the gate were kept: read from its diagnose beside it
+    older = {k: v for k, v in m.items() if k not in ("acc_depth", "halt_at_0")}
+    (sd / "measures" / "pr-paper.json").write_text(json.dumps(older))
+    assert regimes.gsm8k_row(tmp_path)["measures"] == {"seed0": {"pr-paper": m}}
+
+
+def test_a_cell_shows_how_many_verified_nodes_per_round_reconsideration_proposed_or_repriced(regimes, tmp_path):
+    sd = tmp_path / "seed0"
+    _served(sd / "screen-b48", [(d, 48, 0.0, f"p{i}", 30, 10) for i in range(2) for d in ("eagle3", "pr-paper", "pr-paper/one-pass")])
+    rows = [json.loads(line) for line in (sd / "screen-b48" / "results.jsonl").read_text().splitlines()]
+    for r in rows:  # pr-paper: 1 proposed and 4 repriced nodes over its two problems' 20 rounds; m = 0 none
+        r.update(recon_kept=1 if r["draft"] == "pr-paper" and r["prompt"] == "p0" else 0,
+                 repriced_kept=2 if r["draft"] == "pr-paper" else 0)
+    (sd / "screen-b48" / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (cell,) = regimes.gsm8k_row(tmp_path)["screening"][0]["cells"]
+    assert cell["recon_kept"] == {"pr-paper": (0.05, 0.2)}  # PR drafters only, not their one-pass trees or EAGLE-3
+    text = regimes.render({"regimes": [regimes.gsm8k_row(tmp_path)]})
+    assert "| pr-paper | 2 | 3.000 | eagle3 | +0.0% [+0.0, +0.0] | +0.0% [+0.0, +0.0] | +0.0% [+0.0, +0.0] | 0.050 / 0.200 |" in text
+    assert "| eagle3 | 2 | 3.000 | - | - | - | - | - |" in text
 
 
 def test_each_pr_drafter_is_read_up_to_its_own_rounds_and_judged_against_its_matched_baseline(regimes, tmp_path):
@@ -602,13 +623,31 @@ def test_report_refuses_no_folder_a_folder_that_is_no_workdir_and_a_smaller_repo
     assert list(json.loads(prefix.with_suffix(".json").read_text())["regimes"][1]["seeds"]) == ["0"]
 
 
+def test_a_drafter_added_round_by_round_is_no_smaller_report_but_a_kept_drafter_losing_problems_is(regimes, tmp_path):
+    from study.regime_render import report_shrinks
+
+    def report(**prompts):  # one regime, seed 0, one cell (B 48, T 0): drafter -> problems
+        return {"regimes": [{"regime": "gsm8k-domain", "seeds": {"0": {"problems": min(prompts.values()), "cells": [
+            {"budget": 48, "temperature": 0.0, "prompts": prompts}]}}}]}
+
+    old = tmp_path / "regimes.json"
+    old.write_text(json.dumps(report(eagle3=100, **{"pr-warm": 100})))
+    assert report_shrinks(old, report(eagle3=100, **{"pr-warm": 100, "pr-paper": 10})) == []  # pr-paper: new, 10 so far
+    assert report_shrinks(old, report(eagle3=100, **{"pr-warm": 90})) == [
+        "it holds gsm8k-domain seed 0 pr-warm at B 48, T 0 on 100 report problems, this report on 90"]
+    assert report_shrinks(old, report(eagle3=100)) == [
+        "it holds gsm8k-domain seed 0 pr-warm at B 48, T 0 on 100 report problems, this report on 0"]
+    assert report_shrinks(tmp_path / "none.json", report(eagle3=1)) == []
+
+
 def test_save_refuses_to_replace_kept_rows_with_fewer_unless_told(regimes, tmp_path, capsys):
     committed = os.path.join(RESULTS, "regime-gsm8k", "seed0", "report-b48", "results.jsonl")
     kept, work = tmp_path / "kept", tmp_path / "work"
     (kept / "seed0" / "report-b48").mkdir(parents=True)
-    shutil.copy(committed, kept / "seed0" / "report-b48" / "results.jsonl")  # 800 rows
+    shutil.copy(committed, kept / "seed0" / "report-b48" / "results.jsonl")  # 800 rows or more (a drafter being added)
     rows = (kept / "seed0" / "report-b48" / "results.jsonl").read_text().splitlines(keepends=True)
-    assert len(rows) == 800
+    n = len(rows)
+    assert n >= 800
     (work / "seed0" / "report-b48").mkdir(parents=True)
     (work / "data_settings.json").write_text("{}")
     (work / "seed0" / "report-b48" / "results.jsonl").write_text("".join(rows[:10]))
@@ -616,8 +655,8 @@ def test_save_refuses_to_replace_kept_rows_with_fewer_unless_told(regimes, tmp_p
     argv = ["save", "--workdir", str(work), "--to", str(kept)]
     assert regimes.main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "report-b48/results.jsonl: 800 rows kept" in err[0] and "has 10" in err[0], err
-    assert len((kept / "seed0" / "report-b48" / "results.jsonl").read_text().splitlines()) == 800
+    assert len(err) == 1 and f"report-b48/results.jsonl: {n} rows kept" in err[0] and "has 10" in err[0], err
+    assert len((kept / "seed0" / "report-b48" / "results.jsonl").read_text().splitlines()) == n
     assert not (kept / "data_settings.json").exists() and not (kept / "seed0" / "settings.json").exists()  # nothing written
     # so is the command log the provenance reads (the stage times are merged: see the test below)
     (work / "seed0" / "report-b48" / "results.jsonl").write_text("".join(rows))  # as many rows: not refused for these
