@@ -100,6 +100,31 @@ def _verdict_lines(verdicts: dict, whose: str = "") -> List[str]:
     return lines
 
 
+def _split_lines(row: dict) -> List[str]:
+    """Per PR drafter with a verdict, where its T = 0 gain comes from, per seed and cell: the one-pass part (its
+    m = 0 tree over the baseline), the mechanism (m = 3 over m = 0) and the verified nodes a reconsidered feature
+    proposed or repriced per round (0 proposed: its served trees held only what its one-pass tree proposed)."""
+    lines = []
+    for name, v in (row.get("verdict") or {}).items():
+        per_seed = []
+        for seed, summary in sorted((row.get("seeds") or {}).items()):
+            cells = []
+            for c in summary["cells"]:
+                if c["temperature"] != 0.0 or name not in c:
+                    continue
+                one, mech = c.get(f"{name}/one-pass"), c.get(f"{name}/mechanism")
+                kept = (c.get("recon_kept") or {}).get(name)
+                text = f"B {c['budget']}: one-pass {format_gain(one) if one else '-'}, mechanism {format_gain(mech) if mech else '-'}"
+                if kept:
+                    text += f", verified nodes a round proposed / repriced by reconsideration {kept[0]:.3f} / {kept[1]:.2f}"
+                cells.append(text)
+            if cells:
+                per_seed.append(f"seed {seed}: " + "; ".join(cells))
+        if v and per_seed:
+            lines.append(f"- **{name}**, its T0 gain split: " + " | ".join(per_seed) + ".")
+    return lines
+
+
 def _served_line(summary: dict) -> str:
     """A seed's report heading's count: one number when every folder has served the same problems, else each
     folder's (a folder still behind shows fewer problems in its own cells)."""
@@ -146,7 +171,7 @@ def render(report: dict) -> str:
                 lines += [f"Drafting-round cost over EAGLE-3's (SmolLM2 shape, B 48, {rc['dtype']}, {rc['threads']} thread, "
                           f"{rc['machine']}; `{rc['file']}`): two-layer {rc['two_layer_over_eagle']:.2f}x, "
                           f"B_w 9 {rc['bw9_over_eagle']:.2f}x, PR co-forwarded {rc['coforward_over_eagle']:.2f}x.", ""]
-        lines += _verdict_lines(row.get("verdict") or {}) if "seeds" in row else []
+        lines += (_verdict_lines(row.get("verdict") or {}) + _split_lines(row)) if "seeds" in row else []
         if any((row.get("regime_verdict") or {}).values()):
             lines += ["", "The regime's verdict (part D's seeds and every rebuilt seed that has served each cell):", ""]
             lines += _verdict_lines(row["regime_verdict"])

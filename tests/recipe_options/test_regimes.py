@@ -340,8 +340,12 @@ def test_the_report_shows_screening_apart_from_the_report_split_and_gives_no_ver
     assert [(c["budget"], c["temperature"]) for c in row["seeds"][0]["cells"]] == [(48, 0.0), (24, 0.0), (48, 1.0)]
     v = row["verdict"]["pr-warm"]
     assert v["seeds"][0]["mean_t0_gain"] == pytest.approx((31 / 30 + 26 / 25) / 2 - 1) and not v["wins"]  # one seed only
-    assert not v["decided"] and "- **pr-warm**: undecided (the verdict needs two seeds) (seed 0: mean T0 gain +3.7%)" in regimes.render(
-        {"regimes": [row]})
+    text = regimes.render({"regimes": [row]})
+    assert not v["decided"] and "- **pr-warm**: undecided (the verdict needs two seeds) (seed 0: mean T0 gain +3.7%)" in text
+    # where the gain comes from, per T = 0 cell: all of it from reconsideration here (m = 0 equals the baseline)
+    assert ("- **pr-warm**, its T0 gain split: seed 0: B 48: one-pass +0.0% [+0.0, +0.0], mechanism +3.3% [+3.3, +3.3], "
+            "verified nodes a round proposed / repriced by reconsideration 0.000 / 0.00; B 24: one-pass +0.0% [+0.0, +0.0], "
+            "mechanism +4.0% [+4.0, +4.0]") in text
     assert row["conditions"]["eagle3_tau"]["measured"]["seed0"]["from"] == "report"
 
 
