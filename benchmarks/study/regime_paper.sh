@@ -21,7 +21,9 @@
 # `eagle3` rows and needs no rebuilt `eagle3`. THREADS overrides the seed's thread count, for a drafter no kept row
 # was served by (a new `pr-paper` may train on one thread per seed, two seeds side by side). REPORT_TEMPS (default:
 # "0 1") narrows the report serves to some temperatures: "0" serves the T = 0 cells, which alone decide the verdict,
-# before T = 1. Every argument is checked before any work.
+# before T = 1. REPORT_DIRS (default: every report folder) narrows them to some folders: a second sitting on the same
+# seed serves the others side by side (one folder is served by one sitting at a time). Every argument is checked before
+# any work.
 set -euo pipefail
 usage="usage: regime_paper.sh SEED data|train|screen|report (SEED: 0, 1, ...)"
 SEED=${1:?$usage}
@@ -36,6 +38,10 @@ case "$SEED" in 0) THREADS=${THREADS:-2} ;; *) THREADS=${THREADS:-1} ;; esac
 for t in ${REPORT_TEMPS:-0 1}; do
   [[ "$t" == 0 || "$t" == 1 ]] || { echo "regime_paper.sh: REPORT_TEMPS: '$t' is not a report temperature (0 or 1)" >&2; exit 2; }
 done
+FOLDERS="report-b48 report-b24 report-b48-2layer report-bw9-b48"
+for f in ${REPORT_DIRS:-$FOLDERS}; do
+  [[ " $FOLDERS " == *" $f "* ]] || { echo "regime_paper.sh: REPORT_DIRS: '$f' is not one of: $FOLDERS" >&2; exit 2; }
+done
 [[ "$THREADS" =~ ^[1-9][0-9]*$ ]] || { echo "regime_paper.sh: THREADS must be a positive integer, not '$THREADS'" >&2; exit 2; }
 cd "$(dirname "$0")/../.."
 WORK=${WORK:-work/regime-gsm8k}
@@ -44,7 +50,7 @@ if [ -n "$(git status --porcelain --untracked-files=no)" ]; then
   exit 1
 fi
 G="--workdir $WORK --train-limit 400 --epochs 3 --warm-epochs 1 --screen-limit 20 --report-limit 100 --report-step 10 --save-interval 100"
-D="--drafters ${DRAFTERS:-$ALL} --report-temperatures ${REPORT_TEMPS:-0 1}"
+D="--drafters ${DRAFTERS:-$ALL} --report-temperatures ${REPORT_TEMPS:-0 1} --report-dirs ${REPORT_DIRS:-$FOLDERS}"
 run() {  # one regimes.py call, niced, at THREADS threads, its provenance recorded first
   local threads=$1; shift
   mkdir -p "$WORK"

@@ -106,13 +106,16 @@ def test_the_paper_sittings_script_runs_the_documented_flags_and_drafters(regime
     doc = (regimes.REPO_ROOT / "docs" / "results" / "regimes.md").read_text()
     flags = next(line for line in script.splitlines() if line.startswith('G="'))[3:-1].replace("$WORK", "work/regime-gsm8k")
     assert f'G="{flags}"' in doc  # the committed study's flags
+    folders = next(line for line in script.splitlines() if line.startswith('FOLDERS="'))[9:-1].split()
+    assert folders == list(regimes.REPORT_FOLDERS)  # the script's report folders are the study's
     drafters = next(line for line in script.splitlines() if line.startswith('ALL="'))[5:-1].split()
     assert drafters == ["eagle3", "pr-paper", "pr-paper-warm", "eagle3-long"] and set(drafters) <= set(regimes.DRAFTERS)
     assert "git status --porcelain" in script and "sittings.jsonl" in script and "benchmarks/study/regime_paper.sh 1 train" in doc
 
 
 @pytest.mark.parametrize("env, bad", [({"REPORT_TEMPS": "0 0.5"}, "REPORT_TEMPS: '0.5'"), ({"DRAFTERS": "pr"}, "DRAFTERS: 'pr'"),
-                                      ({"THREADS": "two"}, "THREADS must be a positive integer")])
+                                      ({"THREADS": "two"}, "THREADS must be a positive integer"),
+                                      ({"REPORT_DIRS": "report-b48 report-b96"}, "REPORT_DIRS: 'report-b96'")])
 def test_the_paper_sittings_script_refuses_a_bad_setting_in_one_line_before_any_work(regimes, tmp_path, env, bad):
     import os
     import subprocess
