@@ -72,8 +72,10 @@ def portable_command(command: str) -> str:
 
 def provenance(args, threads: int) -> Dict[str, Any]:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
+    # the run's own outputs (--json, --md), rewritten after every set, are not changes to what measured them
+    outputs = [f":(exclude){os.path.relpath(os.path.abspath(p), ROOT)}" for p in (args.json, args.md)]
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", *outputs], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
     return {"commit": commit + ("+changes" if dirty else ""),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{os.cpu_count()}-core CPU ({platform.machine()}), shared with other jobs: wall times are rough",
