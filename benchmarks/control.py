@@ -67,7 +67,8 @@ def option_set_pr(name: str):
 
 def portable_command(command: str) -> str:
     """The command with every path argument cut to its file name (no machine's directories in a document)."""
-    return " ".join(os.path.basename(w) if os.sep in w and not w.startswith("benchmarks") else w for w in command.split(" "))
+    return " ".join(os.path.basename(w) if os.sep in w and not w.startswith(("benchmarks", "recipes")) else w
+                    for w in command.split(" "))
 
 
 def provenance(args, threads: int) -> Dict[str, Any]:
