@@ -124,7 +124,8 @@ def cpu_bridge_side(out: dict) -> None:
 
 def trees(out: dict, path: str) -> None:
     """Each encoded tree through `seam.build_tree` (FULL_MASK, no preallocated buffer), and the 12th argument's
-    trap on 0.5.17+: the kernel called positionally with None there (the 0.5.14 call's `position_buf`)."""
+    trap on 0.5.17+: the kernel called positionally with None there (the 0.5.14 call's `position_buf`), into a mask
+    buffer of ours filled with a sentinel, so what the call leaves unfilled is read as the sentinel."""
     import torch
     from sglang.srt.speculative import eagle_utils
 
@@ -138,8 +139,12 @@ def trees(out: dict, path: str) -> None:
         got = seam.build_tree(backend, mode, *args, int(t["seq_lens"][0]), t["topk"], t["steps"], t["tokens"], 1, 0)
         row = {"outputs": [x.tolist() for x in got]}
         if "fill_prefix_mask" in seam._params(eagle_utils.build_tree_kernel_efficient):
-            trap = eagle_utils.build_tree_kernel_efficient(*args, int(t["seq_lens"][0]), t["topk"], t["steps"],
-                                                           t["tokens"], mode, None, None)
+            # the mask buffer is ours, filled with a sentinel (False) the prefix fill would overwrite: never the
+            # kernel's own `torch.empty`, whose bytes are whatever the allocator had (a test must not read them)
+            seq_len, n = int(t["seq_lens"][0]), int(t["tokens"])
+            sentinel = torch.zeros(seq_len * n + n * n, dtype=torch.bool)
+            trap = eagle_utils.build_tree_kernel_efficient(*args, seq_len, t["topk"], t["steps"], n, mode, sentinel,
+                                                           None)
             row["positional_none_mask"] = trap[0].tolist()
         results.append(row)
     out["trees"] = results

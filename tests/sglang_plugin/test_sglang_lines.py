@@ -111,5 +111,11 @@ def test_each_touch_point_is_what_the_seam_expects_of_the_line(line, inputs):
     assert (got["idle_verify_input"] == "ok") == (line != "0.5.14")
     for tree, ran in zip(inputs["trees"], got["trees"]):
         assert ran["outputs"] == tree["reference"]  # mask, positions, retrieve index / next token / sibling, tokens
-        if line == "0.5.23":  # the 0.5.14 call's positional None as the 12th argument skips the prefix mask silently
-            assert ran["positional_none_mask"] != tree["reference"][0]
+        if line == "0.5.23":  # the 0.5.14 call's positional None as the 12th argument skips the prefix mask silently:
+            # every prefix column keeps the sentinel (False) of the buffer it was given, every tree column is filled
+            seq_len, n = tree["seq_lens"][0], tree["tokens"]
+            rows = [ran["positional_none_mask"][r * (seq_len + n):(r + 1) * (seq_len + n)] for r in range(n)]
+            ref = [tree["reference"][0][r * (seq_len + n):(r + 1) * (seq_len + n)] for r in range(n)]
+            assert all(row[:seq_len] == [False] * seq_len for row in rows)
+            assert all(r[:seq_len] == [True] * seq_len for r in ref)  # what the kwarg call fills
+            assert [row[seq_len:] for row in rows] == [r[seq_len:] for r in ref]
