@@ -37,49 +37,56 @@ def test_finished_stages_are_skipped_and_wall_time_survives_a_failed_attempt(tmp
     assert got["b"] >= first["b"] + 0.1 and got["a"] == first["a"]
 
 
+def _saved(times, name):
+    """`name`'s time in the stage-times file once a save has put one there (polled; 60 s at most)."""
+    deadline = time.monotonic() + 60
+    while not (times.exists() and name in json.loads(times.read_text())):
+        assert time.monotonic() < deadline, f"no save of {name} in 60 s"
+        time.sleep(0.01)
+    return json.loads(times.read_text())[name]
+
+
 def test_a_running_stage_saves_its_time_on_a_heartbeat(tmp_path):
     times = tmp_path / "stage_times.json"
     seen = []
 
-    def slow():
-        time.sleep(0.5)
-        seen.append(json.loads(times.read_text()).get("slow", 0.0))  # what a kill now would leave on disk
+    def slow():  # what a kill now would leave on disk: a heartbeat's save, made while the stage still runs
+        seen.append(_saved(times, "slow"))
         (tmp_path / "slow.done").write_text("ok")
 
-    run_stages([Stage("slow", tmp_path / "slow.done", slow)], times, heartbeat_s=0.1)
-    assert seen[0] >= 0.3
+    got = run_stages([Stage("slow", tmp_path / "slow.done", slow)], times, heartbeat_s=0.05)
+    assert 0 < seen[0] <= got["slow"]
 
 
 def test_two_runners_over_one_workdir_keep_each_others_stage_times(tmp_path):
-    """Two seeds' stage runners side by side write one stage_times.json; neither erases the other."""
+    """Two seeds' stage runners side by side write one stage_times.json; neither erases the other. Ordered by events,
+    not by sleeps: a has saved a heartbeat before b starts, and a's last save comes after b has finished."""
     import threading
 
     times = tmp_path / "stage_times.json"
     times.write_text(json.dumps({"features": 87.0}))
-    b_started, got = threading.Event(), {}
+    a_saved, b_finished, got = threading.Event(), threading.Event(), {}
 
     def long_a():
-        b_started.wait(5)
-        time.sleep(0.3)  # a's last save comes after b has finished
+        _saved(times, "a")
+        a_saved.set()
+        assert b_finished.wait(60)
         (tmp_path / "a.done").write_text("ok")
 
     def short_b():
-        b_started.set()
-        time.sleep(0.1)
         (tmp_path / "b.done").write_text("ok")
 
     def runner(name, fn):
-        got.update(run_stages([Stage(name, tmp_path / f"{name}.done", fn)], times, heartbeat_s=0.05))
+        got.update(run_stages([Stage(name, tmp_path / f"{name}.done", fn)], times, heartbeat_s=0.01))
 
-    threads = [threading.Thread(target=runner, args=("a", long_a))]
-    threads[0].start()
-    time.sleep(0.1)  # a has loaded the file and saved a heartbeat before b starts
-    threads.append(threading.Thread(target=runner, args=("b", short_b)))
-    threads[1].start()
-    for t in threads:
-        t.join()
+    a = threading.Thread(target=runner, args=("a", long_a))
+    a.start()
+    assert a_saved.wait(60)
+    runner("b", short_b)
+    b_finished.set()
+    a.join()
     assert json.loads(times.read_text()) == {"features": 87.0, "a": got["a"], "b": got["b"]}
-    assert got["a"] >= 0.3 and got["b"] >= 0.1
+    assert got["a"] > 0 and got["b"] >= 0
 
 
 def test_old_workdirs_move_seeded_stage_times_to_seed0_once(tmp_path):

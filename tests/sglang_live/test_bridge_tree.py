@@ -33,7 +33,7 @@ def test_greedy_verify_takes_the_matching_sibling_and_the_bonus_after_it():
     _, _, index, first_child, sibling, tokens = _tree([0, 1, 2])
     predicts = torch.zeros(4, dtype=torch.int32)
     accept = torch.full((1, 3), -1, dtype=torch.int32)
-    count = torch.empty(1, dtype=torch.int32)
+    count = torch.full((1,), -7, dtype=torch.int32)  # a sentinel the kernel must overwrite (never torch.empty's bytes)
     target = torch.tensor([[12, 99, 77, 98]])  # the target says 12 after the root (node 2), then 77
     verify_tree_greedy(predicts, accept, count, tokens.view(1, 4), index, first_child, sibling, target)
     assert accept.tolist() == [[0, 2, -1]] and count.tolist() == [1]

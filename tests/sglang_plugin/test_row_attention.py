@@ -117,8 +117,8 @@ visible[..., 0] = True
 indptr, indices = row_kv_lists(ctx_slots, torch.tensor([4, 6]), row_slots, visible)
 q = torch.randn(b * p, h, d, generator=g)
 kb, vb = (torch.randn(60, hkv, d, generator=g) for _ in range(2))
-o = torch.empty_like(q)
-logits, lse = torch.empty(b * p, h, splits, d), torch.empty(b * p, h, splits)
+o = torch.full_like(q, float('nan'))  # a row the kernel leaves unwritten fails the comparison, never reads stale bytes
+logits, lse = torch.zeros(b * p, h, splits, d), torch.zeros(b * p, h, splits)
 decode_attention_fwd(q, kb, vb, o, indptr, indices, logits, lse, torch.full((b * p,), splits, dtype=torch.int32),
                      splits, d ** -0.5, 1.0, 1.0)
 torch.testing.assert_close(o, attend_lists(q, kb, vb, *gather_plan(indptr, indices), d ** -0.5), rtol=1e-5, atol=1e-6)
