@@ -1,11 +1,12 @@
 # The two set-up commands of the README. Both start from nothing: `scripts/setup.sh`
 # creates .venv and installs everything (idempotent); `scripts/setup_serve.sh` creates .venv-serve,
-# SGLang 0.5.23 with the serving install (`pip install ./serving`), the second SGLang line `make test` runs.
+# SGLang 0.5.23 with the serving install (`pip install ./serving`), the second SGLang line `make test` runs;
+# `scripts/setup_vllm.sh` creates .venv-vllm, vLLM's CPU build, which serves `export --to vllm` in tests/vllm_live.
 export TORCHDYNAMO_DISABLE ?= 1
 export WANDB_MODE ?= disabled
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup setup-serve run test bench
+.PHONY: setup setup-serve setup-vllm run test bench
 
 setup:
 	bash scripts/setup.sh
@@ -13,13 +14,16 @@ setup:
 setup-serve:
 	bash scripts/setup_serve.sh
 
+setup-vllm:
+	bash scripts/setup_vllm.sh
+
 # The main job on the embedded default: SmolLM2-135M on CPU, prepare -> train -> export -> evaluate.
 run: setup
 	.venv/bin/pr-specforge run $(ARGS)
 
 # The test suite (CPU, tiny random models, serial; both SGLang lines: 14 min of tests on 2 quiet cores at 5c1b7c9,
 # 830 s, of which the 0.5.23 line ~3 min; .venv-serve's install adds ~4.5 min once).
-test: setup setup-serve
+test: setup setup-serve setup-vllm
 	PR_SERVE_VENV_REQUIRED=1 .venv/bin/python -m pytest -q tests $(ARGS)
 
 bench: setup

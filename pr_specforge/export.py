@@ -374,7 +374,7 @@ def check_out_dir(out_dir: str, overwrite: bool) -> None:
         arch = (read_json_file(cfg_path).get("architectures") or [None])[0] if os.path.isfile(cfg_path) else None
     except (DataFormatError, AttributeError, TypeError):
         arch = None
-    if os.listdir(out_dir) and arch not in (PR_ARCHITECTURE, EAGLE3_ARCHITECTURE, TWO_LAYER_ARCHITECTURE):
+    if os.listdir(out_dir) and arch not in (PR_ARCHITECTURE, EAGLE3_ARCHITECTURE, TWO_LAYER_ARCHITECTURE, "Eagle3Speculator"):
         raise ExportError(f"OUT_DIR {out_dir} holds files that are not an earlier export (no drafter config.json); "
                           "--overwrite replaces an export only: name another OUT_DIR")
     others = sorted(name for name in os.listdir(out_dir)
@@ -487,7 +487,10 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pr-specforge export", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="a SpecForge checkpoint dir ({run_id}-stepN), its training_state.pt, or a run output dir (latest)")
     p.add_argument("out_dir", help="directory to write (atomically)")
-    p.add_argument("--to", required=True, choices=("sglang", "hf"))
+    p.add_argument("--to", required=True, choices=("sglang", "hf", "vllm"),
+                   help="sglang: EAGLE-3 + pr_* tensors (PR_EAGLE3 or stock EAGLE3); hf: the full PR drafter (our "
+                        "evaluator); vllm: speculators format, served by stock vLLM as a chain (CHECKPOINT may also be "
+                        "an --to sglang export directory)")
     p.add_argument("--draft-config", default=None, help="draft config JSON (default: the one the run trained with)")
     p.add_argument("--vocab-mapping", default=None, help="vocab_mapping.pt (default: t2d/d2t stored in the checkpoint)")
     p.add_argument("--target", default=None, help="target model dir: embedding for --to hf, default captured layers")
@@ -497,11 +500,20 @@ def _parser() -> argparse.ArgumentParser:
                    help="--to sglang, a PR drafter: the B_w PR_EAGLE3 serves by default (pr_serving; default: the launch's k)")
     p.add_argument("--m", type=int, default=None,
                    help="--to sglang, a PR drafter: the m PR_EAGLE3 serves by default (pr_serving; default 3)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="--to vllm: the chain's length vLLM drafts by default (speculators' speculative_tokens; default 3)")
+    p.add_argument("--verifier", default=None,
+                   help="--to vllm: the verifier's hub id or path written into the export (default: --target's path)")
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.to == "vllm":
+        return _main_vllm(args)
+    if args.num_speculative_tokens is not None or args.verifier is not None:
+        print("pr-specforge export: --num-speculative-tokens / --verifier go with --to vllm", file=sys.stderr)
+        return 2
     try:
         out = export_checkpoint(args.checkpoint, args.out_dir, args.to, draft_config=args.draft_config,
                                 vocab_mapping=args.vocab_mapping, target=args.target, dtype=args.dtype,
@@ -510,6 +522,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"pr-specforge export: {e}", file=sys.stderr)
         return 2
     print(out)
+    return 0
+
+
+def _main_vllm(args) -> int:
+    from pr_specforge.export_vllm import DEFAULT_SPECULATIVE_TOKENS, export_vllm, summary_line
+
+    if args.bw is not None or args.m is not None:
+        print("pr-specforge export: --bw / --m are PR_EAGLE3's serving defaults: they go with --to sglang", file=sys.stderr)
+        return 2
+    tokens = DEFAULT_SPECULATIVE_TOKENS if args.num_speculative_tokens is None else args.num_speculative_tokens
+    try:
+        summary = export_vllm(args.checkpoint, args.out_dir, target=args.target, verifier=args.verifier, tokens=tokens,
+                              dtype=args.dtype, overwrite=args.overwrite, draft_config=args.draft_config,
+                              vocab_mapping=args.vocab_mapping)
+    except ExportError as e:
+        print(f"pr-specforge export: {e}", file=sys.stderr)
+        return 2
+    print(summary_line(summary))
     return 0
 
 

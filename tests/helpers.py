@@ -58,10 +58,11 @@ def make_batch(cfg, batch=2, seq=24, seed=1, pad_last=0):
     return dict(input_ids=input_ids, attention_mask=attention_mask, target=target, loss_mask=loss_mask, hidden_states=hidden)
 
 
-def make_tiny_target(path, hidden=64, layers=4, vocab=97, seed=0, tie=False, tokenizer=None):
+def make_tiny_target(path, hidden=64, layers=4, vocab=97, seed=0, tie=False, tokenizer=None, heads=4):
     """A tiny random Llama target saved as safetensors with an index JSON (TargetHead needs it).
 
-    `tie=True` ties the output embedding to the input one, as SmolLM2 does; a `tokenizer` is saved with it."""
+    `tie=True` ties the output embedding to the input one, as SmolLM2 does; a `tokenizer` is saved with it. `heads`
+    attention heads (half as many KV heads): 2 gives vLLM's CPU attention a head size it supports (32)."""
     import json
     import os
 
@@ -69,7 +70,8 @@ def make_tiny_target(path, hidden=64, layers=4, vocab=97, seed=0, tie=False, tok
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2,
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=heads,
+                      num_key_value_heads=max(1, heads // 2),
                       num_hidden_layers=layers, vocab_size=vocab, max_position_embeddings=512, tie_word_embeddings=tie,
                       architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
     model = LlamaForCausalLM(cfg).float().eval()
@@ -124,10 +126,11 @@ def write_features(model, out_dir, n=8, seq=32, seed=0, draft_vocab=48, generate
 
 
 def write_workspace(root, strategy="pr", steps=6, nproc=1, pr_section=None, n=8, seq=32, extra=None, target=None,
-                    generated=False):
+                    generated=False, draft=None):
     """Target + features + draft config + recipe under `root`; returns the recipe path.
 
-    `target`: `make_tiny_target` keyword arguments (default: 4 layers, vocab 97, untied)."""
+    `target`: `make_tiny_target` keyword arguments (default: 4 layers, vocab 97, untied); `draft`: draft config keys
+    that replace the defaults."""
     import json
     import os
 
@@ -143,7 +146,7 @@ def write_workspace(root, strategy="pr", steps=6, nproc=1, pr_section=None, n=8,
         "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
         "vocab_size": vocab, "draft_vocab_size": 48, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
         "hidden_act": "silu", "tie_word_embeddings": False, "target_hidden_size": 64, "pad_token_id": 0,
-        "torch_dtype": "float32",
+        "torch_dtype": "float32", **(draft or {}),
     }
     with open(os.path.join(root, "draft.json"), "w") as f:
         json.dump(draft_cfg, f)

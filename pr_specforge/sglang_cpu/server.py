@@ -93,8 +93,9 @@ def server_env(device: str, base: Dict[str, str]) -> Dict[str, str]:
 
 @contextlib.contextmanager
 def serving(cmd: Sequence[str], port: int, log_path, env: Dict[str, str],
-            start_timeout: float = START_TIMEOUT) -> Iterator[subprocess.Popen]:
-    """Run the server command `cmd` (in its own process group) until it answers on `port`; stop it on exit."""
+            start_timeout: float = START_TIMEOUT, ready_text: str = "fired up") -> Iterator[subprocess.Popen]:
+    """Run the server command `cmd` (in its own process group) until it answers on `port` and its log holds
+    `ready_text` (SGLang's "fired up"; vLLM's "Application startup complete"); stop it on exit."""
     log = open(log_path, "w")
     proc = subprocess.Popen(list(cmd), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -104,7 +105,7 @@ def serving(cmd: Sequence[str], port: int, log_path, env: Dict[str, str],
                 raise ServerFailed(open(log_path).read()[-6000:])
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    if r.status == 200 and "fired up" in open(log_path).read():
+                    if r.status == 200 and ready_text in open(log_path).read():
                         break
             except OSError:
                 pass
