@@ -5,7 +5,7 @@
   distinct; 2 heads: vLLM's CPU attention needs head size >= 32) and a PR drafter trained on the target's own greedy
   continuations, exported `--to vllm` and `--to hf` (our evaluator), with prompts of the training distribution;
 * `vllm_server(target, export, log)`: `scripts/vllm_cpu_serve.sh` (the documented launch) on 127.0.0.1 and a free
-  port, its process group stopped when the context exits, also on failure;
+  port, its process group stopped when the context exits, also on failure (`pr_specforge.vllm_live`);
 * `serve_one_at_a_time(port, prompts)`: each prompt's greedy token ids and the spec-decode counters of vLLM's
   `/metrics` diffed around it (global counters: the requests go one at a time);
 * `our_chain(run, gamma)`: our evaluator's chain (k 1, B_w 1, m 0, budget = gamma) on the same prompts.
@@ -16,22 +16,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
-import urllib.request
 
 import pytest
 import torch
 
-from pr_specforge.sglang_cpu.server import free_port, post, serving
+from pr_specforge import vllm_live as live
+from pr_specforge.vllm_live import COUNTERS, VLLM_PYTHON  # noqa: F401 (COUNTERS: the tests read it from here)
 from tests.export.conftest import ENV, train_workspace
-from tests.serve_contract import REQUIRED_ENV, ROOT
+from tests.serve_contract import REQUIRED_ENV
 
-VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
-SCRIPT = os.path.join(ROOT, "scripts", "vllm_cpu_serve.sh")
-READY = "Application startup complete"
 MAX_NEW = 24
 GAMMA = 3
-COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
 def vllm_python() -> str:
@@ -66,44 +61,14 @@ def vllm_run(tmp_path_factory):
 
 @contextlib.contextmanager
 def vllm_server(target: str, export: str, log_path, model_alone: bool = False):
-    """Yield the port of a vLLM server of `target` with the drafter `export` ("-": none) through the serve script,
-    or with `model_alone` of `export` by itself (`--model EXPORT`: vLLM takes the verifier from the export)."""
-    port = free_port()
-    env = dict(ENV, PYTHON=vllm_python(), VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    if model_alone:
-        cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", export, "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", "float32", "--enforce-eager"]
-        env.update(VLLM_CPU_OMP_THREADS_BIND="nobind")
-    else:
-        cmd = ["bash", SCRIPT, target, export, str(port)]
-    with serving(cmd, port, log_path, env, ready_text=READY):
+    """`pr_specforge.vllm_live.vllm_server` with this suite's environment (1 GiB of KV cache)."""
+    env = dict(ENV, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    with live.vllm_server(target, export, log_path, env=env, python=vllm_python(), model_alone=model_alone) as port:
         yield port
 
 
-def spec_counters(port: int) -> dict:
-    """vLLM's global spec-decode counters (`/metrics`), 0 before the first draft."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
-        text = r.read().decode()
-    out = {}
-    for name in COUNTERS:
-        found = re.search(rf"^vllm:spec_decode_{name}_total{{[^}}]*}} (\S+)$", text, re.M)
-        out[name] = int(float(found.group(1))) if found else 0
-    return out
-
-
 def serve_one_at_a_time(port: int, prompts, spec: bool = True) -> list:
-    """Per prompt: the greedy output ids and (with `spec`) the counters this request added."""
-    rows = []
-    for ids in prompts:
-        before = spec_counters(port) if spec else None
-        out = post(port, "/v1/completions", {"prompt": list(ids), "max_tokens": MAX_NEW, "temperature": 0,
-                                             "ignore_eos": True, "return_token_ids": True})
-        row = {"output_ids": out["choices"][0]["token_ids"]}
-        if spec:
-            after = spec_counters(port)
-            row.update({k: after[k] - before[k] for k in COUNTERS})
-        rows.append(row)
-    return rows
+    return live.complete_one_at_a_time(port, prompts, MAX_NEW, spec)
 
 
 @pytest.fixture(scope="package")
