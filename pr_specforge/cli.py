@@ -2,7 +2,7 @@
 
     pr-specforge train -c RECIPE.yaml [section.field=value ...] [pr.field=value ...]
     pr-specforge data {conversations,regenerate,hidden-states,smollm2-target,validate} ...
-    pr-specforge export CKPT OUT_DIR --to {sglang,hf}
+    pr-specforge export CKPT OUT_DIR --to {sglang,hf,vllm}
     pr-specforge eval --target DIR --draft NAME=DIR ... --prompts mtbench ...
     pr-specforge plot RUN_DIR
     pr-specforge run [--workdir DIR] [--conversations N] [--max-steps N] ...   # SmolLM2 on CPU, end to end
@@ -26,7 +26,7 @@ from typing import Callable, List, Optional
 _DELEGATED = {
     "data": "prepare data: conversations, regeneration, hidden states, validation",
     "eval": "offline acceptance-length evaluation (EAGLE-3 vs PR)",
-    "export": "export a training checkpoint for SGLang or as an HF directory",
+    "export": "export a training checkpoint for SGLang, vLLM or as an HF directory",
     "plot": "render a run's metrics JSONL to PNG",
     "run": "the embedded default: SmolLM2-135M on CPU, prepare -> train -> export -> evaluate",
     "diagnose": "a checkpoint's per-depth accuracy, gate use and recovered share on held-out features",
@@ -43,7 +43,7 @@ def _entry(command: str) -> Callable[[List[str]], int]:
     elif command == "eval":
         from pr_specforge.eval.cli import main
     elif command == "export":
-        from pr_specforge.export import main
+        from pr_specforge.export_vllm import main
     elif command == "plot":
         from pr_specforge.training.telemetry import main
     elif command == "run":

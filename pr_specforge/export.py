@@ -19,6 +19,8 @@ directory atomically (a temp dir renamed into place).
 * `--to hf`: the full PR drafter (`architectures: [LlamaForCausalLMEagle3PR]`)
   that `pr_specforge.modeling.load_drafter` reloads; with `--target` the frozen
   embedding is copied from the target so the directory is self-contained.
+* `--to vllm`: `pr_specforge.export_vllm` (the speculators format stock vLLM serves as a chain), which owns
+  the `pr-specforge export` entry point and hands `--to sglang|hf` to `main` here.
 
 Does not own: the serving-time PR tree (SGLang needs new code for that; see
 docs/export.md) or SpecForge's own `specforge export` (which refuses `pr`).
@@ -53,6 +55,8 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_STRATEGIES = ("pr", "eagle3")
 SAFETENSORS_NAME = "model.safetensors"
+#: the architecture of an `--to vllm` export (pr_specforge.export_vllm: the speculators format)
+SPECULATOR_ARCHITECTURE = "Eagle3Speculator"
 
 #: substrings SGLang's `LlamaForCausalLMEagle3.load_weights` acts on (swallowed or renamed);
 #: a PR tensor whose name contains one would be misrouted instead of skipped.
@@ -374,7 +378,8 @@ def check_out_dir(out_dir: str, overwrite: bool) -> None:
         arch = (read_json_file(cfg_path).get("architectures") or [None])[0] if os.path.isfile(cfg_path) else None
     except (DataFormatError, AttributeError, TypeError):
         arch = None
-    if os.listdir(out_dir) and arch not in (PR_ARCHITECTURE, EAGLE3_ARCHITECTURE, TWO_LAYER_ARCHITECTURE, "Eagle3Speculator"):
+    if os.listdir(out_dir) and arch not in (PR_ARCHITECTURE, EAGLE3_ARCHITECTURE, TWO_LAYER_ARCHITECTURE,
+                                            SPECULATOR_ARCHITECTURE):
         raise ExportError(f"OUT_DIR {out_dir} holds files that are not an earlier export (no drafter config.json); "
                           "--overwrite replaces an export only: name another OUT_DIR")
     others = sorted(name for name in os.listdir(out_dir)
@@ -508,13 +513,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`--to sglang|hf` (`pr-specforge export` enters at `export_vllm.main`, which hands these here)."""
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    if args.to == "vllm":
-        return _main_vllm(args)
-    if args.num_speculative_tokens is not None or args.verifier is not None:
-        print("pr-specforge export: --num-speculative-tokens / --verifier go with --to vllm", file=sys.stderr)
-        return 2
     try:
+        if args.to == "vllm":
+            raise ExportError("--to vllm is pr_specforge.export_vllm.main's (the `pr-specforge export` command)")
+        if args.num_speculative_tokens is not None or args.verifier is not None:
+            raise ExportError("--num-speculative-tokens / --verifier go with --to vllm")
         out = export_checkpoint(args.checkpoint, args.out_dir, args.to, draft_config=args.draft_config,
                                 vocab_mapping=args.vocab_mapping, target=args.target, dtype=args.dtype,
                                 overwrite=args.overwrite, bw=args.bw, m=args.m)
@@ -522,24 +527,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"pr-specforge export: {e}", file=sys.stderr)
         return 2
     print(out)
-    return 0
-
-
-def _main_vllm(args) -> int:
-    from pr_specforge.export_vllm import DEFAULT_SPECULATIVE_TOKENS, export_vllm, summary_line
-
-    if args.bw is not None or args.m is not None:
-        print("pr-specforge export: --bw / --m are PR_EAGLE3's serving defaults: they go with --to sglang", file=sys.stderr)
-        return 2
-    tokens = DEFAULT_SPECULATIVE_TOKENS if args.num_speculative_tokens is None else args.num_speculative_tokens
-    try:
-        summary = export_vllm(args.checkpoint, args.out_dir, target=args.target, verifier=args.verifier, tokens=tokens,
-                              dtype=args.dtype, overwrite=args.overwrite, draft_config=args.draft_config,
-                              vocab_mapping=args.vocab_mapping)
-    except ExportError as e:
-        print(f"pr-specforge export: {e}", file=sys.stderr)
-        return 2
-    print(summary_line(summary))
     return 0
 
 

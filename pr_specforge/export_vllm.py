@@ -29,6 +29,7 @@ reconsideration adapter (`pr.recon_adapter_rank > 0`: no serving path runs it, P
 ids the target cannot give (vLLM collects indices 0..L: SpecForge ids 0..L-1), a target whose layer count or hidden
 size disagrees with the export's record, and no verifier (`--target` or `--verifier`).
 
+`main` is the `pr-specforge export` entry point: `--to vllm` here, `--to sglang|hf` handed to `export.main`.
 Does not own: the checkpoint checks and the SGLang config (export.py), serving (scripts/vllm_cpu_serve.sh).
 """
 
@@ -37,8 +38,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import tempfile
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -46,12 +48,16 @@ from pr_specforge.data.io import DataFormatError, read_json_file
 from pr_specforge.export import (
     PR_CONFIG_KEY,
     SAFETENSORS_NAME,
+    SPECULATOR_ARCHITECTURE,
     ExportError,
+    _parser,
     _replace_dir,
     _write_json,
     check_out_dir,
     check_target,
     export_checkpoint,
+    read_checkpoint,
+    stored_recipe,
 )
 from pr_specforge.modeling.drafter import EAGLE3_ARCHITECTURE, PR_PARAM_PREFIXES
 from pr_specforge.modeling.two_layer import TWO_LAYER_ARCHITECTURE
@@ -60,8 +66,6 @@ log = logging.getLogger(__name__)
 
 #: the key of the export's own record (what it was made from; read by nothing in vLLM)
 VLLM_RECORD_KEY = "pr_specforge_vllm_export"
-#: the speculators architecture and model type vLLM's config registry maps to `Eagle3LlamaForCausalLM`
-SPECULATOR_ARCHITECTURE = "Eagle3Speculator"
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format (config keys, tensor names) this follows
 DEFAULT_SPECULATIVE_TOKENS = 3
 #: the drafter config keys that describe the one decoder layer (the rest are EAGLE-3 or ours)
@@ -269,8 +273,6 @@ def export_vllm(source: str, out_dir: str, *, target: Optional[str] = None, veri
 
 def _run_target(source: str) -> Optional[str]:
     """The target directory a run trained with (its stored recipe), when it exists here."""
-    from pr_specforge.export import read_checkpoint, stored_recipe
-
     recipe = stored_recipe(read_checkpoint(source), source) or {}
     path = (recipe.get("model") or {}).get("target_model_path")
     return path if path and os.path.isdir(path) else None
@@ -282,3 +284,25 @@ def summary_line(s: Dict[str, Any]) -> str:
             "tree drafting, so no reconsideration)" if s["drafter"] == "pr" else "an EAGLE-3 drafter, served as a chain")
     return (f"{s['out']}: {what}; capture ids {s['layer_ids']} (vLLM's input-of-layer convention, from the run's "
             f"{s['specforge_ids']}), {s['tokens']} speculative tokens, {s['dtype']}, verifier {s['verifier']}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`pr-specforge export`: `--to vllm` here, `--to sglang|hf` by `export.main` (one parser for all three)."""
+    from pr_specforge import export
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    if args.to != "vllm":
+        return export.main(argv)
+    try:
+        if args.bw is not None or args.m is not None:
+            raise ExportError("--bw / --m are PR_EAGLE3's serving defaults: they go with --to sglang")
+        tokens = DEFAULT_SPECULATIVE_TOKENS if args.num_speculative_tokens is None else args.num_speculative_tokens
+        summary = export_vllm(args.checkpoint, args.out_dir, target=args.target, verifier=args.verifier,
+                              tokens=tokens, dtype=args.dtype, overwrite=args.overwrite,
+                              draft_config=args.draft_config, vocab_mapping=args.vocab_mapping)
+    except ExportError as e:
+        print(f"pr-specforge export: {e}", file=sys.stderr)
+        return 2
+    print(summary_line(summary))
+    return 0

@@ -2,7 +2,7 @@
 
   * `vllm_server(target, export, log_path, ...)` - `scripts/vllm_cpu_serve.sh` (the documented launch) on 127.0.0.1
     and a free port, or with `model_alone` `--model EXPORT` (vLLM takes the verifier from the export); its process
-    group is stopped when the context exits, also on failure (`sglang_cpu.server.serving`, ready on vLLM's
+    group is stopped when the context exits, also on failure (`local_server.serving`, ready on vLLM's
     "Application startup complete");
   * `spec_counters(port)` - vLLM's global spec-decode counters from `/metrics` (drafts, draft tokens, accepted);
   * `complete_one_at_a_time(port, prompts, max_new)` - each prompt's greedy output ids, wall time and, with a
@@ -18,7 +18,7 @@ import time
 import urllib.request
 from typing import Dict, Iterator, List, Optional, Sequence
 
-from pr_specforge.sglang_cpu.server import free_port, post, serving
+from pr_specforge.local_server import free_port, post, serving
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")

@@ -26,7 +26,7 @@ def _cli(*args, cwd=None):
 
 def _refused(capsys, *args) -> str:
     """`export *args` in this process: exit 2 and the one line it printed (no traceback)."""
-    from pr_specforge.export import main
+    from pr_specforge.export_vllm import main
 
     capsys.readouterr()
     assert main(list(args)) == 2

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from pr_specforge.sglang_cpu.server import ServerFailed
+from pr_specforge.local_server import ServerFailed
 from tests.vllm_live.conftest import COUNTERS, edited_export, serve_one_at_a_time, vllm_server
 
 
