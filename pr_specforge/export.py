@@ -357,12 +357,19 @@ def export_checkpoint(checkpoint: str, out_dir: str, to: str, *, draft_config: O
 
 def check_out_dir(out_dir: str, overwrite: bool) -> None:
     """Refuse, before reading the checkpoint, an OUT_DIR under a file, and one that `--overwrite` would replace
-    although it is not an earlier export (a file, or a directory holding other files: they would be lost)."""
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    while not os.path.exists(parent) and parent != os.path.dirname(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ExportError(f"OUT_DIR {out_dir}: {parent} is a file, not a directory")
+    although it is not an earlier export (a file, or a directory holding other files: they would be lost), or a
+    symbolic link (replacing it would put a directory where the link was and leave its target stale), or one in a
+    directory that cannot be written (`data.io`'s rule for every output)."""
+    from pr_specforge.data.io import check_output_parent
+
+    try:
+        check_output_parent("OUT_DIR", out_dir)
+    except DataFormatError as e:
+        raise ExportError(str(e)) from None
+    if os.path.islink(out_dir):
+        raise ExportError(f"OUT_DIR {out_dir} is a symbolic link (to {os.readlink(out_dir)}); an export replaces a "
+                          "directory, never a link (its target would be left stale): name the directory itself, or "
+                          "another OUT_DIR")
     if not os.path.lexists(out_dir):
         return
     if not overwrite:

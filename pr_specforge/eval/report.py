@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from typing import Dict, List
 
+from pr_specforge.data.io import atomic_save_figure
+
 BAND_NAMES = ("<0.5", "0.5-0.9", ">=0.9")
 
 
@@ -114,7 +116,7 @@ def _save(fig, out_dir: str, name: str) -> str:
 
     fig.tight_layout()
     path = os.path.join(out_dir, name)
-    fig.savefig(path, dpi=120)
+    atomic_save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path
 

@@ -238,8 +238,8 @@ def test_json_never_replaces_a_file_that_is_not_an_eval_summary(dirs, tmp_path, 
     assert main(base_args(dirs, tmp_path / "o") + ["--json", str(notes)]) == 2
     err = capsys.readouterr().err
     assert [x for x in err.splitlines() if x.startswith("pr-specforge eval:")] == [
-        f"pr-specforge eval: --json {notes}: exists and is not an eval summary (eval replaces only its own); "
-        "name a new file, or move this one"], err
+        f"pr-specforge eval: --json {notes}: exists and is not an eval summary (it carries no \"kind\": "
+        "\"pr_specforge.eval_summary\" marker; this command replaces only its own); name a new file, or move this one"], err
     assert notes.read_text() == '{"mine": 1}\n' and not (tmp_path / "o").exists()
 
 
