@@ -360,7 +360,7 @@ def check_out_dir(out_dir: str, overwrite: bool) -> None:
     although it is not an earlier export (a file, or a directory holding other files: they would be lost), or a
     symbolic link (replacing it would put a directory where the link was and leave its target stale), or one in a
     directory that cannot be written (`data.io`'s rule for every output)."""
-    from pr_specforge.data.io import check_output_parent
+    from pr_specforge.data.io import check_output_parent, is_read_only
 
     try:
         check_output_parent("OUT_DIR", out_dir)
@@ -376,6 +376,9 @@ def check_out_dir(out_dir: str, overwrite: bool) -> None:
         raise ExportError(f"{out_dir} exists; pass --overwrite to replace it")
     if not os.path.isdir(out_dir):
         raise ExportError(f"OUT_DIR {out_dir} is a file, not an earlier export; --overwrite replaces export directories only")
+    if is_read_only(out_dir):
+        raise ExportError(f"OUT_DIR {out_dir} is read-only; it is not replaced (make it writable to replace it, or name "
+                          "another OUT_DIR)")
     cfg_path = os.path.join(out_dir, "config.json")
     try:
         arch = (read_json_file(cfg_path).get("architectures") or [None])[0] if os.path.isfile(cfg_path) else None
@@ -473,8 +476,11 @@ def _write_json(path: str, payload: Dict[str, Any]) -> None:
 
 def _replace_dir(tmp: str, out_dir: str) -> None:
     """Move the finished temp dir into place; an existing `out_dir` is swapped out, then removed. Its
-    modes are an ordinary directory's (mkdtemp's 0700 and safetensors' 0600 would lock other users out)."""
+    modes are an ordinary directory's (mkdtemp's 0700 and safetensors' 0600 would lock other users out); an export
+    it replaces keeps its directory's mode (`data.io`'s rule: a replaced output keeps its mode)."""
     honour_umask_tree(tmp)
+    if os.path.isdir(out_dir):
+        os.chmod(tmp, os.stat(out_dir).st_mode & 0o7777)
     for root, _, files in os.walk(tmp):
         for name in files:
             with open(os.path.join(root, name), "rb") as f:

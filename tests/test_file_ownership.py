@@ -120,6 +120,15 @@ REFUSED = {
         lambda ws, t: ["export", ws["run"], (t / "real").mkdir() or os.symlink(t / "real", t / "link") or t / "link",
                        "--to", "hf", "--overwrite"],
         ["OUT_DIR", "link", "is a symbolic link", "never a link"]),
+    "diagnose --json x.png": (
+        lambda ws, t: ["diagnose", ws["run"], "--features", ws["features"], "--json", t / "x.png"],
+        ["--json", "x.png", "writes JSON only (PNG, by its name)"]),
+    "control --json notes.md": (
+        lambda ws, t: ["control", "--recipe", PAPER_PR, "--json", t / "notes.md"],
+        ["--json", "notes.md", "writes JSON only (Markdown, by its name)"]),
+    "export --overwrite onto a read-only export directory": (
+        lambda ws, t: ["export", ws["run"], _read_only_dir(t), "--to", "hf", "--overwrite"],
+        ["OUT_DIR", "locked", "is read-only"]),
     # 3. an output directory that cannot be written
     "plot -o into a read-only directory": (
         lambda ws, t: ["plot", ws["run"], "-o", _read_only_dir(t) / "p.png"], ["-o", "locked", "not writable"]),

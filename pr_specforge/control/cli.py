@@ -103,7 +103,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from pr_specforge.control.run import ControlSettings, run_control
 
         if args.json:  # before minutes of training, not after (data.io's one rule: never the recipe it reads)
-            check_writable_file("--json", args.json, overwrite=args.overwrite, inputs=[args.recipe])
+            check_writable_file("--json", args.json, overwrite=args.overwrite, inputs=[args.recipe], fmt="JSON")
         pr = recipe_pr(args.recipe, args.overrides)
         queries = args.symbols if args.queries is None else args.queries
         settings = ControlSettings(steps=args.steps, symbols=args.symbols, queries=queries, pool=args.pool, heads=args.heads,

@@ -305,9 +305,9 @@ def file_kind(path: str | os.PathLike) -> tuple | None:
     return (kind, version) if isinstance(kind, str) and isinstance(version, int) else None
 
 
-def _read_only(path: Path) -> bool:
-    """No write permission bit at all, or none for this process: root may write there, but the owner said no."""
-    return not (path.stat().st_mode & 0o222) or not os.access(path, os.W_OK)
+def is_read_only(path: str | os.PathLike) -> bool:
+    """No write permission bit at all, or none for this process (root may write there, but the owner said no)."""
+    return not (os.stat(path).st_mode & 0o222) or not os.access(path, os.W_OK)
 
 
 def _within(path: Path, other: Path) -> bool:
@@ -341,18 +341,39 @@ def check_output_parent(flag: str, path: Path) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise DataFormatError(f"{flag} {path}: {parent} is a file, not a directory")
-    if _read_only(parent):
+    if is_read_only(parent):
         raise DataFormatError(f"{flag} {path}: the directory {parent} is not writable; make it writable, or name "
                               "another path")
 
 
+#: the file names of each format a command writes; a name ending in another format's is refused (`check_format`)
+FORMATS = {"JSON": (".json",), "PNG": (".png",), "Markdown": (".md",), "YAML": (".yaml", ".yml"), "JSONL": (".jsonl",),
+           "PDF": (".pdf",), "JPEG": (".jpg", ".jpeg"), "SVG": (".svg",), "CSV": (".csv",), "a torch file": (".pt", ".ckpt"),
+           "safetensors": (".safetensors",), "gzip": (".gz",)}
+#: formats whose files must carry their own extension (binary: a viewer goes by the name); text formats (JSON) may
+#: carry none, or one that names no format here
+STRICT_FORMATS = ("PNG",)
+
+
+def check_format(flag: str, path: str | os.PathLike, fmt: str) -> None:
+    """`path` names a file of format `fmt` (a key of `FORMATS`): refused in one line when its extension names another
+    format (`diagnose --json x.png`, `plot -o x.pdf`), or, for a `STRICT_FORMATS` one, is not its own."""
+    name = str(path).lower()
+    own = FORMATS[fmt]
+    other = next((f for f, ends in FORMATS.items() if f != fmt and name.endswith(ends)), None)
+    if (other or fmt in STRICT_FORMATS) and not name.endswith(own):
+        named = f" ({other}, by its name)" if other else ""
+        raise DataFormatError(f"{flag} {path}: this command writes {fmt} only{named}; name a file ending in "
+                              f"{' or '.join(own)}")
+
+
 def check_writable_file(flag: str, path: str | os.PathLike, overwrite: bool | None = None, *, kind: str | None = None,
-                        what: str = "", inputs=(), suffixes: tuple = (), own_dir: str | os.PathLike | None = None) -> None:
+                        what: str = "", inputs=(), fmt: str | None = None, own_dir: str | os.PathLike | None = None) -> None:
     """The ownership rule for an output file, before any work; one `DataFormatError` line naming `flag` and the path.
 
     Refused: a directory, a path under a file or in a directory that cannot be written, one of `inputs`
-    (`check_not_input`), a symbolic link (replacing it would cut the link and leave its target stale), a name not
-    ending in one of `suffixes` (when given: the format written), and a file that exists when it may not be replaced:
+    (`check_not_input`), a symbolic link (replacing it would cut the link and leave its target stale), a name that
+    does not say the format `fmt` written (`check_format`), and a file that exists when it may not be replaced:
     - `kind` given (a JSON output the command rewrites on a rerun, `what` naming it): a file carrying that marker
       (`own_kind`) is replaced; a file without it is the command's own only inside `own_dir` (a directory the command
       owns by its own record there: files an earlier version wrote before the marker); any other file only with
@@ -365,9 +386,8 @@ def check_writable_file(flag: str, path: str | os.PathLike, overwrite: bool | No
         raise DataFormatError(f"{flag} {path}: is a directory; name a file")
     check_output_parent(flag, path)
     check_not_input(flag, path, inputs)
-    if suffixes and not str(path).lower().endswith(tuple(suffixes)):
-        raise DataFormatError(f"{flag} {path}: this command writes {'/'.join(s.lstrip('.').upper() for s in suffixes)} "
-                              f"only; name a file ending in {' or '.join(suffixes)}")
+    if fmt is not None:
+        check_format(flag, path, fmt)
     if path.is_symlink():
         raise DataFormatError(f"{flag} {path}: is a symbolic link (to {os.readlink(path)}); replacing it would cut the "
                               "link: name the file itself, or a new one")
@@ -384,7 +404,7 @@ def check_writable_file(flag: str, path: str | os.PathLike, overwrite: bool | No
                                   f"only its own); {fix}name a new file, or move this one")
     elif overwrite is False:
         raise DataFormatError(f"{flag} {path}: exists; pass --overwrite to replace it, or name a new file")
-    if _read_only(path):
+    if is_read_only(path):
         raise DataFormatError(f"{flag} {path}: is read-only; it is not replaced (make it writable to replace it, or "
                               "name a new file)")
 
@@ -397,7 +417,7 @@ def check_output_dir(flag: str, path: str | os.PathLike, inputs=()) -> None:
         raise DataFormatError(f"{flag} {path}: is a file, not a directory; name a directory")
     check_output_parent(flag, path)
     check_not_input(flag, path, inputs)
-    if path.is_dir() and _read_only(path):
+    if path.is_dir() and is_read_only(path):
         raise DataFormatError(f"{flag} {path}: the directory is not writable; make it writable, or name another one")
 
 

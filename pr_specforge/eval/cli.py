@@ -106,7 +106,7 @@ def check_summary_path(path: str, out_dir: str, inputs=()) -> None:
     own_dir = out_dir if os.path.isfile(os.path.join(out_dir, PROVENANCE_FILE)) else None
     rows = [os.path.join(out_dir, name) for name in (*ROW_FILES, PROVENANCE_FILE)]
     check_writable_file("--json", path, kind=EVAL_SUMMARY_KIND, what="an eval summary", inputs=[*inputs, *rows],
-                        own_dir=own_dir)
+                        own_dir=own_dir, fmt="JSON")
 
 
 def run_inputs(args: argparse.Namespace) -> list:

@@ -497,7 +497,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     try:
         if args.json:  # before any work (data.io's one rule): never one of its inputs, --overwrite or not
-            check_writable_file("--json", args.json, overwrite=args.overwrite,
+            check_writable_file("--json", args.json, overwrite=args.overwrite, fmt="JSON",
                                 inputs=drafter_inputs(args.run_dir, args.checkpoint, args.features, args.target))
         report = diagnose(args.run_dir, args.features, args.checkpoint, args.limit, args.seed, not args.no_progress,
                           target=args.target, ttt_length=args.ttt_length)

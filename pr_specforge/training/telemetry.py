@@ -358,7 +358,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         # before any work (data.io's one rule): a PNG, never the metrics it reads, in a directory it can write
         check_writable_file("-o", args.output or default_plot_path(args.run_dir), args.overwrite if args.output else None,
-                            inputs=[metrics_path(args.run_dir)], suffixes=(".png",))
+                            inputs=[metrics_path(args.run_dir)], fmt="PNG")
         out = plot_run(args.run_dir, args.output)
     except (FileNotFoundError, ValueError) as e:
         print(f"pr-specforge plot: {e}", file=sys.stderr)

@@ -225,7 +225,7 @@ def _edit_json_a_directory(root, tmp, args):
 
 
 BAD_INPUTS.update({  # issue 58 item 6: eval rewrites its own summary on a rerun, never another file
-    "--json naming a user's file": ([], _edit_json_a_users_file, "notes.md: exists and is not an eval summary"),
+    "--json naming a user's file": ([], _edit_json_a_users_file, "notes.md: this command writes JSON only (Markdown"),
     "--json naming another JSON object": ([], _edit_json_another_json_object, "recipe.json: exists and is not an eval summary"),
     "--json naming a directory": ([], _edit_json_a_directory, "is a directory; name a file"),
 })
