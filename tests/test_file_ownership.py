@@ -248,6 +248,14 @@ def test_own_kind_is_recognised_by_its_marker_never_by_shape(tmp_path):
     other = _file(out, "other.json", json.dumps({**own_kind("pr_specforge.experiment_report"), "results": []}))
     with pytest.raises(DataFormatError, match="its kind is 'pr_specforge.experiment_report'"):
         check_summary_path(str(other), str(out))  # another command's marked file, even there
+    # and the other way round: experiment --report accepted any JSON with a results list and settings
+    from pathlib import Path
+
+    from pr_specforge.eval.experiment_report import check_report_prefix
+
+    summary = _file(tmp_path, "exp.json", json.dumps({**own_kind(EVAL_SUMMARY_KIND), "results": [], "settings": {}}))
+    with pytest.raises(DataFormatError, match="exp.json: exists and is not an earlier experiment report"):
+        check_report_prefix(Path(str(summary)[:-len(".json")]))
 
 
 def test_committed_reports_carry_their_marker_so_their_commands_rewrite_them():

@@ -70,6 +70,7 @@ def test_eval_end_to_end_lossless_json_report_and_resume(dirs, tmp_path, capsys)
     assert main(args) == 0
     summary = json.loads((out / "s.json").read_text())
     entries = summary["results"]
+    assert (summary["kind"], summary["kind_version"]) == ("pr_specforge.eval_summary", 1)  # what a rerun recognises
     assert len(entries) == 2 * 2 * 2  # drafters x budgets x temperatures (one prompt set)
     for e in entries:
         for key in ("tau", "rounds", "tokens", "draft_s_per_round", "verify_s_per_round", "tokens_per_s",
