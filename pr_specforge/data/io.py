@@ -331,7 +331,7 @@ def check_not_input(flag: str, path: str | os.PathLike, inputs=()) -> None:
         if same or (other.is_dir() and path.exists() and _within(real, other)):
             what = "itself" if same else f"a file of the input {given}"
             raise DataFormatError(f"{flag} {path}: is an input of this command ({what}); it is never written over, "
-                                  "--overwrite or not: name another file")
+                                  "--overwrite or not: name another path")
 
 
 def check_output_parent(flag: str, path: Path) -> None:

@@ -109,10 +109,11 @@ def check_summary_path(path: str, out_dir: str, inputs=()) -> None:
                         own_dir=own_dir, fmt="JSON")
 
 
-def run_inputs(args: argparse.Namespace) -> list:
-    """What eval reads: the target, each drafter, the prompt files named by path, the out-dirs lending baselines."""
+def run_inputs(args: argparse.Namespace, lent: bool = True) -> list:
+    """What eval reads: the target, each drafter, the prompt files named by path, and (`lent`) the out-dirs lending
+    baselines (left out for OUT_DIR itself: a folder lent its own target decodes only reads them again)."""
     return [args.target, *(spec.partition("=")[2] for spec in args.draft),
-            *(p for p in args.prompts if os.path.exists(p)), *args.baseline_from]
+            *(p for p in args.prompts if os.path.exists(p)), *(args.baseline_from if lent else ())]
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -125,7 +126,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--batch-prompts must be >= 1, got {args.batch_prompts}")
     from pr_specforge.data.io import check_output_dir
 
-    check_output_dir("--out-dir", args.out_dir, inputs=run_inputs(args)[:-len(args.baseline_from) or None])
+    check_output_dir("--out-dir", args.out_dir, inputs=run_inputs(args, lent=False))
     if args.json:
         check_summary_path(args.json, args.out_dir, run_inputs(args))
 
