@@ -240,6 +240,9 @@ def test_own_kind_is_recognised_by_its_marker_never_by_shape(tmp_path):
     out.mkdir()
     marked = _file(tmp_path, "marked.json", json.dumps({**own_kind(EVAL_SUMMARY_KIND), "results": []}))
     check_summary_path(str(marked), str(out))
+    newer = _file(tmp_path, "newer.json", json.dumps({**own_kind(EVAL_SUMMARY_KIND, version=2), "results": []}))
+    with pytest.raises(DataFormatError, match="written by a newer version of this command"):
+        check_summary_path(str(newer), str(out))
     legacy = _file(out, "summary.json", json.dumps({"results": []}))
     with pytest.raises(DataFormatError, match="no \"kind\""):
         check_summary_path(str(legacy), str(out))  # out is no eval out-dir yet: nothing recognises it

@@ -368,14 +368,15 @@ def check_format(flag: str, path: str | os.PathLike, fmt: str) -> None:
 
 
 def check_writable_file(flag: str, path: str | os.PathLike, overwrite: bool | None = None, *, kind: str | None = None,
-                        what: str = "", inputs=(), fmt: str | None = None, own_dir: str | os.PathLike | None = None) -> None:
+                        version: int = 1, what: str = "", inputs=(), fmt: str | None = None,
+                        own_dir: str | os.PathLike | None = None) -> None:
     """The ownership rule for an output file, before any work; one `DataFormatError` line naming `flag` and the path.
 
     Refused: a directory, a path under a file or in a directory that cannot be written, one of `inputs`
     (`check_not_input`), a symbolic link (replacing it would cut the link and leave its target stale), a name that
     does not say the format `fmt` written (`check_format`), and a file that exists when it may not be replaced:
     - `kind` given (a JSON output the command rewrites on a rerun, `what` naming it): a file carrying that marker
-      (`own_kind`) is replaced; a file without it is the command's own only inside `own_dir` (a directory the command
+      (`own_kind`) at `version` or below is replaced (a newer version's file is not); a file without it is the command's own only inside `own_dir` (a directory the command
       owns by its own record there: files an earlier version wrote before the marker); any other file only with
       `overwrite` True;
     - else with `overwrite` False (a command with `--overwrite`): refused unless the user passed it; `overwrite`
@@ -397,6 +398,9 @@ def check_writable_file(flag: str, path: str | os.PathLike, overwrite: bool | No
         found = file_kind(path)
         own = (found is not None and found[0] == kind) or (
             found is None and own_dir is not None and _within(Path(os.path.realpath(path)), Path(os.path.realpath(own_dir))))
+        if own and found is not None and found[1] > version and not overwrite:
+            raise DataFormatError(f"{flag} {path}: written by a newer version of this command (kind_version {found[1]}, "
+                                  f"this one writes {version}); not replaced: name a new file, or update")
         if not own and not overwrite:
             fix = "pass --overwrite to replace it, " if overwrite is False else ""
             marker = f"its kind is {found[0]!r}" if found else f'it carries no "kind": "{kind}" marker'
