@@ -5,7 +5,6 @@ Owns: the rendering of an `eval.headroom` report dict (no measurement here).
 
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, List, Optional
 
 from pr_specforge.data.io import atomic_save_figure
