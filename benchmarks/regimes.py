@@ -54,7 +54,9 @@ variant on prompts 40-49). Its row shows part D's earlier two-seed verdict besid
 The report's provenance table is read from each folder's `provenance.json` (`--provenance FILE` adds one of the same
 form; `study/regime_provenance.py`). A report that would hold fewer regimes, seeds or report problems than the one at
 `--out`, and a `save` that would replace kept rows with fewer (or a kept features manifest with a less complete one),
-are refused unless `--replace-with-fewer` is given. `save` merges the stage times; `restore` refuses a workdir whose own
+are refused unless `--replace-with-fewer` is given. `report` rewrites only its own earlier report at `--out` (PREFIX.json
+carries its "kind" marker; any other file there needs `--overwrite`); every output path is checked before any work
+(a file where a directory is named, a read-only file, an input: one line, exit 2). `save` merges the stage times; `restore` refuses a workdir whose own
 settings differ from the kept ones; `--dry-run` writes nothing.
 
 This file is the command line; the study lives in `benchmarks/study/` (`regime_settings`, `regime_stages`,
@@ -158,6 +160,8 @@ def _parser() -> argparse.ArgumentParser:
                         "added to the provenance.json each regime folder keeps")
     r.add_argument("--replace-with-fewer", action="store_true",
                    help="write the report even where it holds fewer regimes, seeds or report problems than the one at --out")
+    r.add_argument("--overwrite", action="store_true",
+                   help="let --out replace files that are not an earlier regimes report (one without its \"kind\" marker)")
     r.add_argument("--report-limit", type=int, default=100,
                    help="report problems a seed needs served in every report folder before it counts toward the verdict")
     k = sub.add_parser("save", help="copy a workdir's served rows, regenerated text and small records (no model, no feature) into DIR")
@@ -171,10 +175,35 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """Every path the command writes, before any work (`data.io`'s one rule: `check_output_dir`, `check_report_out`):
+    a directory that is a file, lies under one or cannot be written, a report file that is not an earlier report
+    (without --overwrite), read-only, or one of the command's inputs, is one `DataFormatError` line naming it."""
+    from pr_specforge.data.io import check_output_dir
+
+    from study.regime_render import check_report_out
+
+    if args.regime == "report":
+        check_report_out(Path(args.out), args.overwrite, inputs=[args.gsm8k, args.sharegpt, args.provenance])
+    elif args.regime == "save":
+        check_output_dir("--to", args.to, inputs=[args.workdir])
+    elif args.regime == "restore":
+        check_output_dir("--workdir", args.workdir, inputs=[args.src])
+    else:
+        check_output_dir("--workdir", args.workdir)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     import logging
 
+    from pr_specforge.data.io import DataFormatError
+
+    try:
+        check_outputs(args)
+    except DataFormatError as e:
+        print(f"regimes: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     try:
         if args.regime == "report":

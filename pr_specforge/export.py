@@ -361,18 +361,28 @@ def export_checkpoint(checkpoint: str, out_dir: str, to: str, *, draft_config: O
 
 def check_out_dir(out_dir: str, overwrite: bool) -> None:
     """Refuse, before reading the checkpoint, an OUT_DIR under a file, and one that `--overwrite` would replace
-    although it is not an earlier export (a file, or a directory holding other files: they would be lost)."""
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    while not os.path.exists(parent) and parent != os.path.dirname(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ExportError(f"OUT_DIR {out_dir}: {parent} is a file, not a directory")
+    although it is not an earlier export (a file, or a directory holding other files: they would be lost), or a
+    symbolic link (replacing it would put a directory where the link was and leave its target stale), or one in a
+    directory that cannot be written (`data.io`'s rule for every output)."""
+    from pr_specforge.data.io import check_output_parent, is_read_only
+
+    try:
+        check_output_parent("OUT_DIR", out_dir)
+    except DataFormatError as e:
+        raise ExportError(str(e)) from None
+    if os.path.islink(out_dir):
+        raise ExportError(f"OUT_DIR {out_dir} is a symbolic link (to {os.readlink(out_dir)}); an export replaces a "
+                          "directory, never a link (its target would be left stale): name the directory itself, or "
+                          "another OUT_DIR")
     if not os.path.lexists(out_dir):
         return
     if not overwrite:
         raise ExportError(f"{out_dir} exists; pass --overwrite to replace it")
     if not os.path.isdir(out_dir):
         raise ExportError(f"OUT_DIR {out_dir} is a file, not an earlier export; --overwrite replaces export directories only")
+    if is_read_only(out_dir):
+        raise ExportError(f"OUT_DIR {out_dir} is read-only; it is not replaced (make it writable to replace it, or name "
+                          "another OUT_DIR)")
     cfg_path = os.path.join(out_dir, "config.json")
     try:
         arch = (read_json_file(cfg_path).get("architectures") or [None])[0] if os.path.isfile(cfg_path) else None
@@ -471,8 +481,11 @@ def _write_json(path: str, payload: Dict[str, Any]) -> None:
 
 def _replace_dir(tmp: str, out_dir: str) -> None:
     """Move the finished temp dir into place; an existing `out_dir` is swapped out, then removed. Its
-    modes are an ordinary directory's (mkdtemp's 0700 and safetensors' 0600 would lock other users out)."""
+    modes are an ordinary directory's (mkdtemp's 0700 and safetensors' 0600 would lock other users out); an export
+    it replaces keeps its directory's mode (`data.io`'s rule: a replaced output keeps its mode)."""
     honour_umask_tree(tmp)
+    if os.path.isdir(out_dir):
+        os.chmod(tmp, os.stat(out_dir).st_mode & 0o7777)
     for root, _, files in os.walk(tmp):
         for name in files:
             with open(os.path.join(root, name), "rb") as f:

@@ -44,6 +44,12 @@ for f in ${REPORT_DIRS:-$FOLDERS}; do
 done
 [[ "$THREADS" =~ ^[1-9][0-9]*$ ]] || { echo "regime_paper.sh: THREADS must be a positive integer, not '$THREADS'" >&2; exit 2; }
 cd "$(dirname "$0")/../.."
+# the interpreter every stage runs, before anything is restored or written: `python` on PATH is the training venv's
+PY=$(command -v python || true)
+if [ -z "$PY" ] || ! "$PY" -c "import torch, pr_specforge" 2>/dev/null; then
+  echo "regime_paper.sh: '${PY:-python}' cannot import torch and pr_specforge; put the training venv first on PATH (. .venv/bin/activate) and rerun; nothing was written" >&2
+  exit 2
+fi
 WORK=${WORK:-work/regime-gsm8k}
 if [ -n "$(git status --porcelain --untracked-files=no)" ]; then
   echo "regime_paper.sh: uncommitted changes; run a sitting from a clean, pinned commit" >&2

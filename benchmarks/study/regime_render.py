@@ -221,13 +221,40 @@ def report_shrinks(old_path: Path, report: dict) -> List[str]:
     return out
 
 
+#: the marker (`data.io.own_kind`) of PREFIX.json: `report` rewrites a report carrying it (the committed one does);
+#: any other file there only with `--overwrite`
+REGIMES_REPORT_KIND = "pr_specforge.regimes_report"
+
+
+def report_files(prefix: Path) -> List[Path]:
+    """What `write_regimes_report` writes: PREFIX.json (first), PREFIX.md and the held-out plot."""
+    return [prefix.with_suffix(".json"), prefix.with_suffix(".md"), prefix.with_name(prefix.name + "-heldout.png")]
+
+
+def check_report_out(prefix: Path, overwrite: bool = False, inputs=()) -> None:
+    """`report --out PREFIX`, before any work (`data.io.check_writable_file`): its files may be an earlier regimes
+    report (PREFIX.json carries `REGIMES_REPORT_KIND`), which `report` rewrites, with its .md and plot; any other file
+    there (a user's own PREFIX.md, another JSON) only with `--overwrite`, never an input (a regime folder, the
+    `--provenance` file), a read-only file or a path under a file: one line naming it."""
+    from pr_specforge.data.io import check_writable_file
+
+    paths = report_files(prefix)
+    for path in paths:
+        check_writable_file("--out", path, inputs=inputs)
+    there = [path for path in paths if path.exists() or path.is_symlink()]
+    if there:
+        check_writable_file("--out", paths[0] if paths[0].exists() else there[0], overwrite, kind=REGIMES_REPORT_KIND,
+                            what="an earlier regimes report")
+
+
 def write_regimes_report(gsm8k_work: Optional[Path], prefix: Path, provenance: Optional[Path] = None,
                          report_limit: Optional[int] = None, sharegpt_work: Optional[Path] = None,
                          replace_with_fewer: bool = False) -> dict:
     """`prefix`.{json,md} (and the held-out plot) from the regime folders given, with their provenance tables
     (`regime_provenance.collect`; `provenance` adds a file). Refuses, before writing anything, a report without a
-    regime folder and one that would hold less than the report there (`report_shrinks`) unless `replace_with_fewer`."""
-    from pr_specforge.data.io import atomic_write_json, atomic_write_text
+    regime folder and one that would hold less than the report there (`report_shrinks`) unless `replace_with_fewer`.
+    What may be written at `prefix` is checked before (`check_report_out`)."""
+    from pr_specforge.data.io import atomic_write_json, atomic_write_text, own_kind
 
     if gsm8k_work is None and sharegpt_work is None:
         raise ValueError("no regime folder given (--gsm8k, --sharegpt: a workdir or a folder `regimes.py save` kept); "
@@ -243,8 +270,8 @@ def write_regimes_report(gsm8k_work: Optional[Path], prefix: Path, provenance: O
         more = f" (and {len(less) - 1} more)" if len(less) > 1 else ""
         raise FewerRows(f"{prefix.with_suffix('.json')}: {less[0]}{more}; nothing written (give every regime folder, "
                         "or --replace-with-fewer to write the smaller report)")
-    atomic_write_json(prefix.with_suffix(".json"), report)
-    plot = plot_heldout(report, prefix.with_name(prefix.name + "-heldout.png"))
+    atomic_write_json(prefix.with_suffix(".json"), {**own_kind(REGIMES_REPORT_KIND), **report})
+    plot = plot_heldout(report, report_files(prefix)[2])
     atomic_write_text(prefix.with_suffix(".md"), render(report) + (f"\n![held-out curves]({plot.name})\n" if plot else ""))
     return report
 
@@ -260,6 +287,8 @@ def plot_heldout(report: dict, path: Path) -> Optional[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from pr_specforge.data.io import atomic_save_figure
 
     fig, axes = plt.subplots(1, len(rows), figsize=(5.5 * len(rows), 3.8), squeeze=False)
     for ax, row in zip(axes[0], rows):
@@ -278,8 +307,6 @@ def plot_heldout(report: dict, path: Path) -> Optional[Path]:
         ax.tick_params(labelsize=7)
         ax.legend(fontsize=6, loc="best")
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
+    atomic_save_figure(fig, path, dpi=100)
     plt.close(fig)
-    tmp.replace(path)
     return path

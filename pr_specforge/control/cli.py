@@ -102,10 +102,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         from pr_specforge.control.run import ControlSettings, run_control
 
-        if args.json:  # before minutes of training, not after
-            if os.path.exists(args.recipe) and os.path.exists(args.json) and os.path.samefile(args.recipe, args.json):
-                raise ValueError(f"--json {args.json}: is the recipe itself; name another file")
-            check_writable_file("--json", args.json, overwrite=args.overwrite)
+        if args.json:  # before minutes of training, not after (data.io's one rule: never the recipe it reads)
+            check_writable_file("--json", args.json, overwrite=args.overwrite, inputs=[args.recipe], fmt="JSON")
         pr = recipe_pr(args.recipe, args.overrides)
         queries = args.symbols if args.queries is None else args.queries
         settings = ControlSettings(steps=args.steps, symbols=args.symbols, queries=queries, pool=args.pool, heads=args.heads,

@@ -36,6 +36,12 @@ KINDS = {"one_hop": 1, "two_hop": 2}
 WARM_START = "control:eagle3"
 
 
+#: the largest seed the control takes (it seeds torch with seed + 10000, which must fit 64 bits)
+MAX_SEED = 2 ** 63 - 1
+#: the largest tensor the control may allocate (its teacher logits); a larger size is refused before any work
+MAX_TENSOR_BYTES = 2 * 10 ** 9
+
+
 @dataclass(frozen=True)
 class ControlSettings:
     """The control's size and schedule (its `pr:` options come from the recipe)."""
@@ -62,7 +68,16 @@ class ControlSettings:
             raise ValueError(f"control max_depth: the control needs R >= 1, got {self.max_depth}")
         if self.hidden % self.heads:
             raise ValueError(f"control hidden={self.hidden} is not a multiple of heads={self.heads}")
-        self.task  # the task checks N and K
+        if not 0 <= self.seed <= MAX_SEED:  # torch seeds the run with seed + 10000 at most: a 64-bit integer
+            raise ValueError(f"control seed: expected an integer from 0 to {MAX_SEED}, got {self.seed}")
+        task = self.task  # the task checks N and K
+        samples = max(self.batch, self.eval_samples)
+        largest = samples * task.seq_len * task.vocab_size * 4  # the teacher logits, float32 (`ControlTask.batch`)
+        if largest > MAX_TENSOR_BYTES:
+            raise ValueError(f"control size: N = {self.symbols} symbols from a pool of M = {task.size} over {samples} "
+                             f"samples need a {largest / 1e9:.1f} GB teacher tensor (samples x sequence x vocabulary), "
+                             f"above the control's {MAX_TENSOR_BYTES / 1e9:.0f} GB: give a smaller --pool or --symbols "
+                             "(the default is N = 6, M = 12)")
 
     @property
     def task(self) -> ControlTask:

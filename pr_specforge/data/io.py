@@ -16,6 +16,11 @@ hidden-states`, `eval`) records a fingerprint of what decides its output
 over. JSONL writers keep their fingerprint beside the output
 (`resume_jsonl_output`: `<output>.resume.json`).
 
+What a command may write is one rule, here, that every command applies to its output paths before any work
+(`check_writable_file`, `check_output_dir`): it replaces only a file it recognises as its own by the marker it wrote
+(`own_kind`), or one the user named with `--overwrite`; never one of its inputs, a read-only file or a symbolic
+link; only in the format the extension names; and the replaced file keeps its mode.
+
 It deliberately knows nothing about conversations, tensors' meaning or models
 (`dir_fingerprint` hashes a model directory's files, not what they mean).
 """
@@ -255,7 +260,10 @@ def _atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: s
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        honour_umask(tmp)
+        if path.is_file():  # a replaced file keeps its mode (a read-only one is refused before: check_writable_file)
+            os.chmod(tmp, path.stat().st_mode & 0o7777)
+        else:
+            honour_umask(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -271,19 +279,159 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     _atomic_write(path, lambda f: f.write(data), "wb")
 
 
-def check_writable_file(flag: str, path: str | os.PathLike, overwrite: bool | None = None) -> None:
-    """Refuse, before any work, an output file path that is a directory or lies under a file (one line); with
-    `overwrite` False (a command with `--overwrite`), also a file that exists."""
+# ------------------------------------------------------------------ ownership of output files
+# The one rule for every file and directory a command writes, checked before any work (`check_writable_file`,
+# `check_output_dir`): a command replaces a file only when it can recognise it as its own (`own_kind`: a marker
+# written into the JSON it writes) or when the user said `--overwrite`; never one of its own inputs, `--overwrite`
+# or not; never a read-only file, a symbolic link or a path whose directory it cannot write; and only in the format
+# the file's extension names. The atomic writers keep the mode of a file they replace.
+
+#: the marker every JSON output a command may rewrite without `--overwrite` carries: `"kind": KIND` and its version
+KIND_KEY, KIND_VERSION_KEY = "kind", "kind_version"
+
+
+def own_kind(kind: str, version: int = 1) -> dict:
+    """The marker (`{"kind": kind, "kind_version": version}`) a writer puts into a JSON object it may later rewrite."""
+    return {KIND_KEY: kind, KIND_VERSION_KEY: version}
+
+
+def file_kind(path: str | os.PathLike) -> tuple | None:
+    """`(kind, version)` of a JSON object file carrying `own_kind`'s marker; None for anything else."""
+    try:
+        value = read_json_object(path)
+    except DataFormatError:
+        return None
+    kind, version = value.get(KIND_KEY), value.get(KIND_VERSION_KEY)
+    return (kind, version) if isinstance(kind, str) and isinstance(version, int) else None
+
+
+def is_read_only(path: str | os.PathLike) -> bool:
+    """No write permission bit at all, or none for this process (root may write there, but the owner said no)."""
+    return not (os.stat(path).st_mode & 0o222) or not os.access(path, os.W_OK)
+
+
+def _within(path: Path, other: Path) -> bool:
+    try:
+        path.relative_to(other)
+    except ValueError:
+        return False
+    return True
+
+
+def check_not_input(flag: str, path: str | os.PathLike, inputs=()) -> None:
+    """Refuse an output that is one of the command's `inputs` (the same file by resolved real path or inode), or an
+    existing file inside an input directory (a checkpoint's, a feature directory's), `--overwrite` or not."""
     path = Path(path)
-    if path.is_dir():
-        raise DataFormatError(f"{flag} {path}: is a directory; name a file")
-    if overwrite is False and path.exists():
-        raise DataFormatError(f"{flag} {path}: exists; pass --overwrite to replace it, or name a new file")
-    parent = path.parent
+    real = Path(os.path.realpath(path))
+    for given in inputs:
+        if given is None or not os.path.lexists(given):
+            continue
+        other = Path(os.path.realpath(given))
+        same = real == other or (path.exists() and os.path.samefile(path, other))
+        if same or (other.is_dir() and path.exists() and _within(real, other)):
+            what = "itself" if same else f"a file of the input {given}"
+            raise DataFormatError(f"{flag} {path}: is an input of this command ({what}); it is never written over, "
+                                  "--overwrite or not: name another path")
+
+
+def check_output_parent(flag: str, path: Path) -> None:
+    """The nearest existing directory above `path` is a directory this process may write."""
+    parent = Path(os.path.abspath(path)).parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
         raise DataFormatError(f"{flag} {path}: {parent} is a file, not a directory")
+    if is_read_only(parent):
+        raise DataFormatError(f"{flag} {path}: the directory {parent} is not writable; make it writable, or name "
+                              "another path")
+
+
+#: the file names of each format a command writes; a name ending in another format's is refused (`check_format`)
+FORMATS = {"JSON": (".json",), "PNG": (".png",), "Markdown": (".md",), "YAML": (".yaml", ".yml"), "JSONL": (".jsonl",),
+           "PDF": (".pdf",), "JPEG": (".jpg", ".jpeg"), "SVG": (".svg",), "CSV": (".csv",), "a torch file": (".pt", ".ckpt"),
+           "safetensors": (".safetensors",), "gzip": (".gz",)}
+#: formats whose files must carry their own extension (binary: a viewer goes by the name); text formats (JSON) may
+#: carry none, or one that names no format here
+STRICT_FORMATS = ("PNG",)
+
+
+def check_format(flag: str, path: str | os.PathLike, fmt: str) -> None:
+    """`path` names a file of format `fmt` (a key of `FORMATS`): refused in one line when its extension names another
+    format (`diagnose --json x.png`, `plot -o x.pdf`), or, for a `STRICT_FORMATS` one, is not its own."""
+    name = str(path).lower()
+    own = FORMATS[fmt]
+    other = next((f for f, ends in FORMATS.items() if f != fmt and name.endswith(ends)), None)
+    if (other or fmt in STRICT_FORMATS) and not name.endswith(own):
+        named = f" ({other}, by its name)" if other else ""
+        raise DataFormatError(f"{flag} {path}: this command writes {fmt} only{named}; name a file ending in "
+                              f"{' or '.join(own)}")
+
+
+def check_writable_file(flag: str, path: str | os.PathLike, overwrite: bool | None = None, *, kind: str | None = None,
+                        version: int = 1, what: str = "", inputs=(), fmt: str | None = None,
+                        own_dir: str | os.PathLike | None = None) -> None:
+    """The ownership rule for an output file, before any work; one `DataFormatError` line naming `flag` and the path.
+
+    Refused: a directory, a path under a file or in a directory that cannot be written, one of `inputs`
+    (`check_not_input`), a symbolic link (replacing it would cut the link and leave its target stale), a name that
+    does not say the format `fmt` written (`check_format`), and a file that exists when it may not be replaced:
+    - `kind` given (a JSON output the command rewrites on a rerun, `what` naming it): a file carrying that marker
+      (`own_kind`) at `version` or below is replaced (a newer version's file is not); a file without it is the command's own only inside `own_dir` (a directory the command
+      owns by its own record there: files an earlier version wrote before the marker); any other file only with
+      `overwrite` True;
+    - else with `overwrite` False (a command with `--overwrite`): refused unless the user passed it; `overwrite`
+      None: a companion file whose owner its caller checked (e.g. a report's .md beside its marked .json);
+    - in every case a read-only file (the atomic writer would replace it with a writable one)."""
+    path = Path(path)
+    if path.is_dir():
+        raise DataFormatError(f"{flag} {path}: is a directory; name a file")
+    check_output_parent(flag, path)
+    check_not_input(flag, path, inputs)
+    if fmt is not None:
+        check_format(flag, path, fmt)
+    if path.is_symlink():
+        raise DataFormatError(f"{flag} {path}: is a symbolic link (to {os.readlink(path)}); replacing it would cut the "
+                              "link: name the file itself, or a new one")
+    if not path.exists():
+        return
+    if kind is not None:
+        found = file_kind(path)
+        own = (found is not None and found[0] == kind) or (
+            found is None and own_dir is not None and _within(Path(os.path.realpath(path)), Path(os.path.realpath(own_dir))))
+        if own and found is not None and found[1] > version and not overwrite:
+            raise DataFormatError(f"{flag} {path}: written by a newer version of this command (kind_version {found[1]}, "
+                                  f"this one writes {version}); not replaced: name a new file, or update")
+        if not own and not overwrite:
+            fix = "pass --overwrite to replace it, " if overwrite is False else ""
+            marker = f"its kind is {found[0]!r}" if found else f'it carries no "kind": "{kind}" marker'
+            raise DataFormatError(f"{flag} {path}: exists and is not {what or kind} ({marker}; this command replaces "
+                                  f"only its own); {fix}name a new file, or move this one")
+    elif overwrite is False:
+        raise DataFormatError(f"{flag} {path}: exists; pass --overwrite to replace it, or name a new file")
+    if is_read_only(path):
+        raise DataFormatError(f"{flag} {path}: is read-only; it is not replaced (make it writable to replace it, or "
+                              "name a new file)")
+
+
+def check_output_dir(flag: str, path: str | os.PathLike, inputs=()) -> None:
+    """The ownership rule for an output directory, before any work: not a file, not under a file, not one of
+    `inputs`, and writable (it, or the nearest directory above it that exists); one `DataFormatError` line."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise DataFormatError(f"{flag} {path}: is a file, not a directory; name a directory")
+    check_output_parent(flag, path)
+    check_not_input(flag, path, inputs)
+    if path.is_dir() and is_read_only(path):
+        raise DataFormatError(f"{flag} {path}: the directory is not writable; make it writable, or name another one")
+
+
+def atomic_save_figure(fig: Any, path: str | os.PathLike, dpi: int = 100) -> None:
+    """A matplotlib figure as PNG bytes (the format every plot's `.png` name says), written whole or not at all."""
+    import io
+
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=dpi)
+    atomic_write_bytes(path, png.getvalue())
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:

@@ -7,7 +7,7 @@
 Per-prompt rows go to OUT_DIR/results.jsonl (a rerun skips prompts already there, when made with the
 same settings, drafter files and prompt text; otherwise it says what changed, and --start-over discards them);
 the summary, report.md and plots are rewritten from all rows at the end (--json: a new file, or an earlier
-eval summary; any other file there is refused before any work).
+eval summary, recognised by its "kind" marker; any other file there is refused before any work).
 Exit codes: 0 ok, 2 bad arguments or inputs, 3 a temperature-0 output was not lossless, 130 interrupted.
 
 speedup = tokens/s of speculative decoding over the target's own autoregressive decoding, on the
@@ -89,21 +89,31 @@ def select_prompts(source: str, skip: int, limit: Optional[int], turns: str) -> 
     return prompts
 
 
-def check_summary_path(path: str) -> None:
-    """`--json`, before any work: a new file, or an earlier eval summary (a JSON object with a `results` list), which
-    this run rewrites from all rows as it rewrites OUT_DIR's report. Any other file that exists (a user's notes, a
-    recipe), a directory or a path under a file is refused in one line naming it."""
-    from pr_specforge.data.io import DataFormatError, check_writable_file, read_json_object
+#: the marker (`data.io.own_kind`) of the summary `--json` writes: a rerun rewrites a file carrying it, and no other
+EVAL_SUMMARY_KIND = "pr_specforge.eval_summary"
 
-    check_writable_file("--json", path)
-    if os.path.lexists(path):
-        try:
-            summary = read_json_object(path, "--json")
-        except DataFormatError:
-            summary = None
-        if not isinstance((summary or {}).get("results"), list):
-            raise ValueError(f"--json {path}: exists and is not an eval summary (eval replaces only its own); "
-                             "name a new file, or move this one")
+
+def check_summary_path(path: str, out_dir: str, inputs=()) -> None:
+    """`--json`, before any work: a new file, or an earlier eval summary, which this run rewrites from all rows as it
+    rewrites OUT_DIR's report. An earlier summary is recognised by its marker (`EVAL_SUMMARY_KIND`); one without it
+    (written before the marker) only inside OUT_DIR when OUT_DIR is an eval out-dir (holds eval's own
+    `eval_config.json`), whose report and plots eval rewrites anyway. Any other file that exists (a user's notes, a
+    recipe, a results file of another command), one of this run's `inputs` (the target, a drafter, a prompt file,
+    OUT_DIR's rows), a read-only file, a directory or a path under a file is refused in one line naming it."""
+    from pr_specforge.data.io import check_writable_file
+    from pr_specforge.eval.evaluator import PROVENANCE_FILE, ROW_FILES
+
+    own_dir = out_dir if os.path.isfile(os.path.join(out_dir, PROVENANCE_FILE)) else None
+    rows = [os.path.join(out_dir, name) for name in (*ROW_FILES, PROVENANCE_FILE)]
+    check_writable_file("--json", path, kind=EVAL_SUMMARY_KIND, what="an eval summary", inputs=[*inputs, *rows],
+                        own_dir=own_dir, fmt="JSON")
+
+
+def run_inputs(args: argparse.Namespace, lent: bool = True) -> list:
+    """What eval reads: the target, each drafter, the prompt files named by path, and (`lent`) the out-dirs lending
+    baselines (left out for OUT_DIR itself: a folder lent its own target decodes only reads them again)."""
+    return [args.target, *(spec.partition("=")[2] for spec in args.draft),
+            *(p for p in args.prompts if os.path.exists(p)), *(args.baseline_from if lent else ())]
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -114,8 +124,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--skip must be >= 0, got {args.skip}")
     if args.batch_prompts < 1:
         raise ValueError(f"--batch-prompts must be >= 1, got {args.batch_prompts}")
+    from pr_specforge.data.io import check_output_dir
+
+    check_output_dir("--out-dir", args.out_dir, inputs=run_inputs(args, lent=False))
     if args.json:
-        check_summary_path(args.json)
+        check_summary_path(args.json, args.out_dir, run_inputs(args))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -181,9 +194,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
     write_report(summary, args.out_dir)
     if args.json:
-        from pr_specforge.data.io import atomic_write_json
+        from pr_specforge.data.io import atomic_write_json, own_kind
 
-        atomic_write_json(args.json, summary)
+        atomic_write_json(args.json, {**own_kind(EVAL_SUMMARY_KIND), **summary})
     print(markdown_table(summary))
     print(SPEEDUP_NOTE)
     failed = [f"{e['draft']} B={e['budget']} on {e['set']}" for e in summary["results"] if e["lossless"] is False]

@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from pr_specforge.data.io import atomic_save_figure
 from pr_specforge.eval.statistics import comparisons, seed_comparisons
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -261,32 +262,31 @@ def _md_heldout(report: dict) -> List[str]:
 REPORT_FILES = (".json", ".md", "-tau.png", "-gate.png")
 
 
+#: the marker (`data.io.own_kind`) of PREFIX.json: a run rewrites a report carrying it, and no other
+EXPERIMENT_REPORT_KIND = "pr_specforge.experiment_report"
+
+
 def check_report_prefix(prefix: Path) -> None:
-    """`--report PREFIX`, before any stage: its files may be an earlier report of the experiment (PREFIX.json an
-    object with the report's `settings` and `results`), which every run rewrites from its workdir; any other file
-    there (a user's notes, another JSON), a directory or a path under a file is refused in one line naming it."""
-    from pr_specforge.data.io import DataFormatError, check_writable_file, read_json_object
+    """`--report PREFIX`, before any stage: its files may be an earlier report of the experiment (PREFIX.json carries
+    `EXPERIMENT_REPORT_KIND`: the committed reports carry it too), which every run rewrites from its workdir; any
+    other file there (a user's notes, another JSON, a report without the marker), a read-only file, a directory or a
+    path under a file is refused in one line naming it (`data.io.check_writable_file`)."""
+    from pr_specforge.data.io import check_writable_file
 
     paths = [str(prefix) + suffix for suffix in REPORT_FILES]
     for path in paths:
         check_writable_file("--report", path)
     there = [path for path in paths if os.path.lexists(path)]
-    if not there:
-        return
-    try:
-        earlier = read_json_object(paths[0]) if os.path.isfile(paths[0]) else {}
-    except DataFormatError:
-        earlier = {}
-    if not (isinstance(earlier.get("results"), list) and isinstance(earlier.get("settings"), dict)):
-        raise ValueError(f"--report {there[0]}: exists, and {paths[0]} is not an earlier experiment report (the "
-                         "experiment replaces only its own); name another --report prefix, or move it")
+    if there:  # the .md and plots beside a report are the report's; without one, none of them is the experiment's
+        check_writable_file("--report", paths[0] if os.path.lexists(paths[0]) else there[0], kind=EXPERIMENT_REPORT_KIND,
+                            what="an earlier experiment report")
 
 
 def write_report(report: dict, prefix: Path) -> None:
-    from pr_specforge.data.io import atomic_write_json, atomic_write_text
+    from pr_specforge.data.io import atomic_write_json, atomic_write_text, own_kind
 
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(str(prefix) + ".json", report)
+    atomic_write_json(str(prefix) + ".json", {**own_kind(EXPERIMENT_REPORT_KIND), **report})
     atomic_write_text(str(prefix) + ".md", render_markdown(report))
     _plots(report, prefix)
 
@@ -310,7 +310,7 @@ def _plots(report: dict, prefix: Path) -> None:
         ax.set_ylabel("tau (tokens / round)")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(str(prefix) + "-tau.png", dpi=120)
+        atomic_save_figure(fig, str(prefix) + "-tau.png", dpi=120)
         plt.close(fig)
     pr = report["training"].get("pr") or {}
     depths = sorted(int(k.rsplit("_", 1)[1]) for k in pr if k.startswith("pr/depth_marginal_") and k[-1].isdigit())
@@ -326,5 +326,5 @@ def _plots(report: dict, prefix: Path) -> None:
             a.set_xlabel("depth r")
             a.set_ylim(0, 1)
         fig.tight_layout()
-        fig.savefig(str(prefix) + "-gate.png", dpi=120)
+        atomic_save_figure(fig, str(prefix) + "-gate.png", dpi=120)
         plt.close(fig)

@@ -285,11 +285,12 @@ def run_headroom(drafter: str, features: str, out: str, *, checkpoint: Optional[
     from pr_specforge.config import ConfigError
     from pr_specforge.data.io import atomic_write_json, atomic_write_text, check_writable_file
     from pr_specforge.eval.headroom_report import plot
-    from pr_specforge.training.diagnose import diagnose, drafter_source, source_kind
+    from pr_specforge.training.diagnose import diagnose, drafter_inputs, drafter_source, source_kind
 
     out = output_prefix(out)
-    for suffix in OUTPUTS:
-        check_writable_file("--out", out + suffix, overwrite=overwrite)
+    inputs = drafter_inputs(drafter, checkpoint, features, target)
+    for suffix in OUTPUTS:  # data.io's one rule: a new file or --overwrite, never an input
+        check_writable_file("--out", out + suffix, overwrite=overwrite, inputs=inputs)
     source_kind(drafter)
     source = drafter_source(drafter, checkpoint, features, target, ttt_length)
     strategy = (source.raw.get("training") or {}).get("strategy")

@@ -5,8 +5,9 @@ Owns: the rendering of an `eval.headroom` report dict (no measurement here).
 
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, List, Optional
+
+from pr_specforge.data.io import atomic_save_figure
 
 BAND_NAMES = ("<0.5", "0.5-0.9", ">=0.9")
 
@@ -146,9 +147,7 @@ def plot(report: Dict[str, Any], paper: Dict[str, Any], prefix: str) -> List[str
 
 
 def _save(fig, path: str, plt) -> str:
-    tmp = path + ".tmp.png"
     fig.tight_layout()
-    fig.savefig(tmp, dpi=100)
+    atomic_save_figure(fig, path, dpi=100)
     plt.close(fig)
-    os.replace(tmp, path)
     return path

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from typing import Dict, List
 
+from pr_specforge.data.io import atomic_save_figure, atomic_write_text
+
 BAND_NAMES = ("<0.5", "0.5-0.9", ">=0.9")
 
 
@@ -103,8 +105,7 @@ def write_report(summary: dict, out_dir: str) -> List[str]:
         md.append(decomposition)
     md.append("\n![tau](tau.png)\n![acceptance](acceptance_by_confidence.png)\n![recovered](recovered_by_bucket.png)\n")
     path = os.path.join(out_dir, "report.md")
-    with open(path, "w") as f:
-        f.write("".join(md))
+    atomic_write_text(path, "".join(md))
     written.append(path)
     return written
 
@@ -114,7 +115,7 @@ def _save(fig, out_dir: str, name: str) -> str:
 
     fig.tight_layout()
     path = os.path.join(out_dir, name)
-    fig.savefig(path, dpi=120)
+    atomic_save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path
 

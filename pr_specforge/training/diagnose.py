@@ -22,7 +22,8 @@ an SGLang export is the plain EAGLE-3 drafter SGLang serves; a tied target such 
 through its embedding, `target_lm_head_key`). `pr-specforge headroom` rebuilds drafters the same way,
 with its own chain observer. Features made from another target than the drafter's are refused
 (`check_same_target`: the features' manifest fingerprint, as a features resume checks it). A `--json` file that
-exists is refused in one line before any work, unless `--overwrite`.
+exists is refused in one line before any work, unless `--overwrite`; one of the command's inputs (`drafter_inputs`:
+the run's recipe, a checkpoint, the features) always is.
 
 Owns: the aggregation and the table, `drafter_source`, `check_features_fit`, `check_same_target`. Does not own the metrics' definitions
 (`pr_specforge.training.objective.ttt`) or the data pipeline (SpecForge's).
@@ -110,6 +111,18 @@ def _draft_weights(state: Dict, checkpoint: str) -> Dict:
     if not isinstance(weights, dict) or not weights:
         raise ConfigError(f"{checkpoint}: the training state holds no draft_state_dict; not a SpecForge drafter checkpoint")
     return weights
+
+
+def drafter_inputs(path: str, checkpoint: Optional[str], features: str, target: Optional[str]) -> List[str]:
+    """What `drafter_source` and the measurement read, for `data.io`'s rule that an output is never one of them: a
+    run's recipe and metrics and every checkpoint directory in it (the run's other files, e.g. an earlier diagnosis,
+    may be written); a checkpoint or an export as a whole; the features; the target."""
+    p = Path(path)
+    if (p / "resolved_recipe.yaml").exists():
+        run = [str(p / "resolved_recipe.yaml"), str(p / "metrics.jsonl"), *(str(d) for d in p.iterdir() if d.is_dir())]
+    else:
+        run = [path]
+    return [*run, checkpoint, features, target]
 
 
 def source_kind(path: str) -> str:
@@ -483,8 +496,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     from pr_specforge.data.io import DataFormatError, check_writable_file
 
     try:
-        if args.json:
-            check_writable_file("--json", args.json, overwrite=args.overwrite)
+        if args.json:  # before any work (data.io's one rule): never one of its inputs, --overwrite or not
+            check_writable_file("--json", args.json, overwrite=args.overwrite, fmt="JSON",
+                                inputs=drafter_inputs(args.run_dir, args.checkpoint, args.features, args.target))
         report = diagnose(args.run_dir, args.features, args.checkpoint, args.limit, args.seed, not args.no_progress,
                           target=args.target, ttt_length=args.ttt_length)
     except (ConfigError, FileNotFoundError, ExportError, DataFormatError) as e:

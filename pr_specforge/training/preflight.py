@@ -247,14 +247,15 @@ def check_inputs(recipe) -> None:
         if field == "hidden_states_path" and recipe.online is not None:
             continue
         sample = check_feature_dir(f"data.{field}", getattr(cfg.data, field), draft, draft_path)
-        if (field == "eval_hidden_states_path" and sample is not None and cfg.training.strategy == "eagle3"
+        if (sample is not None and cfg.training.strategy == "eagle3"
                 and str(cfg.model.torch_dtype) == "float32" and str(sample["hidden_state"].dtype) != "torch.float32"):
-            # SpecForge 0.2.0's eval loop feeds stored features to the drafter uncast; the failure would
-            # come as a dtype error deep in torch at the first eval step, hours into training.
+            # SpecForge 0.2.0's eagle3 training step and eval loop feed stored features to the drafter uncast; the
+            # failure would come as a dtype error deep in torch at the first step (or eval step, hours into training).
+            loop = "training step" if field == "hidden_states_path" else "eval loop"
+            fix = "" if field == "hidden_states_path" else " or train without held-out eval"
             raise ConfigError(
-                f"data.eval_hidden_states_path: features are {sample['hidden_state'].dtype} but model.torch_dtype is "
-                "float32, and SpecForge's eagle3 eval loop does not cast them; set model.torch_dtype=bfloat16 "
-                "or train without held-out eval"
+                f"data.{field}: features are {sample['hidden_state'].dtype} but model.torch_dtype is "
+                f"float32, and SpecForge's eagle3 {loop} does not cast them; set model.torch_dtype=bfloat16{fix}"
             )
 
 

@@ -28,6 +28,8 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from pr_specforge.data.io import atomic_save_figure
+
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
@@ -230,26 +232,35 @@ def _progress_started(controller, bar):
 
 
 # ------------------------------------------------------------------------------ reading
+def metrics_path(run_dir: str) -> str:
+    """The metrics file of a run directory (`RUN_DIR/metrics.jsonl`), or the JSONL named itself."""
+    return run_dir if run_dir.endswith(".jsonl") else os.path.join(run_dir, METRICS_FILE)
+
+
 def read_metrics(run_dir: str) -> List[Dict[str, Any]]:
     """Rows of `<run_dir>/metrics.jsonl` by step, merged: a step's training and eval rows are two lines,
     and a step logged again (a resumed run) overrides what it logs again. A line that is not a JSON
     object with a step (one cut by a kill mid-write) is skipped with a warning naming file and line."""
-    path = run_dir if run_dir.endswith(".jsonl") else os.path.join(run_dir, METRICS_FILE)
+    path = metrics_path(run_dir)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no metrics file; train with pr-specforge train (it writes {METRICS_FILE} in output_dir)")
     rows: Dict[int, Dict[str, Any]] = {}
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                row = json.loads(line)
-                step = int(row["step"])
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                log.warning("%s:%d: not a metrics row (a line cut by a kill mid-write?), skipped", path, lineno)
-                continue
-            rows.setdefault(step, {}).update(row)
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a metrics file (not UTF-8 text: binary content, e.g. an image written over it)") from None
+    for lineno, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            row = json.loads(line)
+            step = int(row["step"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            log.warning("%s:%d: not a metrics row (a line cut by a kill mid-write?), skipped", path, lineno)
+            continue
+        rows.setdefault(step, {}).update(row)
     return [rows[s] for s in sorted(rows)]
 
 
@@ -295,6 +306,11 @@ def plotted_panels(rows: Sequence[Mapping[str, Any]]) -> List[Tuple[str, List[st
     return out
 
 
+def default_plot_path(run_dir: str) -> str:
+    """Where `plot` writes without -o: the run's own `PLOT_FILE` (beside the JSONL named itself)."""
+    return os.path.join(run_dir if os.path.isdir(run_dir) else os.path.dirname(run_dir), PLOT_FILE)
+
+
 def plot_run(run_dir: str, out_path: Optional[str] = None) -> str:
     """Render the run's metrics to one PNG (a grid of the `PANELS`); returns its path."""
     import matplotlib
@@ -305,7 +321,7 @@ def plot_run(run_dir: str, out_path: Optional[str] = None) -> str:
     rows = read_metrics(run_dir)
     if not rows:
         raise ValueError(f"{run_dir}: {METRICS_FILE} holds no rows yet")
-    out_path = out_path or os.path.join(run_dir if os.path.isdir(run_dir) else os.path.dirname(run_dir), PLOT_FILE)
+    out_path = out_path or default_plot_path(run_dir)
     panels = plotted_panels(rows)
     drawn = [p for p in panels if p[3]]
     cols = 3
@@ -325,25 +341,24 @@ def plot_run(run_dir: str, out_path: Optional[str] = None) -> str:
     note = f"\nnot logged by this run: {'; '.join(missing)}" if missing else ""
     fig.suptitle(f"{os.path.abspath(run_dir)} — steps {rows[0]['step']}..{rows[-1]['step']}{note}", fontsize=10)
     fig.tight_layout()
-    tmp = out_path + ".tmp.png"
-    fig.savefig(tmp, dpi=90)
+    atomic_save_figure(fig, out_path, dpi=90)  # whole or not at all; a replaced file keeps its mode
     plt.close(fig)
-    os.replace(tmp, out_path)
     return out_path
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="pr-specforge plot", description="render a run's metrics.jsonl to PNG")
     parser.add_argument("run_dir", help="the run's output_dir (holding metrics.jsonl), or the JSONL itself")
-    parser.add_argument("-o", "--output", default=None, help=f"PNG path: a new file, or --overwrite (default: RUN_DIR/{PLOT_FILE}, "
-                        "the run's own plot, rewritten)")
+    parser.add_argument("-o", "--output", default=None, help=f"PNG path (.png): a new file, or --overwrite (default: "
+                        f"RUN_DIR/{PLOT_FILE}, the run's own plot, rewritten); never the metrics file it reads")
     parser.add_argument("--overwrite", action="store_true", help="let -o replace an existing file")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        if args.output:
-            from pr_specforge.data.io import check_writable_file
+        from pr_specforge.data.io import check_writable_file
 
-            check_writable_file("-o", args.output, overwrite=args.overwrite)
+        # before any work (data.io's one rule): a PNG, never the metrics it reads, in a directory it can write
+        check_writable_file("-o", args.output or default_plot_path(args.run_dir), args.overwrite if args.output else None,
+                            inputs=[metrics_path(args.run_dir)], fmt="PNG")
         out = plot_run(args.run_dir, args.output)
     except (FileNotFoundError, ValueError) as e:
         print(f"pr-specforge plot: {e}", file=sys.stderr)

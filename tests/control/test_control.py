@@ -35,7 +35,7 @@ def test_cli_prints_the_table_and_exits_nonzero_when_the_pass_is_not_learnt(caps
 #: issue 43's audit: refused before any training (each would have cost the whole run, then a traceback); issue 58's:
 #: an existing file (the recipe itself, even with --overwrite)
 JSON_CASES = {"json-dir": "is a directory; name a file", "json-under-file": "is a file, not a directory",
-              "json-exists": "a-file: exists; pass --overwrite to replace it", "json-is-recipe": "is the recipe itself"}
+              "json-exists": "a-file: exists; pass --overwrite to replace it", "json-is-recipe": "is an input of this command (itself)"}
 #: issue 58's audit: a recipe that is not a PR recipe (the control tested PRConfig's defaults under its name), a `pr:`
 #: that is no mapping (a traceback), a size where one pass answers the 2-hop queries by elimination
 RECIPE_CASES = {"eagle3": "r.yaml: not a PR recipe (training.strategy is 'eagle3')",

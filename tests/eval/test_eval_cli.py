@@ -70,6 +70,7 @@ def test_eval_end_to_end_lossless_json_report_and_resume(dirs, tmp_path, capsys)
     assert main(args) == 0
     summary = json.loads((out / "s.json").read_text())
     entries = summary["results"]
+    assert (summary["kind"], summary["kind_version"]) == ("pr_specforge.eval_summary", 1)  # what a rerun recognises
     assert len(entries) == 2 * 2 * 2  # drafters x budgets x temperatures (one prompt set)
     for e in entries:
         for key in ("tau", "rounds", "tokens", "draft_s_per_round", "verify_s_per_round", "tokens_per_s",
@@ -225,7 +226,7 @@ def _edit_json_a_directory(root, tmp, args):
 
 
 BAD_INPUTS.update({  # issue 58 item 6: eval rewrites its own summary on a rerun, never another file
-    "--json naming a user's file": ([], _edit_json_a_users_file, "notes.md: exists and is not an eval summary"),
+    "--json naming a user's file": ([], _edit_json_a_users_file, "notes.md: this command writes JSON only (Markdown"),
     "--json naming another JSON object": ([], _edit_json_another_json_object, "recipe.json: exists and is not an eval summary"),
     "--json naming a directory": ([], _edit_json_a_directory, "is a directory; name a file"),
 })
@@ -238,8 +239,8 @@ def test_json_never_replaces_a_file_that_is_not_an_eval_summary(dirs, tmp_path, 
     assert main(base_args(dirs, tmp_path / "o") + ["--json", str(notes)]) == 2
     err = capsys.readouterr().err
     assert [x for x in err.splitlines() if x.startswith("pr-specforge eval:")] == [
-        f"pr-specforge eval: --json {notes}: exists and is not an eval summary (eval replaces only its own); "
-        "name a new file, or move this one"], err
+        f"pr-specforge eval: --json {notes}: exists and is not an eval summary (it carries no \"kind\": "
+        "\"pr_specforge.eval_summary\" marker; this command replaces only its own); name a new file, or move this one"], err
     assert notes.read_text() == '{"mine": 1}\n' and not (tmp_path / "o").exists()
 
 

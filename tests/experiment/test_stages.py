@@ -284,7 +284,11 @@ def test_experiment_report_never_replaces_a_file_that_is_not_an_earlier_report(t
     (tmp_path / "d.md").mkdir()
     with pytest.raises(ValueError, match="is a directory"):
         check_report_prefix(tmp_path / "d")
-    (tmp_path / "r.json").write_text(json.dumps({"settings": {"seed": 0}, "results": []}))
+    (tmp_path / "r.json").write_text(json.dumps({"kind": "pr_specforge.experiment_report", "kind_version": 1,
+                                                 "settings": {"seed": 0}, "results": []}))
     (tmp_path / "r.md").write_text("# the earlier report\n")
-    check_report_prefix(tmp_path / "r")  # an earlier report: rewritten by the run
+    check_report_prefix(tmp_path / "r")  # an earlier report (its marker): rewritten by the run
+    (tmp_path / "u.json").write_text(json.dumps({"settings": {"seed": 0}, "results": []}))
+    with pytest.raises(ValueError, match="no \"kind\": \"pr_specforge.experiment_report\" marker"):
+        check_report_prefix(tmp_path / "u")  # the shape of a report without its marker is not enough
     check_report_prefix(tmp_path / "new")

@@ -259,8 +259,9 @@ def test_export_is_atomic_and_does_not_clobber_without_overwrite(trained_pr_run,
     before = (out / "model.safetensors").read_bytes()
     with pytest.raises(ExportError, match="--overwrite"):
         export_checkpoint(_ckpt(trained_pr_run), str(out), "sglang")
+    os.chmod(out, 0o750)  # issue 65: a replaced export keeps its directory's mode
     export_checkpoint(_ckpt(trained_pr_run), str(out), "sglang", overwrite=True)
-    assert (out / "model.safetensors").read_bytes() == before
+    assert (out / "model.safetensors").read_bytes() == before and (os.stat(out).st_mode & 0o777) == 0o750
     assert sorted(os.listdir(tmp_path)) == ["sglang"]  # no temp or swapped-out dirs left behind
 
 

@@ -88,19 +88,24 @@ def test_plot_refuses_a_dir_without_metrics(tmp_path):
 
 
 def test_plot_o_refuses_an_existing_file_unless_overwrite(tmp_path):
-    """issue 58 item 6: -o naming a file that exists (a user's notes, the run's own metrics) is one line naming it,
-    the file left as it was; --overwrite replaces it; the run's own metrics.png (no -o) is rewritten as before."""
+    """issue 58 item 6: -o naming a file that exists (a user's image) is one line naming it, the file left as it was;
+    --overwrite replaces it; the run's own metrics.png (no -o) is rewritten as before. Issue 65: its own metrics
+    are never replaced, --overwrite or not, and a name that is not .png (a user's notes) is no PNG to write."""
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0}) + "\n" + json.dumps({"step": 2, "loss": 2.5}) + "\n")
-    notes = tmp_path / "notes.md"
+    notes, image = tmp_path / "notes.md", tmp_path / "mine.png"
     notes.write_text("a user's notes\n")
-    kept = {p: p.read_bytes() for p in (notes, tmp_path / "metrics.jsonl")}
-    for target, needle in [*((p, f"-o {p}: exists; pass --overwrite") for p in kept), (tmp_path, "is a directory; name a file")]:
-        rc, log = run_cli("plot", tmp_path, "-o", target, cwd=tmp_path)
-        lines = [x for x in log.splitlines() if x.startswith("pr-specforge plot:")]
-        assert rc == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in log, log[-2000:]
+    image.write_text("a user's image\n")
+    kept = {p: p.read_bytes() for p in (notes, image, tmp_path / "metrics.jsonl")}
+    cases = [(image, f"-o {image}: exists; pass --overwrite"), (notes, f"-o {notes}: this command writes PNG only"),
+             (tmp_path / "metrics.jsonl", "is an input of this command"), (tmp_path, "is a directory; name a file")]
+    for target, needle in cases:
+        for overwrite in ([], ["--overwrite"]) if target != image else ([],):
+            rc, log = run_cli("plot", tmp_path, "-o", target, *overwrite, cwd=tmp_path)
+            lines = [x for x in log.splitlines() if x.startswith("pr-specforge plot:")]
+            assert rc == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in log, log[-2000:]
     assert {p: p.read_bytes() for p in kept} == kept and not (tmp_path / "metrics.png").exists()
-    rc, log = run_cli("plot", tmp_path, "-o", notes, "--overwrite", cwd=tmp_path)
-    assert rc == 0 and notes.read_bytes().startswith(b"\x89PNG"), log[-2000:]
+    rc, log = run_cli("plot", tmp_path, "-o", image, "--overwrite", cwd=tmp_path)
+    assert rc == 0 and image.read_bytes().startswith(b"\x89PNG"), log[-2000:]
     for _ in range(2):
         rc, log = run_cli("plot", tmp_path, cwd=tmp_path)
         assert rc == 0 and (tmp_path / "metrics.png").read_bytes().startswith(b"\x89PNG"), log[-2000:]
