@@ -44,7 +44,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from pr_specforge.data.io import DataFormatError, read_json_file
+from pr_specforge.data.io import DataFormatError, check_not_input, read_json_file
 from pr_specforge.export import (
     PR_CONFIG_KEY,
     SAFETENSORS_NAME,
@@ -252,6 +252,10 @@ def export_vllm(source: str, out_dir: str, *, target: Optional[str] = None, veri
     if int(tokens) < 1:
         raise ExportError(f"--num-speculative-tokens must be >= 1, got {tokens}")
     check_out_dir(out_dir, overwrite)
+    try:
+        check_not_input("OUT_DIR", out_dir, [source, target])
+    except DataFormatError as e:
+        raise ExportError(str(e)) from None
     check_target(target)
     if _is_sglang_export(source) and (draft_config is None and vocab_mapping is None):
         return convert_sglang_export(source, out_dir, target=target, verifier=verifier, tokens=tokens, dtype=dtype,

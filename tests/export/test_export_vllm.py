@@ -153,4 +153,8 @@ def test_a_target_of_another_shape_and_a_missing_verifier_are_refused(trained_pr
     assert "go with --to vllm" in _refused(capsys, src, out, "--to", "sglang", "--num-speculative-tokens", "2")
     assert "must be >= 1" in _refused(capsys, src, out, "--to", "vllm", "--target", str(trained_pr_run / "target"),
                                       "--num-speculative-tokens", "0")
+    # its own input: an SGLang export is never replaced by its vLLM export, --overwrite or not
+    assert "is an input of this command" in _refused(capsys, src, src, "--to", "vllm", "--target",
+                                                     str(trained_pr_run / "target"), "--overwrite")
+    assert json.load(open(os.path.join(src, "config.json")))["architectures"] == ["LlamaForCausalLMEagle3"]
     assert not (tmp_path / "out").exists()
