@@ -158,3 +158,24 @@ def test_a_target_of_another_shape_and_a_missing_verifier_are_refused(trained_pr
                                                      str(trained_pr_run / "target"), "--overwrite")
     assert json.load(open(os.path.join(src, "config.json")))["architectures"] == ["LlamaForCausalLMEagle3"]
     assert not (tmp_path / "out").exists()
+
+
+def test_an_eagle3_run_exports_the_same_chain_as_its_pr_twin(trained_pr_run, tmp_path):
+    """The PR run's checkpoint re-labelled `eagle3` without its pr_* tensors (an EAGLE-3 run of the same weights):
+    its vLLM export is the PR export's, tensor for tensor, and says it is an EAGLE-3 drafter."""
+    root = trained_pr_run
+    eagle3 = tmp_path / "eagle3-ckpt" / "specforge-run-step6"
+    shutil.copytree(root / "out" / "specforge-run-step6", eagle3)
+    state = torch.load(eagle3 / "training_state.pt", weights_only=False)
+    state["strategy"] = "eagle3"
+    state["draft_state_dict"] = {k: v for k, v in state["draft_state_dict"].items() if not k.startswith("pr_")}
+    torch.save(state, eagle3 / "training_state.pt")
+    got = export_vllm(str(eagle3), str(tmp_path / "e"), target=str(root / "target"), draft_config=str(root / "draft.json"))
+    export_vllm(str(root / "out" / "specforge-run-step6"), str(tmp_path / "p"), target=str(root / "target"))
+    assert got["drafter"] == "eagle3" and got["dropped"] == []
+    assert load_file(tmp_path / "e" / "model.safetensors").keys() == load_file(tmp_path / "p" / "model.safetensors").keys()
+    for name, value in load_file(tmp_path / "e" / "model.safetensors").items():
+        assert torch.equal(value, load_file(tmp_path / "p" / "model.safetensors")[name]), name
+    e, p = (json.load(open(tmp_path / d / "config.json")) for d in ("e", "p"))
+    assert e["eagle_aux_hidden_state_layer_ids"] == p["eagle_aux_hidden_state_layer_ids"]
+    assert e["pr_specforge_vllm_export"]["drafter"] == "eagle3" and p["pr_specforge_vllm_export"]["drafter"] == "pr"
