@@ -20,6 +20,13 @@ directory atomically (a temp dir renamed into place).
   that `pr_specforge.modeling.load_drafter` reloads; with `--target` the frozen
   embedding is copied from the target so the directory is self-contained.
 
+Both record what they hold: the dtype of the tensors written (`torch_dtype` / `dtype`), the target by name and
+fingerprint (`target_record`, under `pr_specforge_target`: never a machine's path, so an export's fingerprint,
+`export_fingerprints`, does not depend on where it was made), and the settings of the run it came from that
+`diagnose` / `headroom` rebuild its objective with (`run_record`, under `pr_specforge_run`: TTT length, sequence
+length, batch size, attention backend, compute dtype and the `pr` section), so both give the run's numbers on
+its export with default flags.
+
 Does not own: the serving-time PR tree (SGLang needs new code for that; see
 docs/export.md) or SpecForge's own `specforge export` (which refuses `pr`).
 """
@@ -39,6 +46,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from pr_specforge.config import PR_SERVING_DEFAULT_M, PR_SERVING_KEY
+from pr_specforge.data.hidden_states import TARGET_RECORD_KEY
 from pr_specforge.data.io import DataFormatError, honour_umask_tree, read_json_file
 from pr_specforge.training.backends.checkpoint import RECIPE_STATE_KEY  # the resolved recipe inside a checkpoint
 from pr_specforge.modeling.drafter import (
@@ -341,12 +349,13 @@ def export_checkpoint(checkpoint: str, out_dir: str, to: str, *, draft_config: O
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out_dir)}.tmp-")
     capture_layers = resolve_capture_layers(draft_cfg, recipe, target)
     record = _target_record(target, capture_layers)
+    run = run_record(recipe, strategy)
     try:
         if to == "sglang":
             _write_sglang(tmp, model, weights, draft_cfg, capture_layers, out_dtype, target_context(target), record,
-                          serving)
+                          serving, run)
         else:
-            _write_hf(tmp, model, weights, target, out_dtype, recipe, record)
+            _write_hf(tmp, model, weights, target, out_dtype, recipe, record, run)
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -405,24 +414,67 @@ def check_target(target: Optional[str]) -> None:
 
 
 def _target_record(target: Optional[str], capture_layers: Optional[List[int]]) -> Optional[Dict[str, Any]]:
-    """The target's fingerprint (`data.hidden_states.target_record`), recorded in the export's config.json under
-    `TARGET_RECORD_KEY` so `headroom` / `diagnose` can refuse features of another target; None when unknown."""
+    """The target by name and fingerprint, recorded in the export's config.json under `TARGET_RECORD_KEY` so
+    `headroom` / `diagnose` can refuse features of another target; None when unknown. `name` is the target
+    directory's name and `fingerprint` its files' names and sizes (`dir_fingerprint(hash_weights=False)`, what `eval`
+    records as its target); the shape fields are `data.hidden_states.target_record`'s. Never its path: a path of one
+    machine would leak into a shared file and make the export's fingerprint depend on where it was made."""
     if not (target and os.path.isfile(os.path.join(target, "config.json"))):
         return None
     from pr_specforge.data.hidden_states import target_record
+    from pr_specforge.data.io import dir_fingerprint
 
     try:
-        return target_record(target, capture_layers)
+        record = target_record(target, capture_layers)
     except (OSError, ValueError) as e:
         raise ExportError(f"--target {target}: its config.json does not load ({type(e).__name__})") from None
+    record.pop("path", None)
+    record.update(name=os.path.basename(os.path.abspath(target)), fingerprint=dir_fingerprint(target, hash_weights=False))
+    return record
+
+
+#: the key under which an export's config.json records the run it came from (`run_record`)
+RUN_RECORD_KEY = "pr_specforge_run"
+#: config.json keys that say where an export came from, not what it computes: `export_fingerprints` leaves them out
+PROVENANCE_KEYS = (TARGET_RECORD_KEY, RUN_RECORD_KEY)
+
+
+def run_record(recipe: Optional[Dict[str, Any]], strategy: str) -> Dict[str, Any]:
+    """The run's settings that `diagnose` / `headroom` rebuild an export's objective with, so that they measure the
+    run's numbers with default flags: the TTT length, sequence length, batch size, attention backend, the compute
+    dtype the run trained in, and (a PR run) its whole `pr` section (the objective's settings, not only the
+    drafter's `pr_config`). Settings the stored recipe lacks are left out (the rebuild then uses its defaults)."""
+    recipe = recipe or {}
+    sections = {name: recipe.get(name) or {} for name in ("model", "data", "training")}
+    fields = (("training", "ttt_length"), ("data", "max_length"), ("training", "batch_size"),
+              ("training", "attention_backend"), ("model", "torch_dtype"), ("model", "lm_head_key"))
+    record: Dict[str, Any] = {"strategy": strategy}
+    record.update({key: sections[section][key] for section, key in fields if sections[section].get(key) is not None})
+    if strategy == "pr" and isinstance(recipe.get("pr"), dict):
+        record["pr"] = dict(recipe["pr"])
+    return record
+
+
+def export_fingerprints(path: str) -> Tuple[str, str]:
+    """`(fingerprint, legacy)` of an export directory: its weights and config, less the `PROVENANCE_KEYS` records
+    (where it was made and from what run), so a rebuild in another directory has the same fingerprint; and the
+    fingerprint of its files as they are (`dir_fingerprint`), what records before this one hold. A check accepts
+    a recorded value equal to either (`matches_export`)."""
+    from pr_specforge.data.io import dir_fingerprint
+
+    return dir_fingerprint(path, ignore_keys=PROVENANCE_KEYS), dir_fingerprint(path)
+
+
+def matches_export(recorded: Optional[str], fingerprints: Tuple[str, str]) -> bool:
+    """A recorded drafter fingerprint names this export (`export_fingerprints`: the current or the legacy one)."""
+    return recorded in fingerprints
 
 
 def _write_sglang(tmp: str, model, weights: Dict[str, torch.Tensor], draft_cfg: Dict[str, Any],
                   capture_layers: Optional[List[int]], dtype: torch.dtype, context: Optional[int],
-                  record: Optional[Dict[str, Any]], serving: Optional[Dict[str, int]] = None) -> None:
+                  record: Optional[Dict[str, Any]], serving: Optional[Dict[str, int]] = None,
+                  run: Optional[Dict[str, Any]] = None) -> None:
     from safetensors.torch import save_file
-
-    from pr_specforge.data.hidden_states import TARGET_RECORD_KEY
 
     check_sglang_names(list(weights))
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in weights.items()}
@@ -430,15 +482,18 @@ def _write_sglang(tmp: str, model, weights: Dict[str, torch.Tensor], draft_cfg: 
     cfg = sglang_config(draft_cfg, model, capture_layers, dtype, context, serving)
     if record:
         cfg[TARGET_RECORD_KEY] = record
+    if run:
+        cfg[RUN_RECORD_KEY] = run
     _write_json(os.path.join(tmp, "config.json"), cfg)
 
 
 def _write_hf(tmp: str, model, weights: Dict[str, torch.Tensor], target: Optional[str], dtype: torch.dtype,
-              recipe: Optional[Dict[str, Any]], record: Optional[Dict[str, Any]]) -> None:
-    from pr_specforge.data.hidden_states import TARGET_RECORD_KEY
-
+              recipe: Optional[Dict[str, Any]], record: Optional[Dict[str, Any]],
+              run: Optional[Dict[str, Any]] = None) -> None:
     if record:
         setattr(model.config, TARGET_RECORD_KEY, record)
+    if run:
+        setattr(model.config, RUN_RECORD_KEY, run)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     assert not unexpected and all(_is_embedding(k) for k in missing), (missing, unexpected)
     state = dict(model.state_dict())
@@ -450,12 +505,15 @@ def _write_hf(tmp: str, model, weights: Dict[str, torch.Tensor], target: Optiona
         log.warning("no --target: the HF export carries no embedding (load it from the target before use)")
         state = {k: v for k, v in state.items() if not _is_embedding(k)}
     state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
-    model.config.torch_dtype = dtype
+    model.to(dtype)  # `save_pretrained` records the dtype of the model's parameters, whatever the state dict holds
     model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
     with open(os.path.join(tmp, "config.json")) as f:
         cfg = json.load(f)
     if cfg.get("architectures", [None])[0] not in (PR_ARCHITECTURE, EAGLE3_ARCHITECTURE, TWO_LAYER_ARCHITECTURE):
         raise ExportError(f"unexpected architectures {cfg.get('architectures')} in the HF export")
+    written = str(dtype).replace("torch.", "")
+    if (cfg.get("dtype") or cfg.get("torch_dtype")) != written:
+        raise ExportError(f"the HF config records dtype {cfg.get('dtype') or cfg.get('torch_dtype')!r}, its tensors are {written}")
 
 
 def _write_json(path: str, payload: Dict[str, Any]) -> None:

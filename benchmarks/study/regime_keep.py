@@ -200,15 +200,17 @@ def kept_fingerprint_check(seed_dir: Path, name: str, export: Path, out: Path) -
     the drafter of that name that served its kept rows (`eval_config.json`). Writes `out` when each one matches (or no
     folder names it); refuses in one line otherwise, before hours of training and serving on top of it are spent
     (the serve itself would refuse the folder)."""
-    from pr_specforge.data.io import atomic_write_json, dir_fingerprint
+    from pr_specforge.data.io import atomic_write_json
+    from pr_specforge.export import export_fingerprints, matches_export
     from pr_specforge.stages import StageFailed
 
-    fp = dir_fingerprint(str(export))
+    prints = export_fingerprints(str(export))  # (current, as the files are): rows kept before exports recorded
+    fp = prints[0]                             # their target by name hold the second, with the target's path inside
     kept = {}
     for cfg in sorted(seed_dir.glob("*/eval_config.json")):
         if (want := (json.loads(cfg.read_text()).get("drafters") or {}).get(name)) is not None:
             kept[cfg.parent.name] = want
-    if bad := {folder: want for folder, want in kept.items() if want != fp}:
+    if bad := {folder: want for folder, want in kept.items() if not matches_export(want, prints)}:
         folder, want = next(iter(bad.items()))
         raise StageFailed(f"{export}: drafter {name!r} rebuilt with fingerprint {fp}, but {seed_dir / folder}'s kept rows "
                           f"were served by {want}: rebuild it at the thread count it was trained with "
