@@ -30,7 +30,8 @@ import logging
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from pr_specforge.stages import REPO_ROOT, STAGE_ERRORS, Stage, StageBuilder, check_settings, run_stages
+from pr_specforge.stages import (REPO_ROOT, STAGE_ERRORS, Stage, StageBuilder, check_settings, migrate_recipe_record,
+                                 recipe_content, run_stages)
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> str:
     """Every stage of the embedded default, in order (finished ones skipped); returns the summary."""
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    check_settings(work / "run_settings.json", {k: v for k, v in vars(args).items() if k != "workdir"})
+    check_run_settings(args, work)
     build = StageBuilder(work)
     timings = run_stages(stages(args, build), work / "stage_times.json")
     run_dir = work / "runs" / "pr"
@@ -83,6 +84,15 @@ def run(args: argparse.Namespace) -> str:
         except Exception as e:  # a plot must never hide a finished run
             log.warning("plot failed: %s", e)
     return summary(work, run_dir, work / "export" / "pr-sglang", work / "export" / "pr-hf", work / "eval", timings)
+
+
+def check_run_settings(args: argparse.Namespace, work: Path) -> None:
+    """Finished stages are reused only under the settings that made them: every flag and override, and the recipe by
+    its content (an edited recipe is another setting, the same one by another path is not); `check_settings`."""
+    settings = {k: v for k, v in vars(args).items() if k != "workdir"}
+    settings["recipe"] = recipe_content(args.recipe)
+    migrate_recipe_record(work / "run_settings.json", args.recipe, settings["recipe"])
+    check_settings(work / "run_settings.json", settings)
 
 
 def stages(args: argparse.Namespace, build: StageBuilder) -> List[Stage]:

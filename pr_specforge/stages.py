@@ -83,6 +83,26 @@ def train_command(recipe: str, overrides: Sequence[str]) -> str:
     return f"OMP_NUM_THREADS={torch.get_num_threads()} " + command_line("train", ["-c", str(recipe), *overrides])
 
 
+def recipe_content(recipe: str) -> Dict:
+    """A recipe as what it says, not where it is: its mapping with its `extends:` chain merged and its relative paths
+    resolved (`training.recipe.read_recipe_mapping`), so the same recipe named by another path is the same setting,
+    and an edited one is another."""
+    from pr_specforge.training.recipe import read_recipe_mapping
+
+    return read_recipe_mapping(str(recipe))
+
+
+def _flat(settings: Dict, prefix: str = "") -> Dict:
+    """`{"recipe": {"pr": {"max_depth": 2}}}` -> `{"recipe.pr.max_depth": 2}`: a changed setting is named in full."""
+    out: Dict = {}
+    for key, value in settings.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def check_settings(path: Path, settings: Dict, write: bool = True) -> None:
     """Stages skip when their output exists, so a workdir must not be reused with other settings. A workdir's first
     settings are written to `path` (unless not `write`: a dry run compares and writes nothing)."""
@@ -91,10 +111,12 @@ def check_settings(path: Path, settings: Dict, write: bool = True) -> None:
 
     settings = json.loads(json.dumps(settings))
     if path.exists():
-        before = json.loads(path.read_text())
-        changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
+        before, now = _flat(json.loads(path.read_text())), _flat(settings)
+        keys = sorted(set(before) | set(now), key=lambda k: (k not in before or k not in now, k))  # values both hold first
+        changed = {k: (before.get(k), now.get(k)) for k in keys if before.get(k) != now.get(k)}
         if changed:
-            detail = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items()))
+            detail = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(changed.items())[:3])
+            detail += f" and {len(changed) - 3} more" if len(changed) > 3 else ""
             raise ConfigError(
                 f"{path.parent} was made with other settings ({detail}); its finished stages would be reused "
                 "as they are. Use a new --workdir, or delete this one to start over."
@@ -102,6 +124,22 @@ def check_settings(path: Path, settings: Dict, write: bool = True) -> None:
         return
     if write:
         atomic_write_json(path, settings)
+
+
+def migrate_recipe_record(path: Path, recipe: str, content: Dict) -> None:
+    """A workdir's settings written before recipes were recorded by content name the recipe by path: when that path is
+    this run's recipe file, its content is recorded in its place (the record is otherwise left for `check_settings`)."""
+    import os
+
+    from pr_specforge.data.io import atomic_write_json
+
+    if not path.exists():
+        return
+    before = json.loads(path.read_text())
+    old = before.get("recipe")
+    if isinstance(old, str) and os.path.isfile(old) and os.path.samefile(old, recipe):
+        log.warning("%s: the recipe was recorded by path (%s); recording its content now", path, old)
+        atomic_write_json(path, {**before, "recipe": json.loads(json.dumps(content))})
 
 
 def run_stages(stages: List[Stage], times_path: Optional[Path] = None, heartbeat_s: float = 60.0) -> Dict[str, float]:

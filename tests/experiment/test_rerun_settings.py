@@ -1,0 +1,69 @@
+"""Issue 63: `run` and `experiment` reuse a finished stage only under the settings that made it, the recipe by its
+content. An edited recipe was reused (every stage "skipped", the export still saying max_depth 2) while the same
+recipe by a relative path was refused; an experiment rerun with other --epochs/--lr/--eval-limit skipped every stage
+and rewrote the report with settings that did not run."""
+
+import json
+import shutil
+
+import pytest
+
+from pr_specforge.config import ConfigError
+
+
+def _recipe(tmp_path):
+    from pr_specforge.pipeline import DEFAULT_RECIPE
+
+    shutil.copytree(DEFAULT_RECIPE.parent, tmp_path / "recipes")  # with the recipes it extends
+    path = tmp_path / "recipes" / DEFAULT_RECIPE.name
+    text = path.read_text()
+    assert "max_depth: 2" in text
+    return path, text
+
+
+def test_run_identifies_its_recipe_by_content_not_by_path(tmp_path, monkeypatch):
+    from pr_specforge import pipeline
+
+    recipe, text = _recipe(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    parse = pipeline._parser().parse_args
+    pipeline.check_run_settings(parse(["--workdir", str(work), "--recipe", str(recipe)]), work)
+    monkeypatch.chdir(tmp_path)
+    pipeline.check_run_settings(parse(["--workdir", str(work), "--recipe", f"recipes/{recipe.name}"]), work)  # same recipe
+    recipe.write_text(text.replace("max_depth: 2", "max_depth: 1"))
+    with pytest.raises(ConfigError, match=r"recipe\.pr\.max_depth: 2 -> 1.*new --workdir"):
+        pipeline.check_run_settings(parse(["--workdir", str(work), "--recipe", str(recipe)]), work)
+    recipe.write_text(text)
+    with pytest.raises(ConfigError, match=r"max_steps: 300 -> 400"):
+        pipeline.check_run_settings(parse(["--workdir", str(work), "--recipe", str(recipe), "--max-steps", "400"]), work)
+
+
+def test_run_migrates_a_workdir_that_recorded_its_recipe_by_path(tmp_path):
+    from pr_specforge import pipeline
+
+    recipe, _ = _recipe(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    args = pipeline._parser().parse_args(["--workdir", str(work), "--recipe", str(recipe)])
+    old = {k: v for k, v in vars(args).items() if k != "workdir"}
+    (work / "run_settings.json").write_text(json.dumps(old))
+    pipeline.check_run_settings(args, work)
+    assert json.loads((work / "run_settings.json").read_text())["recipe"]["pr"]["max_depth"] == 2
+
+
+@pytest.mark.parametrize("flag, before, after", [("--epochs", "1", "5"), ("--lr", "0.001", "0.05"),
+                                                 ("--eval-limit", "1", "40"), ("--eval-max-new-tokens", "16", "32")])
+def test_an_experiment_seed_is_reused_only_under_the_settings_that_made_it(tmp_path, flag, before, after):
+    from pr_specforge.experiment import Experiment, _parser
+    from pr_specforge.stages import check_settings
+
+    def check(value, seed="0"):
+        exp = Experiment(_parser().parse_args(["--workdir", str(tmp_path), "--seed", seed, flag, value]))
+        check_settings(tmp_path / f"seed{seed}_settings.json", exp.seed_settings())
+
+    check(before)
+    check(before)  # the same command resumes
+    with pytest.raises(ConfigError, match=f"{flag[2:].replace('-', '_')}: {before} -> {after}"):
+        check(after)
+    check(after, seed="1")  # another seed is its own set of stages
