@@ -473,7 +473,8 @@ def test_save_keeps_rows_and_records_only_and_restore_puts_back_the_eval_folders
     # the regenerated text (a rerun skips regenerating what has its `.done`, resumes the rest), the eval folders, and
     # the stage times and command log the rebuilt workdir goes on adding to; the features and drafters rerun
     assert restored == {"seed0/report-b48/eval_config.json", "seed0/screen-b48/summary.json", "regenerated.jsonl",
-                        "regenerated.done", "screen/regenerated.jsonl", "stage_times.json", "commands.log", "sittings.jsonl"}
+                        "regenerated.done", "screen/regenerated.jsonl", "stage_times.json", "commands.log", "sittings.jsonl",
+                        "data_settings.json", "seed0/settings.json"}  # the settings the next run compares its flags with
     assert (fresh / "seed0" / "report-b48" / "results.jsonl").read_text() == "newer"  # never overwritten
     with pytest.raises(FileNotFoundError, match="not a saved regime folder"):
         regimes.restore_rows(tmp_path / "nothing", fresh)
@@ -828,3 +829,67 @@ def test_the_committed_report_equals_its_rendering_from_the_kept_rows(regimes, t
     for suffix in (".md", ".json"):
         with open(os.path.join(RESULTS, "regimes" + suffix)) as f:
             assert prefix.with_suffix(suffix).read_text() == f.read(), f"benchmarks/results/regimes{suffix} is stale"
+
+
+# ---- issue 63: the study tools compare settings before they copy, and check every number before any work
+@pytest.mark.parametrize("argv, needle", [
+    (["gsm8k", "--train-limit", "0"], "--train-limit must be at least 1, got 0"),
+    (["gsm8k", "--train-limit", "-1"], "--train-limit must be at least 1, got -1"),
+    (["gsm8k", "--epochs", "0"], "--epochs must be at least 1, got 0"),
+    (["gsm8k", "--lr", "-1"], "--lr must be a finite number above 0, got -1.0"),
+    (["gsm8k", "--lr", "nan"], "--lr must be a finite number above 0, got nan"),
+    (["gsm8k", "--seeds", "0", "0"], "--seeds: 0 is given twice"),
+    (["gsm8k", "--report-step", "0"], "--report-step must be at least 1"),
+    (["gsm8k", "--eval-interval", "-5"], "--eval-interval must be at least 0"),
+    (["sharegpt", "--keep", "0"], "--keep must be at least 1"),
+    (["sharegpt", "--steps", "-3"], "--steps must be at least 1"),
+    (["report", "--report-limit", "0"], "--report-limit must be at least 1"),
+])
+def test_every_numeric_argument_is_range_checked_before_any_work(regimes, tmp_path, capsys, argv, needle):
+    work = tmp_path / "w"
+    extra = [] if argv[0] == "report" else ["--workdir", str(work)]
+    assert regimes.main([*argv, *extra]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert not work.exists()
+
+
+def test_restore_puts_the_settings_back_so_a_run_asking_for_others_is_refused(regimes, tmp_path, capsys):
+    """Restoring into a fresh workdir used to leave nothing to compare: ShareGPT replies showed as GSM8K's `(done)`,
+    and data made with --train-limit 400 as done for --train-limit 200."""
+    fresh = tmp_path / "fresh"
+    assert regimes.main(["restore", "--from", os.path.join(RESULTS, "regime-sharegpt"), "--workdir", str(fresh)]) == 0
+    assert (fresh / "data_settings.json").is_file()
+    assert regimes.main(["gsm8k", "--workdir", str(fresh), "--dry-run"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "was made with other settings" in err[-1] and "new --workdir" in err[-1], err
+    right = tmp_path / "right"
+    assert regimes.main(["restore", "--from", os.path.join(RESULTS, "regime-gsm8k"), "--workdir", str(right)]) == 0
+    assert regimes.main(["gsm8k", "--workdir", str(right), "--train-limit", "200", "--max-new-tokens", "128",
+                         "--dry-run"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "max_new_tokens: 256 -> 128" in err[-1] and "train_limit: 400 -> 200" in err[-1], err
+    assert regimes.main(["gsm8k", "--workdir", str(right), "--train-limit", "400", "--seeds", "0", "1", "--dry-run"]) == 0
+
+
+def test_save_compares_the_settings_before_copying(regimes, tmp_path, capsys):
+    kept = tmp_path / "kept"
+    shutil.copytree(os.path.join(RESULTS, "regime-gsm8k"), kept)
+    before = {p: p.read_bytes() for p in kept.rglob("*") if p.is_file()}
+    work = tmp_path / "work"
+    shutil.copytree(kept, work)
+    seed = json.loads((work / "seed0" / "settings.json").read_text())
+    (work / "seed0" / "settings.json").write_text(json.dumps(dict(seed, lr=0.05, epochs=5)))
+    assert regimes.main(["save", "--workdir", str(work), "--to", str(kept)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "seed0/settings.json differs" in err[0] and "lr: 0.05 here, 0.0003 kept" in err[0], err
+    assert "nothing written" in err[0]
+    assert {p: p.read_bytes() for p in kept.rglob("*") if p.is_file()} == before
+
+
+def test_report_refuses_a_folder_of_the_other_regime(regimes, tmp_path, capsys):
+    prefix = _committed_report_copy(tmp_path)
+    for flag, folder, other in (("--gsm8k", "regime-sharegpt", "--sharegpt"), ("--sharegpt", "regime-gsm8k", "--gsm8k")):
+        assert regimes.main(["report", flag, os.path.join(RESULTS, folder), "--out", str(prefix)]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"pass it as {other}" in err[0], err
