@@ -136,7 +136,7 @@ def test_the_held_out_measures_record_the_curve_and_what_the_depths_compute(regi
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
         {"step": 1, "loss": 9.0}, {"step": 250, "eval/avg_loss": 9.7, "eval/simulated_acc_len": 0.60},
         {"step": 500, "eval/avg_loss": 8.6, "eval/simulated_acc_len": 0.74},
-        {"step": 750, "eval/avg_loss": 8.5, "eval/simulated_acc_len": 0.745})))
+        {"step": 750, "eval/avg_loss": 8.5, "eval/simulated_acc_len": 0.745}, {"step": 800, "loss": 8.4})))
     (sd / "diagnose").mkdir()
     (sd / "diagnose" / "pr-paper.json").write_text(json.dumps({"pr": {
         "pr/feature_change_depth_1": 0.31, "pr/feature_change_depth_2": 0.4, "pr/argmax_agree_depth_1": 0.9,
@@ -146,7 +146,8 @@ def test_the_held_out_measures_record_the_curve_and_what_the_depths_compute(regi
     (sd / "headroom" / "pr-paper.json").write_text(json.dumps({"pooled": {"table7": {"recovered": [[0, 0, 0, 0.063]]}}}))
     write_measures(run, sd / "diagnose" / "pr-paper.json", sd / "headroom" / "pr-paper.json", sd / "measures" / "pr-paper.json")
     m = json.loads((sd / "measures" / "pr-paper.json").read_text())
-    assert m["curve"] == [[250, 9.7, 0.60], [500, 8.6, 0.74], [750, 8.5, 0.745]] and m["steps"] == 750
+    assert m["curve"] == [[250, 9.7, 0.60], [500, 8.6, 0.74], [750, 8.5, 0.745]]
+    assert (m["steps"], m["curve_steps"]) == (800, 750)  # the step that served, and the curve's last point (issue 63)
     assert m["last_gain"] == pytest.approx(0.745 / 0.74 - 1) and m["last_gain"] < FLAT_GAIN and m["flattened"]
     assert m["feature_change"] == {"1": 0.31, "2": 0.4} and m["argmax_agree"] == {"1": 0.9, "2": 0.85}
     assert m["recovered_share"] == 0.07 and m["recovered_low_cd"] == 0.063
@@ -163,11 +164,14 @@ def test_the_held_out_measures_record_the_curve_and_what_the_depths_compute(regi
     assert row["measures"] == {"seed0": {"pr-paper": m}}
     text = regimes.render({"regimes": [row]})
     assert "### Held-out measures before serving" in text
-    assert "| seed0 | pr-paper | 750 | +0.7% | yes | 46.0% / 42.0% / 38.0% | 99.7% | 0.310 / 0.400 | 90.0% / 85.0% | 7.0% | 6.3% |" in text
+    assert "| seed0 | pr-paper | 800 (curve to 750) | +0.7% | yes | 46.0% / 42.0% / 38.0% | 99.7% | 0.310 / 0.400 | 90.0% / 85.0% | 7.0% | 6.3% |" in text
     # a measures file written before the depths' accuracy and the gate were kept: read from its diagnose beside it
     older = {k: v for k, v in m.items() if k not in ("acc_depth", "halt_at_0")}
     (sd / "measures" / "pr-paper.json").write_text(json.dumps(older))
     assert regimes.gsm8k_row(tmp_path)["measures"] == {"seed0": {"pr-paper": m}}
+    # one written when `steps` was the curve's last point: the served step is read from the run (or its kept curve)
+    (sd / "measures" / "pr-paper.json").write_text(json.dumps({k: v for k, v in m.items() if k != "curve_steps"} | {"steps": 750}))
+    assert regimes.gsm8k_row(tmp_path)["measures"]["seed0"]["pr-paper"]["steps"] == 800
 
 
 def test_a_cell_shows_how_many_verified_nodes_per_round_reconsideration_proposed_or_repriced(regimes, tmp_path):
