@@ -416,8 +416,8 @@ def check_target(target: Optional[str]) -> None:
 def _target_record(target: Optional[str], capture_layers: Optional[List[int]]) -> Optional[Dict[str, Any]]:
     """The target by name and fingerprint, recorded in the export's config.json under `TARGET_RECORD_KEY` so
     `headroom` / `diagnose` can refuse features of another target; None when unknown. `name` is the target
-    directory's name and `fingerprint` its files' names and sizes (`dir_fingerprint(hash_weights=False)`, what `eval`
-    records as its target); the shape fields are `data.hidden_states.target_record`'s. Never its path: a path of one
+    directory's name and `fingerprint` the content of its config and weight files (`dir_fingerprint`, what `eval`
+    records as `target_weights`); the shape fields are `data.hidden_states.target_record`'s. Never its path: a path of one
     machine would leak into a shared file and make the export's fingerprint depend on where it was made."""
     if not (target and os.path.isfile(os.path.join(target, "config.json"))):
         return None
@@ -429,7 +429,7 @@ def _target_record(target: Optional[str], capture_layers: Optional[List[int]]) -
     except (OSError, ValueError) as e:
         raise ExportError(f"--target {target}: its config.json does not load ({type(e).__name__})") from None
     record.pop("path", None)
-    record.update(name=os.path.basename(os.path.abspath(target)), fingerprint=dir_fingerprint(target, hash_weights=False))
+    record.update(name=os.path.basename(os.path.abspath(target)), fingerprint=dir_fingerprint(target))
     return record
 
 
@@ -462,7 +462,17 @@ def export_fingerprints(path: str) -> Tuple[str, str]:
     a recorded value equal to either (`matches_export`)."""
     from pr_specforge.data.io import dir_fingerprint
 
-    return dir_fingerprint(path, ignore_keys=PROVENANCE_KEYS), dir_fingerprint(path)
+    current = dir_fingerprint(path, ignore_keys=PROVENANCE_KEYS)
+    records = any(isinstance(cfg := _json_or_none(os.path.join(path, name)), dict) and set(cfg) & set(PROVENANCE_KEYS)
+                  for name in os.listdir(path) if name.endswith(".json"))
+    return current, (dir_fingerprint(path) if records else current)  # the weights are read twice only when they differ
+
+
+def _json_or_none(path: str) -> Any:
+    try:
+        return read_json_file(path)
+    except (DataFormatError, OSError):
+        return None
 
 
 def matches_export(recorded: Optional[str], fingerprints: Tuple[str, str]) -> bool:

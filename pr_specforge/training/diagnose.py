@@ -221,6 +221,21 @@ def check_same_target(features: str, source: DrafterSource) -> None:
             raise ConfigError(f"--features {features}: made from another target: its manifest.json records "
                               f"target.{field} {theirs[field]!r}, the drafter's target ({where}) has {ours[field]!r}; "
                               "measure on held-out features of the drafter's own target")
+    check_export_target(source, ours)
+
+
+def check_export_target(source: DrafterSource, ours: Dict) -> None:
+    """An export records its target by name and content fingerprint (`export._target_record`), not by path: the
+    target it is measured with (`--target`, else the features' manifest) must have that content."""
+    from pr_specforge.data.io import dir_fingerprint
+
+    target = (source.raw.get("model") or {}).get("target_model_path")
+    if not (source.hf and ours.get("fingerprint") and target and Path(target).is_dir()):
+        return
+    if (fp := dir_fingerprint(str(target))) != ours["fingerprint"]:
+        raise ConfigError(f"{target} is another target than the drafter's: the export records target "
+                          f"{ours.get('name')!r} with fingerprint {ours['fingerprint']}, {target} has {fp}; measure "
+                          "on held-out features of the drafter's own target, or pass --target with its directory")
 
 
 def _drafter_target(source: DrafterSource):

@@ -87,7 +87,7 @@ def test_an_export_records_its_dtype_the_runs_settings_and_its_target_by_name_ne
         assert dtypes == {"torch.bfloat16"} and cfg[key] == "bfloat16", name
         assert str(pr_bf16) not in text and "/target" not in text, name  # no path of this machine
         target = cfg["pr_specforge_target"]
-        assert target["name"] == "target" and target["fingerprint"] == dir_fingerprint(str(pr_bf16 / "target"), hash_weights=False)
+        assert target["name"] == "target" and target["fingerprint"] == dir_fingerprint(str(pr_bf16 / "target"))
         run = cfg[RUN_RECORD_KEY]
         assert (run["ttt_length"], run["batch_size"], run["torch_dtype"], run["pr"]["max_depth"]) == (4, 2, "bfloat16", 2)
 
