@@ -84,12 +84,21 @@ def train_command(recipe: str, overrides: Sequence[str]) -> str:
 
 
 def recipe_content(recipe: str) -> Dict:
-    """A recipe as what it says, not where it is: its mapping with its `extends:` chain merged and its relative paths
-    resolved (`training.recipe.read_recipe_mapping`), so the same recipe named by another path is the same setting,
-    and an edited one is another."""
-    from pr_specforge.training.recipe import read_recipe_mapping
+    """A recipe as what it says, not where it is: its mapping with its `extends:` chain merged
+    (`training.recipe.read_recipe_mapping`) and the files it names beside it (the draft config) by name and content
+    hash, so the same recipe named by another path, or in another checkout, is the same setting, and an edited one
+    (or one naming an edited draft config) is another."""
+    import os
 
-    return read_recipe_mapping(str(recipe))
+    from pr_specforge.data.io import file_digest
+    from pr_specforge.training.recipe import RECIPE_RELATIVE_PATHS, read_recipe_mapping
+
+    raw = read_recipe_mapping(str(recipe))
+    for section, key in RECIPE_RELATIVE_PATHS:  # a file the recipe names (the draft config): by its content too
+        value = (raw.get(section) or {}).get(key) if isinstance(raw.get(section), dict) else None
+        if isinstance(value, str) and os.path.isfile(value):
+            raw[section][key] = f"{os.path.basename(value)} (sha256 {file_digest(value)})"
+    return raw
 
 
 def _flat(settings: Dict, prefix: str = "") -> Dict:

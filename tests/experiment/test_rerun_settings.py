@@ -67,3 +67,17 @@ def test_an_experiment_seed_is_reused_only_under_the_settings_that_made_it(tmp_p
     with pytest.raises(ConfigError, match=f"{flag[2:].replace('-', '_')}: {before} -> {after}"):
         check(after)
     check(after, seed="1")  # another seed is its own set of stages
+
+
+def test_a_recipe_in_another_checkout_is_the_same_setting_and_an_edited_draft_config_another(tmp_path):
+    from pr_specforge.pipeline import DEFAULT_RECIPE
+    from pr_specforge.stages import recipe_content
+
+    shutil.copytree(DEFAULT_RECIPE.parent, tmp_path / "a" / "recipes")
+    shutil.copytree(DEFAULT_RECIPE.parent, tmp_path / "b" / "recipes")
+    a, b = (recipe_content(str(tmp_path / x / "recipes" / DEFAULT_RECIPE.name)) for x in "ab")
+    assert a == b and "sha256" in a["model"]["draft_model_config"]
+    draft = tmp_path / "b" / "recipes" / "drafters"
+    for f in draft.glob("*.json"):
+        f.write_text(f.read_text().replace('"rms_norm_eps"', '"rms_norm_eps" ', 1))
+    assert recipe_content(str(tmp_path / "b" / "recipes" / DEFAULT_RECIPE.name)) != a
