@@ -214,6 +214,24 @@ def _set_stage_time(times_path: Path, name: str, total: float) -> None:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
+def check_finished_run(run_dir: Path, recipe: str, overrides: Sequence[str]) -> None:
+    """A finished training is reused only when every setting that shaped its weights (`preflight.shaping_settings`,
+    its schedule included) is this command's: else one line naming the setting and both values."""
+    from pr_specforge.config import ConfigError
+    from pr_specforge.data.io import check_resume
+    from pr_specforge.training.preflight import recorded_recipe, shaping_settings
+    from pr_specforge.training.recipe import load_recipe, resolved_payload
+
+    before = recorded_recipe(str(run_dir))
+    if before is None:
+        return
+    recorded = shaping_settings(before, schedule=True)
+    now = shaping_settings(resolved_payload(load_recipe(str(recipe), list(overrides))), schedule=True)
+    check_resume(f"{run_dir} (a finished training)", recorded, {k: v for k, v in now.items() if k in recorded},
+                 f"its weights were trained otherwise: delete {run_dir} to train it again with these settings, or use a "
+                 "new work directory", error=ConfigError)
+
+
 class StageBuilder:
     """The stages over one work directory; see the module docstring."""
 
@@ -281,8 +299,9 @@ class StageBuilder:
 
     def train_stage(self, name: str, recipe: str, run_dir: Path, overrides: Callable[[], List[str]]) -> Stage:
         """`pr-specforge train -c RECIPE OVERRIDES` (made when the stage runs), resumed from the run's
-        newest checkpoint; done once `RUN_DIR/train.done` exists. The logged command names torch's thread count:
-        training is bitwise reproducible at the same count only."""
+        newest checkpoint; done once `RUN_DIR/train.done` exists, and refused then when a setting that shaped the
+        weights differs (`check_finished_run`). The logged command names torch's thread count: training is bitwise
+        reproducible at the same count only."""
         def run() -> None:
             from pr_specforge.training.preflight import latest_checkpoint
             from pr_specforge.training.train import run_train
@@ -297,7 +316,13 @@ class StageBuilder:
             if rc:
                 raise StageFailed(f"{name}: training failed with exit {rc}")
             (run_dir / "train.done").write_text("ok\n")
-        return Stage(name, run_dir / "train.done", run)
+
+        def done() -> bool:
+            if not (run_dir / "train.done").exists():
+                return False
+            check_finished_run(run_dir, recipe, overrides())
+            return True
+        return Stage(name, run_dir / "train.done", run, done=done)
 
     def diagnose(self, run_dir: Path, features: Path, out_json: Path, seed: int) -> None:
         """`pr-specforge diagnose` of the run's newest checkpoint on held-out features."""

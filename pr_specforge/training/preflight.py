@@ -173,7 +173,7 @@ RESUMABLE_TRAINING = ("save_interval", "eval_interval", "log_interval", "max_che
 SHAPING_FIELDS = (("model", "torch_dtype"), ("data", "max_length"))
 
 
-def _recorded_recipe(checkpoint: str) -> Optional[dict]:
+def recorded_recipe(checkpoint: str) -> Optional[dict]:
     """The resolved recipe the run that wrote `checkpoint` recorded (`resolved_recipe.yaml` beside it or in its run
     directory), or None when there is none to read."""
     import yaml
@@ -190,9 +190,11 @@ def _recorded_recipe(checkpoint: str) -> Optional[dict]:
     return None
 
 
-def _shaping(payload: dict) -> dict:
-    """The settings of a resolved recipe that shape its checkpoints (`RESUMABLE_TRAINING` left out), dotted."""
-    out = {f"training.{k}": v for k, v in (payload.get("training") or {}).items() if k not in RESUMABLE_TRAINING}
+def shaping_settings(payload: dict, schedule: bool = False) -> dict:
+    """The settings of a resolved recipe that shape its checkpoints (`RESUMABLE_TRAINING` left out; with `schedule`,
+    the schedule's fields kept: what a finished run's weights depend on), dotted."""
+    skip = [k for k in RESUMABLE_TRAINING if not (schedule and k in SCHEDULE_FIELDS)]
+    out = {f"training.{k}": v for k, v in (payload.get("training") or {}).items() if k not in skip}
     out.update({f"pr.{k}": v for k, v in (payload.get("pr") or {}).items()})
     for section, key in SHAPING_FIELDS:
         if key in (payload.get(section) or {}):
@@ -202,16 +204,16 @@ def _shaping(payload: dict) -> dict:
 
 def check_same_settings(resume: str, recipe, output_dir: str) -> None:
     """A resumed run restores its optimiser, schedule and RNG from the checkpoint, so it continues the run that wrote
-    it only under the same settings: a changed setting (`_shaping`: the learning rate, a `pr.*` field, the dtype,
+    it only under the same settings: a changed setting (`shaping_settings`: the learning rate, a `pr.*` field, the dtype,
     ...) would be recorded but not used. Refused in one line naming the setting and both values; settings the
     checkpoint's run did not record (an older version) are not compared."""
     from pr_specforge.data.io import check_resume
     from pr_specforge.training.recipe import resolved_payload
 
-    recorded = _recorded_recipe(resume)
+    recorded = recorded_recipe(resume)
     if recorded is None:
         return
-    before, now = _shaping(recorded), _shaping(resolved_payload(recipe))
+    before, now = shaping_settings(recorded), shaping_settings(resolved_payload(recipe))
     now = {k: v for k, v in now.items() if k in before}
     check_resume(f"resuming {resume}", before, now,
                  f"a resumed run keeps the settings it was trained with: keep that value to resume it, rerun with "

@@ -81,3 +81,29 @@ def test_a_recipe_in_another_checkout_is_the_same_setting_and_an_edited_draft_co
     for f in draft.glob("*.json"):
         f.write_text(f.read_text().replace('"rms_norm_eps"', '"rms_norm_eps" ', 1))
     assert recipe_content(str(tmp_path / "b" / "recipes" / DEFAULT_RECIPE.name)) != a
+
+
+def test_a_finished_training_stage_is_reused_only_under_the_settings_that_trained_it(tmp_path):
+    """The rule every command's train stage shares (`run`, `experiment`, the regime study)."""
+    import yaml
+
+    from pr_specforge.stages import StageBuilder
+    from pr_specforge.training.recipe import load_recipe, resolved_payload
+    from tests.helpers import write_workspace
+
+    recipe = write_workspace(str(tmp_path), strategy="pr", steps=6, pr_section={"max_depth": 2})
+    run = tmp_path / "out"
+    run.mkdir()
+    (run / "resolved_recipe.yaml").write_text(yaml.safe_dump(resolved_payload(load_recipe(recipe, []))))
+    (run / "train.done").write_text("ok\n")
+
+    def stage(*overrides):
+        return StageBuilder(tmp_path).train_stage("train", recipe, run, lambda: list(overrides))
+
+    assert stage().done() and stage("training.log_interval=5").done()
+    for override, needle in (("training.learning_rate=0.5", "training.learning_rate' is 0.001 but this run's is 0.5"),
+                             ("pr.max_depth=1", "pr.max_depth' is 2 but this run's is 1"),
+                             ("training.max_steps=9", "training.max_steps' is 6 but this run's is 9")):
+        with pytest.raises(ConfigError, match=needle):
+            stage(override).done()
+    assert not StageBuilder(tmp_path).train_stage("train", recipe, tmp_path / "none", lambda: []).done()
