@@ -163,7 +163,8 @@ class Experiment:
             *(build.train_stage(f"train-{name}", str(RECIPES[name]), self.runs[name], lambda name=name: self.train_overrides(name))
               for name in RECIPES),
             *([Stage("diagnose", self.diags["pr"], self.diagnose)] if args.heldout else []),
-            Stage("export", self.exports["pr"] / "config.json", self.export),
+            Stage("export", self.exports["pr"] / "config.json", self.export,
+                  done=lambda: all(self.build.export_done(self.runs[n], self.exports[n]) for n in RECIPES)),
             build.eval_stage("eval-b48", evals["b48"], budgets=[48], temperatures=[0.0, 1.0], **evaluate),
             build.eval_stage("eval-b24", evals["b24"], budgets=[24], temperatures=[0.0], **evaluate),
         ]

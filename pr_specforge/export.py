@@ -349,7 +349,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, to: str, *, draft_config: O
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out_dir)}.tmp-")
     capture_layers = resolve_capture_layers(draft_cfg, recipe, target)
     record = _target_record(target, capture_layers)
-    run = run_record(recipe, strategy)
+    run = run_record(recipe, strategy, checkpoint)
     try:
         if to == "sglang":
             _write_sglang(tmp, model, weights, draft_cfg, capture_layers, out_dtype, target_context(target), record,
@@ -439,11 +439,26 @@ RUN_RECORD_KEY = "pr_specforge_run"
 PROVENANCE_KEYS = (TARGET_RECORD_KEY, RUN_RECORD_KEY)
 
 
-def run_record(recipe: Optional[Dict[str, Any]], strategy: str) -> Dict[str, Any]:
+def checkpoint_record(checkpoint: str) -> Optional[Dict[str, str]]:
+    """The checkpoint an export was made from: its directory's name and its `training_state.pt`'s content hash
+    (`run`'s export stage compares it with the run's newest checkpoint: an export of earlier weights is redone)."""
+    from pr_specforge.data.io import file_digest
+    from pr_specforge.training.preflight import latest_checkpoint
+
+    if os.path.isdir(checkpoint) and not os.path.isfile(os.path.join(checkpoint, "training_state.pt")):
+        checkpoint = latest_checkpoint(checkpoint, required=False) or checkpoint  # a run directory: its newest
+    state = os.path.join(checkpoint, "training_state.pt") if os.path.isdir(checkpoint) else checkpoint
+    if not (os.path.isfile(state) and os.path.basename(state) == "training_state.pt"):
+        return None
+    return {"name": os.path.basename(os.path.dirname(os.path.abspath(state))), "sha256": file_digest(state)}
+
+
+def run_record(recipe: Optional[Dict[str, Any]], strategy: str, checkpoint: Optional[str] = None) -> Dict[str, Any]:
     """The run's settings that `diagnose` / `headroom` rebuild an export's objective with, so that they measure the
     run's numbers with default flags: the TTT length, sequence length, batch size, attention backend, the compute
     dtype the run trained in, and (a PR run) its whole `pr` section (the objective's settings, not only the
-    drafter's `pr_config`). Settings the stored recipe lacks are left out (the rebuild then uses its defaults)."""
+    drafter's `pr_config`). Settings the stored recipe lacks are left out (the rebuild then uses its defaults).
+    With `checkpoint`, also which checkpoint it is (`checkpoint_record`)."""
     recipe = recipe or {}
     sections = {name: recipe.get(name) or {} for name in ("model", "data", "training")}
     fields = (("training", "ttt_length"), ("data", "max_length"), ("training", "batch_size"),
@@ -452,7 +467,21 @@ def run_record(recipe: Optional[Dict[str, Any]], strategy: str) -> Dict[str, Any
     record.update({key: sections[section][key] for section, key in fields if sections[section].get(key) is not None})
     if strategy == "pr" and isinstance(recipe.get("pr"), dict):
         record["pr"] = dict(recipe["pr"])
+    if checkpoint and (ckpt := checkpoint_record(checkpoint)):
+        record["checkpoint"] = ckpt
     return record
+
+
+def export_is_of(export_dir: str, checkpoint: Optional[str]) -> bool:
+    """`export_dir` holds an export of `checkpoint` (its recorded `checkpoint_record`); False when it records none."""
+    cfg_path = os.path.join(export_dir, "config.json")
+    if not (checkpoint and os.path.isfile(cfg_path)):
+        return False
+    try:
+        recorded = (read_json_file(cfg_path).get(RUN_RECORD_KEY) or {}).get("checkpoint")
+    except (DataFormatError, AttributeError):
+        return False
+    return recorded is not None and recorded == checkpoint_record(checkpoint)
 
 
 def export_fingerprints(path: str) -> Tuple[str, str]:

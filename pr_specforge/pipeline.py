@@ -108,7 +108,8 @@ def stages(args: argparse.Namespace, build: StageBuilder) -> List[Stage]:
         build.train_stage("train", args.recipe, run_dir, lambda: [
             *build.feature_overrides(run_dir, args.max_length), f"training.max_steps={args.max_steps}", *args.overrides]),
         Stage("export", export_hf / "config.json",
-              lambda: (build.export(run_dir, export_sglang, "sglang"), build.export(run_dir, export_hf, "hf"))),
+              lambda: (build.export(run_dir, export_sglang, "sglang"), build.export(run_dir, export_hf, "hf")),
+              done=lambda: build.export_done(run_dir, export_sglang, export_hf)),
     ]
     if not args.skip_eval:
         out.append(build.eval_stage("evaluate", build.work / "eval", drafts={"pr": export_hf}, prompts=args.eval_prompts,

@@ -330,6 +330,15 @@ class StageBuilder:
 
         self.call("diagnose", main, [run_dir, "--features", features, "--json", out_json, "--seed", seed, "--no-progress"])
 
+    def export_done(self, run_dir: Path, *outs: Path) -> bool:
+        """An export stage is done when each of `outs` is an export of the run's newest checkpoint
+        (`export.export_is_of`): an export of earlier weights (the training was run again) is made again."""
+        from pr_specforge.export import export_is_of
+        from pr_specforge.training.preflight import latest_checkpoint
+
+        ckpt = latest_checkpoint(run_dir, required=False)
+        return all(export_is_of(str(out), ckpt) for out in outs)
+
     def export(self, run_dir: Path, out: Path, to: str) -> None:
         """`pr-specforge export` of the run's newest checkpoint (`--to sglang|hf`)."""
         from pr_specforge.export import main

@@ -219,6 +219,15 @@ def check_regime_folder(flag: str, path: Path, regime: str) -> None:
                          f"{REGIME_MARKS[regime]!r}); pass it as --{other}")
 
 
+def fingerprint_checked(out: Path, export: Path) -> bool:
+    """The kept-fingerprint stage is done when its record names the export as it is now (a re-export of a retrained
+    drafter is checked again)."""
+    from pr_specforge.export import export_fingerprints
+
+    record = _json(out) if out.is_file() else None
+    return isinstance(record, dict) and export.is_dir() and record.get("fingerprint") in export_fingerprints(str(export))
+
+
 def kept_fingerprint_check(seed_dir: Path, name: str, export: Path, out: Path) -> None:
     """Before any serve: `name`'s export (`export`) against the fingerprint every eval folder of `seed_dir` recorded for
     the drafter of that name that served its kept rows (`eval_config.json`). Writes `out` when each one matches (or no

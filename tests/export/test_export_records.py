@@ -144,3 +144,21 @@ def test_eval_and_the_study_accept_a_legacy_fingerprint_and_record_the_current_o
     (sd / "report-b48" / "eval_config.json").write_text(json.dumps({"drafters": {"pr": as_files}}))
     kept_fingerprint_check(sd, "pr", pr_bf16 / "hf", sd / "fingerprints" / "pr.json")
     assert json.loads((sd / "fingerprints" / "pr.json").read_text())["fingerprint"] == current_fp
+
+
+def test_an_export_stage_is_done_only_for_the_runs_newest_checkpoint(pr_bf16, tmp_path):
+    """`run`'s, `experiment`'s and the study's export stage: an export of other weights (the training ran again) is
+    made again, not reused."""
+    from pr_specforge.export import export_is_of
+    from pr_specforge.stages import StageBuilder
+    from pr_specforge.training.preflight import latest_checkpoint
+
+    ckpt = latest_checkpoint(pr_bf16 / "out")
+    assert StageBuilder(pr_bf16).export_done(pr_bf16 / "out", pr_bf16 / "hf", pr_bf16 / "sglang")
+    again = tmp_path / "again" / os.path.basename(ckpt)
+    shutil.copytree(ckpt, again)
+    assert export_is_of(str(pr_bf16 / "hf"), str(again))  # the same checkpoint's content
+    with open(again / "training_state.pt", "ab") as f:
+        f.write(b"\0")  # retrained: other content under the same name
+    assert not export_is_of(str(pr_bf16 / "hf"), str(again))
+    assert not StageBuilder(tmp_path).export_done(tmp_path / "no-run", pr_bf16 / "hf")
