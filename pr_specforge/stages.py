@@ -355,12 +355,37 @@ class StageBuilder:
             "--max-new-tokens", max_new_tokens, *extra, "--out-dir", out_dir, "--json", out_dir / "summary.json")]
 
     def eval_stage(self, name: str, out_dir: Path, **settings) -> Stage:
-        """`pr-specforge eval` (`eval_argv(out_dir, **settings)`); done once `OUT_DIR/summary.json` exists."""
+        """`pr-specforge eval` (`eval_argv(out_dir, **settings)`); done once `OUT_DIR/summary.json` exists and its
+        rows were served by these drafters (`served_by`): after a re-export of other weights the serve runs again,
+        where `eval` refuses the folder's rows in one line (made from other files) instead of a stale summary."""
         def run() -> None:
             from pr_specforge.eval.cli import main
 
             self.call("eval", main, self.eval_argv(out_dir, **settings))
-        return Stage(name, out_dir / "summary.json", run)
+        drafts = settings.get("drafts") or {}
+        return Stage(name, out_dir / "summary.json", run,
+                     done=lambda: (out_dir / "summary.json").exists() and self.served_by(out_dir, drafts))
+
+    def served_by(self, out_dir: Path, drafts: Dict[str, Path]) -> bool:
+        """Every drafter of `drafts` (name -> export) is the one `out_dir`'s `eval_config.json` records under its
+        name (`export.export_fingerprints`, hashed once per process while the export's files keep their times and sizes)."""
+        from pr_specforge.data.io import read_json_object
+        from pr_specforge.export import export_fingerprints, matches_export
+
+        path = out_dir / "eval_config.json"
+        if not path.is_file():
+            return not drafts
+        recorded = read_json_object(path, error=ValueError).get("drafters") or {}
+        cache = self.__dict__.setdefault("_fingerprints", {})
+        for name, export in drafts.items():
+            if not Path(export).is_dir():
+                return False
+            key = (str(export), *((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in sorted(Path(export).iterdir())))
+            if key not in cache:
+                cache[key] = export_fingerprints(str(export))
+            if not matches_export(recorded.get(name), cache[key]):
+                return False
+        return True
 
     def plot(self, run_dir: Path) -> None:
         """`pr-specforge plot RUN_DIR` (metrics.png)."""

@@ -162,3 +162,18 @@ def test_an_export_stage_is_done_only_for_the_runs_newest_checkpoint(pr_bf16, tm
         f.write(b"\0")  # retrained: other content under the same name
     assert not export_is_of(str(pr_bf16 / "hf"), str(again))
     assert not StageBuilder(tmp_path).export_done(tmp_path / "no-run", pr_bf16 / "hf")
+
+
+def test_an_eval_stage_is_done_only_when_its_rows_were_served_by_these_exports(pr_bf16, tmp_path):
+    from pr_specforge.export import export_fingerprints
+    from pr_specforge.stages import StageBuilder
+
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")
+    stage = StageBuilder(tmp_path).eval_stage("evaluate", out, drafts={"pr": pr_bf16 / "hf"})
+    assert not stage.done()  # no record of who served it
+    (out / "eval_config.json").write_text(json.dumps({"drafters": {"pr": "0123456789abcdef"}}))
+    assert not stage.done()  # served by other weights: run again (eval refuses those rows in one line)
+    (out / "eval_config.json").write_text(json.dumps({"drafters": {"pr": export_fingerprints(str(pr_bf16 / "hf"))[1]}}))
+    assert stage.done()  # a legacy record of this export is its own

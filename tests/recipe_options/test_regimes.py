@@ -356,6 +356,18 @@ def test_the_report_shows_screening_apart_from_the_report_split_and_gives_no_ver
     assert row["conditions"]["eagle3_tau"]["measured"]["seed0"]["from"] == "report"
 
 
+def _exports_served(sd, folder, names):
+    """An export per drafter under `sd/export/`, recorded in `folder`'s eval_config.json as the one that served."""
+    from pr_specforge.export import export_fingerprints
+
+    for name in names:
+        (sd / "export" / name).mkdir(parents=True, exist_ok=True)
+        (sd / "export" / name / "config.json").write_text("{}")
+        (sd / "export" / name / "model.safetensors").write_bytes(name.encode())
+    (folder / "eval_config.json").write_text(json.dumps(
+        {"drafters": {n: export_fingerprints(str(sd / "export" / n))[0] for n in names}}))
+
+
 def test_report_rounds_bring_every_folder_to_the_same_problems_before_any_goes_on(regimes, tmp_path):
     assert regimes.report_rounds(100, None) == [100] and regimes.report_rounds(100, 40) == [40, 80, 100]
     assert regimes.report_rounds(100, 50) == [50, 100] and regimes.report_rounds(30, 40) == [30]
@@ -379,7 +391,14 @@ def test_report_rounds_bring_every_folder_to_the_same_problems_before_any_goes_o
     assert not any(s.done() for s in stages)  # eagle3-long's cells are not served yet
     _served(b48, [(d, 48, t, f"r{i}", 30, 10) for i in range(45) for t in (0.0, 1.0) for d in served],
             finished={f"r{i}" for i in range(40)})
+    _exports_served(tmp_path / "seed0", b48, ("eagle3", "pr-warm", "eagle3-long", "pr-paper"))
     assert [s.done() for s in stages if "report-b48 " in s.name + " "] == [True, False, False]
+    # issue 63: a drafter exported again with other weights makes its served rounds not done (eval then refuses them)
+    weights = tmp_path / "seed0" / "export" / "pr-warm" / "model.safetensors"
+    weights.write_bytes(b"retrained")
+    assert not stages[0].done()
+    weights.write_bytes(b"pr-warm")
+    assert stages[0].done()
     # a drafter added to a folder served before (pr-paper beside the kept rows) is served, not skipped as done
     more = _regime(regimes, tmp_path, "--report-limit", "100", "--report-step", "40", "--drafters", "eagle3", "pr-paper")
     (first, *_), cells = more.report_stages(0), regimes.served_cells(more.report_serves(0, 40)[0][2])
