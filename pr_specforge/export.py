@@ -24,8 +24,9 @@ Both record what they hold: the dtype of the tensors written (`torch_dtype` / `d
 fingerprint (`target_record`, under `pr_specforge_target`: never a machine's path, so an export's fingerprint,
 `export_fingerprints`, does not depend on where it was made), and the settings of the run it came from that
 `diagnose` / `headroom` rebuild its objective with (`run_record`, under `pr_specforge_run`: TTT length, sequence
-length, batch size, attention backend, compute dtype and the `pr` section), so both give the run's numbers on
-its export with default flags.
+length, batch size, attention backend, compute dtype, the `pr` section, and the checkpoint it was made from by
+name and content hash), so both give the run's numbers on its export with default flags, and a stage that exports a
+run knows whether an export is of its newest checkpoint (`export_is_of`).
 
 Does not own: the serving-time PR tree (SGLang needs new code for that; see
 docs/export.md) or SpecForge's own `specforge export` (which refuses `pr`).
