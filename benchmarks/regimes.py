@@ -56,8 +56,10 @@ form; `study/regime_provenance.py`). A report that would hold fewer regimes, see
 `--out`, and a `save` that would replace kept rows with fewer (or a kept features manifest with a less complete one),
 are refused unless `--replace-with-fewer` is given. `report` rewrites only its own earlier report at `--out` (PREFIX.json
 carries its "kind" marker; any other file there needs `--overwrite`); every output path is checked before any work
-(a file where a directory is named, a read-only file, an input: one line, exit 2). `save` merges the stage times; `restore` refuses a workdir whose own
-settings differ from the kept ones; `--dry-run` writes nothing.
+(a file where a directory is named, a read-only file, an input: one line, exit 2). `save` merges the stage times and
+refuses a workdir whose settings differ from the kept ones; `restore` refuses the same, and puts the kept settings
+files back, so a run asking for other settings over restored data is refused; `report` refuses a folder of the other
+regime; every numeric flag is range-checked before any work (`check_ranges`); `--dry-run` writes nothing.
 
 This file is the command line; the study lives in `benchmarks/study/` (`regime_settings`, `regime_stages`,
 `regime_serves`, `regime_keep`, `regime_verdict`, `regime_render`, `regime_provenance`), beside what every study
@@ -77,7 +79,7 @@ from typing import List, Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/study
 
 from study.common import RECIPES, REPO_ROOT  # noqa: E402,F401
-from study.regime_keep import FewerRows, restore_rows, save_rows  # noqa: E402,F401
+from study.regime_keep import FewerRows, check_regime_folder, restore_rows, save_rows  # noqa: E402,F401
 from study.regime_provenance import read_provenance  # noqa: E402,F401
 from study.regime_render import render, write_regimes_report  # noqa: E402,F401
 from study.regime_serves import finished_by_drafter, finished_prompts, served_cells, summary_prompts  # noqa: E402,F401
@@ -193,6 +195,31 @@ def check_outputs(args: argparse.Namespace) -> None:
         check_output_dir("--workdir", args.workdir)
 
 
+#: each numeric flag's least value (`check_ranges`); `--lr` must be a finite number above 0
+AT_LEAST = {"max_length": 1, "draft_vocab_size": 1, "eval_interval": 0, "save_interval": 1, "report_limit": 1,
+            "report_step": 1, "serve_max_new_tokens": 1, "max_new_tokens": 1, "train_limit": 1, "epochs": 1,
+            "warm_epochs": 1, "screen_limit": 1, "conversations": 1, "keep": 1, "max_prompt_chars": 1,
+            "heldout_conversations": 1, "steps": 1, "warm_steps": 1}
+
+
+def check_ranges(args: argparse.Namespace) -> None:
+    """Every numeric flag in range, and `--seeds` distinct and not negative, before any stage or record (one line)."""
+    import math
+
+    for key, least in AT_LEAST.items():
+        value = getattr(args, key, None)
+        if value is not None and value < least:
+            raise ValueError(f"--{key.replace('_', '-')} must be at least {least}, got {value}")
+    lr = getattr(args, "lr", None)
+    if lr is not None and not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"--lr must be a finite number above 0, got {lr}")
+    seeds = getattr(args, "seeds", None) or []
+    if bad := [s for s in seeds if s < 0]:
+        raise ValueError(f"--seeds: {bad[0]} is not a seed (a non-negative integer: training.seed and seedN/)")
+    if twice := sorted({s for s in seeds if seeds.count(s) > 1}):
+        raise ValueError(f"--seeds: {twice[0]} is given twice (each seed is one set of trainings and serves)")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     import logging
@@ -206,7 +233,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     try:
+        check_ranges(args)
         if args.regime == "report":
+            for flag, regime in (("--gsm8k", "gsm8k"), ("--sharegpt", "sharegpt")):
+                if getattr(args, regime):
+                    check_regime_folder(flag, Path(getattr(args, regime)), regime)
             print(render(write_regimes_report(
                 Path(args.gsm8k) if args.gsm8k else None, Path(args.out), Path(args.provenance) if args.provenance else None,
                 args.report_limit, Path(args.sharegpt) if args.sharegpt else None, replace_with_fewer=args.replace_with_fewer)))

@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from pr_specforge.eval.experiment_report import build_report, check_report_prefix, render_markdown, write_report
-from pr_specforge.stages import HELDOUT_PROMPTS, REPO_ROOT, STAGE_ERRORS, Stage, StageBuilder, check_settings, run_stages, train_command
+from pr_specforge.stages import (HELDOUT_PROMPTS, REPO_ROOT, STAGE_ERRORS, Stage, StageBuilder, check_settings, recipe_content,
+                                 run_stages, train_command)
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,9 @@ class Experiment:
         check_settings(work / "data_settings.json", {k: getattr(args, k) for k in (
             "conversations", "max_new_tokens", "max_prompt_chars", "max_length", "draft_vocab_size")})
         check_settings(work / "heldout_settings.json", {"heldout": args.heldout})
+        # a seed's trainings, exports and evaluations are reused only under the settings that made them, so the
+        # report (written from this command's settings) describes what ran
+        check_settings(work / f"seed{args.seed}_settings.json", self.seed_settings())
         # data stages are shared by every seed; the rest are timed per seed, so a second seed's
         # training is not added onto the first's
         seeded = self.seeded_stages()
@@ -121,6 +125,14 @@ class Experiment:
             name: train_command(str(RECIPES[name]), self.train_overrides(name)) for name in RECIPES})
         write_report(report, self.report_prefix())
         return report
+
+    def seed_settings(self) -> Dict:
+        """What shapes a seed's stages: the training schedule and rate, the recipes (by content), the evaluation.
+        `--bootstrap` and `--report` only shape the report, which every run rewrites."""
+        args = self.args
+        return {"epochs": args.epochs, "lr": args.lr, "eval_limit": args.eval_limit,
+                "eval_max_new_tokens": args.eval_max_new_tokens, "benchmarks": list(args.benchmarks),
+                "recipes": {name: recipe_content(str(path)) for name, path in RECIPES.items()}}
 
     def shared_stages(self) -> List[Stage]:
         args, build, held = self.args, self.build, self.held
@@ -151,7 +163,8 @@ class Experiment:
             *(build.train_stage(f"train-{name}", str(RECIPES[name]), self.runs[name], lambda name=name: self.train_overrides(name))
               for name in RECIPES),
             *([Stage("diagnose", self.diags["pr"], self.diagnose)] if args.heldout else []),
-            Stage("export", self.exports["pr"] / "config.json", self.export),
+            Stage("export", self.exports["pr"] / "config.json", self.export,
+                  done=lambda: all(self.build.export_done(self.runs[n], self.exports[n]) for n in RECIPES)),
             build.eval_stage("eval-b48", evals["b48"], budgets=[48], temperatures=[0.0, 1.0], **evaluate),
             build.eval_stage("eval-b24", evals["b24"], budgets=[24], temperatures=[0.0], **evaluate),
         ]

@@ -22,6 +22,14 @@ directory atomically (a temp dir renamed into place).
 * `--to vllm`: `pr_specforge.export_vllm` (the speculators format stock vLLM serves as a chain), which owns
   the `pr-specforge export` entry point and hands `--to sglang|hf` to `main` here.
 
+Both record what they hold: the dtype of the tensors written (`torch_dtype` / `dtype`), the target by name and
+fingerprint (`target_record`, under `pr_specforge_target`: never a machine's path, so an export's fingerprint,
+`export_fingerprints`, does not depend on where it was made), and the settings of the run it came from that
+`diagnose` / `headroom` rebuild its objective with (`run_record`, under `pr_specforge_run`: TTT length, sequence
+length, batch size, attention backend, compute dtype, the `pr` section, and the checkpoint it was made from by
+name and content hash), so both give the run's numbers on its export with default flags, and a stage that exports a
+run knows whether an export is of its newest checkpoint (`export_is_of`).
+
 Does not own: the serving-time PR tree (SGLang needs new code for that; see
 docs/export.md) or SpecForge's own `specforge export` (which refuses `pr`).
 """
@@ -41,6 +49,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from pr_specforge.config import PR_SERVING_DEFAULT_M, PR_SERVING_KEY
+from pr_specforge.data.hidden_states import TARGET_RECORD_KEY
 from pr_specforge.data.io import DataFormatError, honour_umask_tree, read_json_file
 from pr_specforge.training.backends.checkpoint import RECIPE_STATE_KEY  # the resolved recipe inside a checkpoint
 from pr_specforge.modeling.drafter import (
@@ -345,12 +354,13 @@ def export_checkpoint(checkpoint: str, out_dir: str, to: str, *, draft_config: O
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out_dir)}.tmp-")
     capture_layers = resolve_capture_layers(draft_cfg, recipe, target)
     record = _target_record(target, capture_layers)
+    run = run_record(recipe, strategy, checkpoint)
     try:
         if to == "sglang":
             _write_sglang(tmp, model, weights, draft_cfg, capture_layers, out_dtype, target_context(target), record,
-                          serving)
+                          serving, run)
         else:
-            _write_hf(tmp, model, weights, target, out_dtype, recipe, record)
+            _write_hf(tmp, model, weights, target, out_dtype, recipe, record, run)
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -420,24 +430,106 @@ def check_target(target: Optional[str]) -> None:
 
 
 def _target_record(target: Optional[str], capture_layers: Optional[List[int]]) -> Optional[Dict[str, Any]]:
-    """The target's fingerprint (`data.hidden_states.target_record`), recorded in the export's config.json under
-    `TARGET_RECORD_KEY` so `headroom` / `diagnose` can refuse features of another target; None when unknown."""
+    """The target by name and fingerprint, recorded in the export's config.json under `TARGET_RECORD_KEY` so
+    `headroom` / `diagnose` can refuse features of another target; None when unknown. `name` is the target
+    directory's name and `fingerprint` the content of its config and weight files (`dir_fingerprint`, what `eval`
+    records as `target_weights`); the shape fields are `data.hidden_states.target_record`'s. Never its path: a path of one
+    machine would leak into a shared file and make the export's fingerprint depend on where it was made."""
     if not (target and os.path.isfile(os.path.join(target, "config.json"))):
         return None
     from pr_specforge.data.hidden_states import target_record
+    from pr_specforge.data.io import dir_fingerprint
 
     try:
-        return target_record(target, capture_layers)
+        record = target_record(target, capture_layers)
     except (OSError, ValueError) as e:
         raise ExportError(f"--target {target}: its config.json does not load ({type(e).__name__})") from None
+    record.pop("path", None)
+    record.update(name=os.path.basename(os.path.abspath(target)), fingerprint=dir_fingerprint(target))
+    return record
+
+
+#: the key under which an export's config.json records the run it came from (`run_record`)
+RUN_RECORD_KEY = "pr_specforge_run"
+#: config.json keys that say where an export came from, not what it computes: `export_fingerprints` leaves them out
+PROVENANCE_KEYS = (TARGET_RECORD_KEY, RUN_RECORD_KEY)
+
+
+def checkpoint_record(checkpoint: str) -> Optional[Dict[str, str]]:
+    """The checkpoint an export was made from: its directory's name and its `training_state.pt`'s content hash
+    (`run`'s export stage compares it with the run's newest checkpoint: an export of earlier weights is redone)."""
+    from pr_specforge.data.io import file_digest
+    from pr_specforge.training.preflight import latest_checkpoint
+
+    if os.path.isdir(checkpoint) and not os.path.isfile(os.path.join(checkpoint, "training_state.pt")):
+        checkpoint = latest_checkpoint(checkpoint, required=False) or checkpoint  # a run directory: its newest
+    state = os.path.join(checkpoint, "training_state.pt") if os.path.isdir(checkpoint) else checkpoint
+    if not (os.path.isfile(state) and os.path.basename(state) == "training_state.pt"):
+        return None
+    return {"name": os.path.basename(os.path.dirname(os.path.abspath(state))), "sha256": file_digest(state)}
+
+
+def run_record(recipe: Optional[Dict[str, Any]], strategy: str, checkpoint: Optional[str] = None) -> Dict[str, Any]:
+    """The run's settings that `diagnose` / `headroom` rebuild an export's objective with, so that they measure the
+    run's numbers with default flags: the TTT length, sequence length, batch size, attention backend, the compute
+    dtype the run trained in, and (a PR run) its whole `pr` section (the objective's settings, not only the
+    drafter's `pr_config`). Settings the stored recipe lacks are left out (the rebuild then uses its defaults).
+    With `checkpoint`, also which checkpoint it is (`checkpoint_record`)."""
+    recipe = recipe or {}
+    sections = {name: recipe.get(name) or {} for name in ("model", "data", "training")}
+    fields = (("training", "ttt_length"), ("data", "max_length"), ("training", "batch_size"),
+              ("training", "attention_backend"), ("model", "torch_dtype"), ("model", "lm_head_key"))
+    record: Dict[str, Any] = {"strategy": strategy}
+    record.update({key: sections[section][key] for section, key in fields if sections[section].get(key) is not None})
+    if strategy == "pr" and isinstance(recipe.get("pr"), dict):
+        record["pr"] = dict(recipe["pr"])
+    if checkpoint and (ckpt := checkpoint_record(checkpoint)):
+        record["checkpoint"] = ckpt
+    return record
+
+
+def export_is_of(export_dir: str, checkpoint: Optional[str]) -> bool:
+    """`export_dir` holds an export of `checkpoint` (its recorded `checkpoint_record`); False when it records none."""
+    cfg_path = os.path.join(export_dir, "config.json")
+    if not (checkpoint and os.path.isfile(cfg_path)):
+        return False
+    try:
+        recorded = (read_json_file(cfg_path).get(RUN_RECORD_KEY) or {}).get("checkpoint")
+    except (DataFormatError, AttributeError):
+        return False
+    return recorded is not None and recorded == checkpoint_record(checkpoint)
+
+
+def export_fingerprints(path: str) -> Tuple[str, str]:
+    """`(fingerprint, legacy)` of an export directory: its weights and config, less the `PROVENANCE_KEYS` records
+    (where it was made and from what run), so a rebuild in another directory has the same fingerprint; and the
+    fingerprint of its files as they are (`dir_fingerprint`), what records before this one hold. A check accepts
+    a recorded value equal to either (`matches_export`)."""
+    from pr_specforge.data.io import dir_fingerprint
+
+    current = dir_fingerprint(path, ignore_keys=PROVENANCE_KEYS)
+    records = any(isinstance(cfg := _json_or_none(os.path.join(path, name)), dict) and set(cfg) & set(PROVENANCE_KEYS)
+                  for name in os.listdir(path) if name.endswith(".json"))
+    return current, (dir_fingerprint(path) if records else current)  # the weights are read twice only when they differ
+
+
+def _json_or_none(path: str) -> Any:
+    try:
+        return read_json_file(path)
+    except (DataFormatError, OSError):
+        return None
+
+
+def matches_export(recorded: Optional[str], fingerprints: Tuple[str, str]) -> bool:
+    """A recorded drafter fingerprint names this export (`export_fingerprints`: the current or the legacy one)."""
+    return recorded in fingerprints
 
 
 def _write_sglang(tmp: str, model, weights: Dict[str, torch.Tensor], draft_cfg: Dict[str, Any],
                   capture_layers: Optional[List[int]], dtype: torch.dtype, context: Optional[int],
-                  record: Optional[Dict[str, Any]], serving: Optional[Dict[str, int]] = None) -> None:
+                  record: Optional[Dict[str, Any]], serving: Optional[Dict[str, int]] = None,
+                  run: Optional[Dict[str, Any]] = None) -> None:
     from safetensors.torch import save_file
-
-    from pr_specforge.data.hidden_states import TARGET_RECORD_KEY
 
     check_sglang_names(list(weights))
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in weights.items()}
@@ -445,15 +537,18 @@ def _write_sglang(tmp: str, model, weights: Dict[str, torch.Tensor], draft_cfg: 
     cfg = sglang_config(draft_cfg, model, capture_layers, dtype, context, serving)
     if record:
         cfg[TARGET_RECORD_KEY] = record
+    if run:
+        cfg[RUN_RECORD_KEY] = run
     _write_json(os.path.join(tmp, "config.json"), cfg)
 
 
 def _write_hf(tmp: str, model, weights: Dict[str, torch.Tensor], target: Optional[str], dtype: torch.dtype,
-              recipe: Optional[Dict[str, Any]], record: Optional[Dict[str, Any]]) -> None:
-    from pr_specforge.data.hidden_states import TARGET_RECORD_KEY
-
+              recipe: Optional[Dict[str, Any]], record: Optional[Dict[str, Any]],
+              run: Optional[Dict[str, Any]] = None) -> None:
     if record:
         setattr(model.config, TARGET_RECORD_KEY, record)
+    if run:
+        setattr(model.config, RUN_RECORD_KEY, run)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     assert not unexpected and all(_is_embedding(k) for k in missing), (missing, unexpected)
     state = dict(model.state_dict())
@@ -465,12 +560,15 @@ def _write_hf(tmp: str, model, weights: Dict[str, torch.Tensor], target: Optiona
         log.warning("no --target: the HF export carries no embedding (load it from the target before use)")
         state = {k: v for k, v in state.items() if not _is_embedding(k)}
     state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
-    model.config.torch_dtype = dtype
+    model.to(dtype)  # `save_pretrained` records the dtype of the model's parameters, whatever the state dict holds
     model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
     with open(os.path.join(tmp, "config.json")) as f:
         cfg = json.load(f)
     if cfg.get("architectures", [None])[0] not in (PR_ARCHITECTURE, EAGLE3_ARCHITECTURE, TWO_LAYER_ARCHITECTURE):
         raise ExportError(f"unexpected architectures {cfg.get('architectures')} in the HF export")
+    written = str(dtype).replace("torch.", "")
+    if (cfg.get("dtype") or cfg.get("torch_dtype")) != written:
+        raise ExportError(f"the HF config records dtype {cfg.get('dtype') or cfg.get('torch_dtype')!r}, its tensors are {written}")
 
 
 def _write_json(path: str, payload: Dict[str, Any]) -> None:

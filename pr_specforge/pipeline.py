@@ -30,7 +30,8 @@ import logging
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from pr_specforge.stages import REPO_ROOT, STAGE_ERRORS, Stage, StageBuilder, check_settings, run_stages
+from pr_specforge.stages import (REPO_ROOT, STAGE_ERRORS, Stage, StageBuilder, check_settings, migrate_recipe_record,
+                                 recipe_content, run_stages)
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> str:
     """Every stage of the embedded default, in order (finished ones skipped); returns the summary."""
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    check_settings(work / "run_settings.json", {k: v for k, v in vars(args).items() if k != "workdir"})
+    check_run_settings(args, work)
     build = StageBuilder(work)
     timings = run_stages(stages(args, build), work / "stage_times.json")
     run_dir = work / "runs" / "pr"
@@ -83,6 +84,15 @@ def run(args: argparse.Namespace) -> str:
         except Exception as e:  # a plot must never hide a finished run
             log.warning("plot failed: %s", e)
     return summary(work, run_dir, work / "export" / "pr-sglang", work / "export" / "pr-hf", work / "eval", timings)
+
+
+def check_run_settings(args: argparse.Namespace, work: Path) -> None:
+    """Finished stages are reused only under the settings that made them: every flag and override, and the recipe by
+    its content (an edited recipe is another setting, the same one by another path is not); `check_settings`."""
+    settings = {k: v for k, v in vars(args).items() if k != "workdir"}
+    settings["recipe"] = recipe_content(args.recipe)
+    migrate_recipe_record(work / "run_settings.json", args.recipe, settings["recipe"])
+    check_settings(work / "run_settings.json", settings)
 
 
 def stages(args: argparse.Namespace, build: StageBuilder) -> List[Stage]:
@@ -98,7 +108,8 @@ def stages(args: argparse.Namespace, build: StageBuilder) -> List[Stage]:
         build.train_stage("train", args.recipe, run_dir, lambda: [
             *build.feature_overrides(run_dir, args.max_length), f"training.max_steps={args.max_steps}", *args.overrides]),
         Stage("export", export_hf / "config.json",
-              lambda: (build.export(run_dir, export_sglang, "sglang"), build.export(run_dir, export_hf, "hf"))),
+              lambda: (build.export(run_dir, export_sglang, "sglang"), build.export(run_dir, export_hf, "hf")),
+              done=lambda: build.export_done(run_dir, export_sglang, export_hf)),
     ]
     if not args.skip_eval:
         out.append(build.eval_stage("evaluate", build.work / "eval", drafts={"pr": export_hf}, prompts=args.eval_prompts,

@@ -83,6 +83,35 @@ def train_command(recipe: str, overrides: Sequence[str]) -> str:
     return f"OMP_NUM_THREADS={torch.get_num_threads()} " + command_line("train", ["-c", str(recipe), *overrides])
 
 
+def recipe_content(recipe: str) -> Dict:
+    """A recipe as what it says, not where it is: its mapping with its `extends:` chain merged
+    (`training.recipe.read_recipe_mapping`) and the files it names beside it (the draft config) by name and content
+    hash, so the same recipe named by another path, or in another checkout, is the same setting, and an edited one
+    (or one naming an edited draft config) is another."""
+    import os
+
+    from pr_specforge.data.io import file_digest
+    from pr_specforge.training.recipe import RECIPE_RELATIVE_PATHS, read_recipe_mapping
+
+    raw = read_recipe_mapping(str(recipe))
+    for section, key in RECIPE_RELATIVE_PATHS:  # a file the recipe names (the draft config): by its content too
+        value = (raw.get(section) or {}).get(key) if isinstance(raw.get(section), dict) else None
+        if isinstance(value, str) and os.path.isfile(value):
+            raw[section][key] = f"{os.path.basename(value)} (sha256 {file_digest(value)})"
+    return raw
+
+
+def _flat(settings: Dict, prefix: str = "") -> Dict:
+    """`{"recipe": {"pr": {"max_depth": 2}}}` -> `{"recipe.pr.max_depth": 2}`: a changed setting is named in full."""
+    out: Dict = {}
+    for key, value in settings.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def check_settings(path: Path, settings: Dict, write: bool = True) -> None:
     """Stages skip when their output exists, so a workdir must not be reused with other settings. A workdir's first
     settings are written to `path` (unless not `write`: a dry run compares and writes nothing)."""
@@ -91,10 +120,12 @@ def check_settings(path: Path, settings: Dict, write: bool = True) -> None:
 
     settings = json.loads(json.dumps(settings))
     if path.exists():
-        before = json.loads(path.read_text())
-        changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
+        before, now = _flat(json.loads(path.read_text())), _flat(settings)
+        keys = sorted(set(before) | set(now), key=lambda k: (k not in before or k not in now, k))  # values both hold first
+        changed = {k: (before.get(k), now.get(k)) for k in keys if before.get(k) != now.get(k)}
         if changed:
-            detail = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items()))
+            detail = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(changed.items())[:3])
+            detail += f" and {len(changed) - 3} more" if len(changed) > 3 else ""
             raise ConfigError(
                 f"{path.parent} was made with other settings ({detail}); its finished stages would be reused "
                 "as they are. Use a new --workdir, or delete this one to start over."
@@ -102,6 +133,22 @@ def check_settings(path: Path, settings: Dict, write: bool = True) -> None:
         return
     if write:
         atomic_write_json(path, settings)
+
+
+def migrate_recipe_record(path: Path, recipe: str, content: Dict) -> None:
+    """A workdir's settings written before recipes were recorded by content name the recipe by path: when that path is
+    this run's recipe file, its content is recorded in its place (the record is otherwise left for `check_settings`)."""
+    import os
+
+    from pr_specforge.data.io import atomic_write_json
+
+    if not path.exists():
+        return
+    before = json.loads(path.read_text())
+    old = before.get("recipe")
+    if isinstance(old, str) and os.path.isfile(old) and os.path.samefile(old, recipe):
+        log.warning("%s: the recipe was recorded by path (%s); recording its content now", path, old)
+        atomic_write_json(path, {**before, "recipe": json.loads(json.dumps(content))})
 
 
 def run_stages(stages: List[Stage], times_path: Optional[Path] = None, heartbeat_s: float = 60.0) -> Dict[str, float]:
@@ -165,6 +212,24 @@ def _set_stage_time(times_path: Path, name: str, total: float) -> None:
             atomic_write_json(times_path, on_disk)
         finally:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def check_finished_run(run_dir: Path, recipe: str, overrides: Sequence[str]) -> None:
+    """A finished training is reused only when every setting that shaped its weights (`preflight.shaping_settings`,
+    its schedule included) is this command's: else one line naming the setting and both values."""
+    from pr_specforge.config import ConfigError
+    from pr_specforge.data.io import check_resume
+    from pr_specforge.training.preflight import recorded_recipe, shaping_settings
+    from pr_specforge.training.recipe import load_recipe, resolved_payload
+
+    before = recorded_recipe(str(run_dir))
+    if before is None:
+        return
+    recorded = shaping_settings(before, schedule=True)
+    now = shaping_settings(resolved_payload(load_recipe(str(recipe), list(overrides))), schedule=True)
+    check_resume(f"{run_dir} (a finished training)", recorded, {k: v for k, v in now.items() if k in recorded},
+                 f"its weights were trained otherwise: delete {run_dir} to train it again with these settings, or use a "
+                 "new work directory", error=ConfigError)
 
 
 class StageBuilder:
@@ -234,8 +299,9 @@ class StageBuilder:
 
     def train_stage(self, name: str, recipe: str, run_dir: Path, overrides: Callable[[], List[str]]) -> Stage:
         """`pr-specforge train -c RECIPE OVERRIDES` (made when the stage runs), resumed from the run's
-        newest checkpoint; done once `RUN_DIR/train.done` exists. The logged command names torch's thread count:
-        training is bitwise reproducible at the same count only."""
+        newest checkpoint; done once `RUN_DIR/train.done` exists, and refused then when a setting that shaped the
+        weights differs (`check_finished_run`). The logged command names torch's thread count: training is bitwise
+        reproducible at the same count only."""
         def run() -> None:
             from pr_specforge.training.preflight import latest_checkpoint
             from pr_specforge.training.train import run_train
@@ -250,13 +316,28 @@ class StageBuilder:
             if rc:
                 raise StageFailed(f"{name}: training failed with exit {rc}")
             (run_dir / "train.done").write_text("ok\n")
-        return Stage(name, run_dir / "train.done", run)
+
+        def done() -> bool:
+            if not (run_dir / "train.done").exists():
+                return False
+            check_finished_run(run_dir, recipe, overrides())
+            return True
+        return Stage(name, run_dir / "train.done", run, done=done)
 
     def diagnose(self, run_dir: Path, features: Path, out_json: Path, seed: int) -> None:
         """`pr-specforge diagnose` of the run's newest checkpoint on held-out features."""
         from pr_specforge.training.diagnose import main
 
         self.call("diagnose", main, [run_dir, "--features", features, "--json", out_json, "--seed", seed, "--no-progress"])
+
+    def export_done(self, run_dir: Path, *outs: Path) -> bool:
+        """An export stage is done when each of `outs` is an export of the run's newest checkpoint
+        (`export.export_is_of`): an export of earlier weights (the training was run again) is made again."""
+        from pr_specforge.export import export_is_of
+        from pr_specforge.training.preflight import latest_checkpoint
+
+        ckpt = latest_checkpoint(run_dir, required=False)
+        return all(export_is_of(str(out), ckpt) for out in outs)
 
     def export(self, run_dir: Path, out: Path, to: str) -> None:
         """`pr-specforge export` of the run's newest checkpoint (`--to sglang|hf`)."""
@@ -274,12 +355,37 @@ class StageBuilder:
             "--max-new-tokens", max_new_tokens, *extra, "--out-dir", out_dir, "--json", out_dir / "summary.json")]
 
     def eval_stage(self, name: str, out_dir: Path, **settings) -> Stage:
-        """`pr-specforge eval` (`eval_argv(out_dir, **settings)`); done once `OUT_DIR/summary.json` exists."""
+        """`pr-specforge eval` (`eval_argv(out_dir, **settings)`); done once `OUT_DIR/summary.json` exists and its
+        rows were served by these drafters (`served_by`): after a re-export of other weights the serve runs again,
+        where `eval` refuses the folder's rows in one line (made from other files) instead of a stale summary."""
         def run() -> None:
             from pr_specforge.eval.cli import main
 
             self.call("eval", main, self.eval_argv(out_dir, **settings))
-        return Stage(name, out_dir / "summary.json", run)
+        drafts = settings.get("drafts") or {}
+        return Stage(name, out_dir / "summary.json", run,
+                     done=lambda: (out_dir / "summary.json").exists() and self.served_by(out_dir, drafts))
+
+    def served_by(self, out_dir: Path, drafts: Dict[str, Path]) -> bool:
+        """Every drafter of `drafts` (name -> export) is the one `out_dir`'s `eval_config.json` records under its
+        name (`export.export_fingerprints`, hashed once per process while the export's files keep their times and sizes)."""
+        from pr_specforge.data.io import read_json_object
+        from pr_specforge.export import export_fingerprints, matches_export
+
+        path = out_dir / "eval_config.json"
+        if not path.is_file():
+            return not drafts
+        recorded = read_json_object(path, error=ValueError).get("drafters") or {}
+        cache = self.__dict__.setdefault("_fingerprints", {})
+        for name, export in drafts.items():
+            if not Path(export).is_dir():
+                return False
+            key = (str(export), *((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in sorted(Path(export).iterdir())))
+            if key not in cache:
+                cache[key] = export_fingerprints(str(export))
+            if not matches_export(recorded.get(name), cache[key]):
+                return False
+        return True
 
     def plot(self, run_dir: Path) -> None:
         """`pr-specforge plot RUN_DIR` (metrics.png)."""

@@ -256,7 +256,7 @@ def drafter_bad_inputs(p):
         "a run whose resolved_recipe.yaml is malformed": ([str(broken_run), f, str(held)], ("resolved_recipe.yaml", "not valid YAML", "line 3")),
         "a features manifest.json that is a JSON list": ([str(run), f, str(listed)], ("manifest.json", "expected a JSON object, got a list")),
         "features of another target of the same width": ([str(run), f, str(same_width)], ("another target", "target.path")),
-        "an export on features of another target": ([str(p["hf"]), f, str(same_width)], ("another target", "target.path")),
+        "an export on features of another target": ([str(p["hf"]), f, str(same_width)], ("another target", "fingerprint")),
         "an SGLang export on features of another target": ([str(p["sglang"]), f, str(same_width)], ("another target",)),
         "features of another vocabulary": ([str(run), f, str(other_vocab)], ("another target", "vocab_size")),
         "--limit 0": ([str(run), f, str(held), "--limit", "0"], ("--limit", "at least 1")),

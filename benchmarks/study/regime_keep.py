@@ -5,7 +5,9 @@ A save never replaces a kept row file with one holding fewer rows (a workdir reb
 workdir), nor a kept features manifest with a less complete one (a sitting cut off while its features were rebuilt),
 unless told to (`--replace-with-fewer`); it merges the stage times into the kept ones (every kept stage stays), and
 writes the workdir's parent as `$WORK` in the records it keeps (no machine's path). A restore compares the settings
-of a workdir that has its own with the kept ones, refusing on a mismatch, and never overwrites a file already there.
+of a workdir that has its own with the kept ones, refusing on a mismatch, puts the kept settings files back (the next
+run compares its flags with them), and never overwrites a file already there. A save compares the same settings
+first: a workdir made otherwise is not saved over the kept folder.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ DATA = ("regenerated.*", "screen/regenerated.*", "heldout/regenerated.*")
 #: workdir goes on adding to them, so the next `save` keeps the earlier runs' entries); the features, trainings,
 #: diagnose and headroom stages rerun. A serve resumed from restored rows refuses a rebuilt drafter whose weights
 #: differ (`eval`'s own drafter fingerprint)
-RESTORE = (*DATA, "stage_times.json", "commands.log", "sittings.jsonl", "seed*/screen-b48*/*.json", "seed*/screen-b48*/*.jsonl", "seed*/report-*/*.json", "seed*/report-*/*.jsonl")
+RESTORE = (*DATA, "data_settings.json", "seed*/settings.json", "stage_times.json", "commands.log", "sittings.jsonl", "seed*/screen-b48*/*.json", "seed*/screen-b48*/*.jsonl", "seed*/report-*/*.json", "seed*/report-*/*.jsonl")
 #: what `save` keeps of a workdir (relative globs): the served rows, the regenerated training text and the small
 #: records, never a model or a feature
-KEEP = ("data_settings.json", "splits/splits.json", "features/manifest.json",
-        "screen/features/manifest.json", "heldout/features/manifest.json", "seed*/settings.json", "seed*/headroom/*.json", "seed*/diagnose/*.json",
+KEEP = ("splits/splits.json", "features/manifest.json",
+        "screen/features/manifest.json", "heldout/features/manifest.json", "seed*/headroom/*.json", "seed*/diagnose/*.json",
         "seed*/measures/*.json", *RESTORE)
 
 
@@ -145,6 +147,10 @@ def save_rows(work: Path, to: Path, replace_with_fewer: bool = False) -> List[Pa
 
     if not (work / "data_settings.json").exists():
         raise FileNotFoundError(f"{work}: not a regime workdir (no data_settings.json)")
+    if differ := settings_differ(to, work):
+        more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
+        raise ValueError(f"save: {differ[0]}{more}; nothing written (save into a new --to folder: the kept rows were "
+                         "made with the kept settings)")
     curves = heldout_curves(work)
     times = merged_stage_times(to / "stage_times.json", work / "stage_times.json") \
         if (work / "stage_times.json").is_file() else None
@@ -182,9 +188,11 @@ def settings_differ(src: Path, work: Path) -> List[str]:
 
 
 def restore_rows(src: Path, work: Path) -> List[Path]:
-    """Put `save`'s regenerated text, eval folders, stage times and command log back into `work` (files already there
-    are left alone). Refuses, before writing anything, a workdir whose own settings differ from the kept ones
-    (`settings_differ`): its regenerated text and rows would be merged with others made otherwise."""
+    """Put `save`'s settings files, regenerated text, eval folders, stage times and command log back into `work` (files
+    already there are left alone). Refuses, before writing anything, a workdir whose own settings differ from the kept
+    ones (`settings_differ`): its regenerated text and rows would be merged with others made otherwise. The restored
+    settings files are what the regime's next run compares its flags with (`check_settings`), so a run asking for
+    other settings over restored data is refused, not shown as done."""
     if not (src / "data_settings.json").exists():
         raise FileNotFoundError(f"{src}: not a saved regime folder (no data_settings.json)")
     if differ := settings_differ(src, work):
@@ -195,20 +203,47 @@ def restore_rows(src: Path, work: Path) -> List[Path]:
     return _copy_tree(src, work, RESTORE, overwrite=False)
 
 
+#: what tells the regimes' folders apart: the GSM8K regime's data settings record its index splits, ShareGPT's do not
+REGIME_MARKS = {"gsm8k": "splits", "sharegpt": "keep"}
+
+
+def check_regime_folder(flag: str, path: Path, regime: str) -> None:
+    """`report --gsm8k DIR` / `--sharegpt DIR`: DIR is a workdir or kept folder of that regime (its `data_settings.json`
+    names the regime's own settings), else one line before any work."""
+    settings = _json(path / "data_settings.json") if (path / "data_settings.json").is_file() else None
+    if not isinstance(settings, dict):
+        raise FileNotFoundError(f"{flag} {path}: not a regime workdir or kept folder (no data_settings.json)")
+    other = next((name for name, mark in REGIME_MARKS.items() if name != regime and mark in settings), None)
+    if other and REGIME_MARKS[regime] not in settings:
+        raise ValueError(f"{flag} {path}: a {other} regime's folder (its data_settings.json has no "
+                         f"{REGIME_MARKS[regime]!r}); pass it as --{other}")
+
+
+def fingerprint_checked(out: Path, export: Path) -> bool:
+    """The kept-fingerprint stage is done when its record names the export as it is now (a re-export of a retrained
+    drafter is checked again)."""
+    from pr_specforge.export import export_fingerprints
+
+    record = _json(out) if out.is_file() else None
+    return isinstance(record, dict) and export.is_dir() and record.get("fingerprint") in export_fingerprints(str(export))
+
+
 def kept_fingerprint_check(seed_dir: Path, name: str, export: Path, out: Path) -> None:
     """Before any serve: `name`'s export (`export`) against the fingerprint every eval folder of `seed_dir` recorded for
     the drafter of that name that served its kept rows (`eval_config.json`). Writes `out` when each one matches (or no
     folder names it); refuses in one line otherwise, before hours of training and serving on top of it are spent
     (the serve itself would refuse the folder)."""
-    from pr_specforge.data.io import atomic_write_json, dir_fingerprint
+    from pr_specforge.data.io import atomic_write_json
+    from pr_specforge.export import export_fingerprints, matches_export
     from pr_specforge.stages import StageFailed
 
-    fp = dir_fingerprint(str(export))
+    prints = export_fingerprints(str(export))  # (current, as the files are): rows kept before exports recorded
+    fp = prints[0]                             # their target by name hold the second, with the target's path inside
     kept = {}
     for cfg in sorted(seed_dir.glob("*/eval_config.json")):
         if (want := (json.loads(cfg.read_text()).get("drafters") or {}).get(name)) is not None:
             kept[cfg.parent.name] = want
-    if bad := {folder: want for folder, want in kept.items() if want != fp}:
+    if bad := {folder: want for folder, want in kept.items() if not matches_export(want, prints)}:
         folder, want = next(iter(bad.items()))
         raise StageFailed(f"{export}: drafter {name!r} rebuilt with fingerprint {fp}, but {seed_dir / folder}'s kept rows "
                           f"were served by {want}: rebuild it at the thread count it was trained with "

@@ -39,14 +39,23 @@ def flattening(curve: List[list]) -> dict:
     return {"last_gain": gain, "flattened": gain < FLAT_GAIN}
 
 
+def last_step(run: Path) -> Optional[int]:
+    """The step a training ended at (its `metrics.jsonl`'s last row): the checkpoint that is exported and served."""
+    from pr_specforge.data.io import read_jsonl_rows
+
+    rows = read_jsonl_rows(run / "metrics.jsonl", repair=False) if (run / "metrics.jsonl").exists() else []
+    return rows[-1].get("step") if rows else None
+
+
 def measures(run: Path, diagnose_json: Path, headroom_json: Path) -> dict:
-    """The measures file's content (see the module docstring) from a run and its diagnose and headroom reports."""
+    """The measures file's content (see the module docstring) from a run and its diagnose and headroom reports. `steps`
+    is the step that is served (the training's last), `curve_steps` the held-out curve's last point."""
     curve = heldout_curve(run)
     pr = (json.loads(diagnose_json.read_text()).get("pr") or {}) if diagnose_json.exists() else {}
     pooled = (json.loads(headroom_json.read_text()).get("pooled") or {}) if headroom_json.exists() else {}
     depths = sorted(int(k.rsplit("_", 1)[1]) for k in pr if k.startswith("pr/feature_change_depth_"))
     table7 = pooled.get("table7") or {}
-    return {"curve": curve, "steps": curve[-1][0] if curve else None, **flattening(curve),
+    return {"curve": curve, "steps": last_step(run), "curve_steps": curve[-1][0] if curve else None, **flattening(curve),
             "feature_change": {str(r): pr[f"pr/feature_change_depth_{r}"] for r in depths},
             "argmax_agree": {str(r): pr.get(f"pr/argmax_agree_depth_{r}") for r in depths},
             **depth_use(pr), "recovered_share": pr.get("pr/recovered_share"),
@@ -74,8 +83,28 @@ def read_measures(work: Path) -> Dict[str, Dict[str, dict]]:
         m = json.loads(f.read_text())
         if "acc_depth" not in m and (diag := f.parent.parent / "diagnose" / f"{f.stem}.json").exists():
             m.update(depth_use(json.loads(diag.read_text()).get("pr") or {}))  # a file written before they were kept
+        if "curve_steps" not in m:  # written when `steps` was the curve's last point, not the served step
+            m["curve_steps"] = m.get("steps")
+            kept = f.parent.parent / "runs" / f.stem
+            m["steps"] = last_step(kept) or _kept_last_step(kept / "heldout.jsonl") or m.get("steps")
         out.setdefault(f.parent.parent.name, {})[f.stem] = m
     return out
+
+
+def _kept_last_step(path: Path) -> Optional[int]:
+    """The last step a kept curve (`save`'s `heldout.jsonl`: its last row is the training's last step) names."""
+    if not path.is_file():
+        return None
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    return json.loads(lines[-1]).get("step") if lines else None
+
+
+def _steps(m: dict) -> str:
+    """The served step, and the held-out curve's last point where it ends earlier (the last gain is measured there)."""
+    served, curve = m.get("steps"), m.get("curve_steps")
+    if served is None:
+        return "-"
+    return f"{served} (curve to {curve})" if curve is not None and curve != served else f"{served}"
 
 
 def _pct(x: Optional[float], signed: bool = False) -> str:
@@ -87,11 +116,12 @@ def render_measures(per_seed: Dict[str, Dict[str, dict]]) -> List[str]:
     if not per_seed:
         return []
     lines = ["### Held-out measures before serving", "",
-             f"The last interval's gain in held-out simulated acceptance length; flattened below +{FLAT_GAIN:.0%}. "
+             "The step that served (the training's last; the held-out curve's last point in brackets where it is earlier). "
+             f"The curve's last interval's gain in held-out simulated acceptance length; flattened below +{FLAT_GAIN:.0%}. "
              "Top-1 accuracy per depth, and the share of positions the gate halts at depth 0 (diagnose's sampled halt depths); "
              "||f^r-f^0||/||f^0|| and the top-1 agreement with depth 0 per reconsidered depth r; recovered: the share of "
              "depth-0 misses some depth >= 1 gets right (diagnose); c_d < 0.5: Table 7's recovered rejects (headroom).", "",
-             "| seed | drafter | steps | last gain | flattened | accuracy, depth 0 / 1 / ... | halts at depth 0 | "
+             "| seed | drafter | served step | last gain | flattened | accuracy, depth 0 / 1 / ... | halts at depth 0 | "
              "||f^r-f^0||/||f^0|| | top-1 = depth 0's | recovered | c_d < 0.5 recovered |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for sd, drafters in sorted(per_seed.items()):
@@ -99,7 +129,7 @@ def render_measures(per_seed: Dict[str, Dict[str, dict]]) -> List[str]:
             flat = "-" if m.get("flattened") is None else ("yes" if m["flattened"] else "no")
             change = " / ".join(f"{v:.3f}" for v in (m.get("feature_change") or {}).values()) or "-"
             agree = " / ".join(_pct(v) for v in (m.get("argmax_agree") or {}).values()) or "-"
-            lines.append(f"| {sd} | {name} | {m.get('steps') if m.get('steps') is not None else '-'} | "
+            lines.append(f"| {sd} | {name} | {_steps(m)} | "
                          f"{_pct(m.get('last_gain'), signed=True)} | {flat} | "
                          f"{' / '.join(_pct(v) for v in (m.get('acc_depth') or {}).values()) or '-'} | {_pct(m.get('halt_at_0'))} | "
                          f"{change} | {agree} | "

@@ -25,8 +25,9 @@ FILE = "provenance.json"
 ROW_FIELDS = ("what", "commit", "date", "machine", "threads")
 COLUMNS = ("study", "what", "commit", "recorded in", "date", "machine", "threads", "wall time")
 LEGEND = ("`commit`: the checkout a row's stages ran from; `recorded in`: the commits that added its rows to the regime's "
-          "folder; `date`: the last of those commits' dates; `wall time`: the sum of the row's stages in the folder's "
-          "stage_times.json, which keeps a stage's last run only, so a row whose stages ran again later shows none.")
+          "folder (a..b: a, b and the commits between them); `date`: the last of those commits' dates; `wall time`: the "
+          "sum of the row's stages in the folder's stage_times.json, where a stage's time adds up every run of it, "
+          "later sittings' runs of a stage of that name included.")
 
 
 def _strings(value, where: str, field: str) -> List[str]:

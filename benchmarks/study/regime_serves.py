@@ -65,7 +65,8 @@ class ReportServes:
         """`eval` of `settings` into `out`, done once the folder's summary counts `settings`' problems in every cell
         this serve makes (`served_cells`): a drafter added to a folder served before is served, not skipped."""
         stage = self.build.eval_stage(name, out, **settings)
-        stage.done = lambda: summary_prompts(out, served_cells(settings)) >= settings["limit"]
+        stage.done = lambda: (summary_prompts(out, served_cells(settings)) >= settings["limit"]
+                              and self.build.served_by(out, settings["drafts"]))
         return stage
 
     def report_stages(self, seed: int) -> List[Stage]:

@@ -19,7 +19,7 @@ from pr_specforge.stages import Stage, StageBuilder, check_settings, run_stages
 from pr_specforge.training.preflight import latest_checkpoint
 
 from .common import RECIPES, SETS, continue_from
-from .regime_keep import kept_fingerprint_check
+from .regime_keep import fingerprint_checked, kept_fingerprint_check
 from .regime_measures import write_measures
 from .regime_serves import ReportServes
 from .regime_settings import DRAFTERS, SPLITS, STAGE_GROUPS, keep_shortest, write_splits
@@ -93,9 +93,11 @@ class Regime(ReportServes):
                 build.train_stage(f"seed{seed} {name}: train", str(RECIPES / DRAFTERS[name][0]), run,
                                   lambda name=name: self.train_overrides(seed, name)),
                 # exported and checked against the kept rows' fingerprint first: a rebuild that differs stops here
-                Stage(f"seed{seed} {name}: export", export / "config.json", lambda run=run, export=export: build.export(run, export, "hf")),
+                Stage(f"seed{seed} {name}: export", export / "config.json", lambda run=run, export=export: build.export(run, export, "hf"),
+                      done=lambda run=run, export=export: build.export_done(run, export)),
                 Stage(f"seed{seed} {name}: kept fingerprint", sd / "fingerprints" / f"{name}.json",
-                      lambda export=export, name=name: kept_fingerprint_check(sd, name, export, sd / "fingerprints" / f"{name}.json")),
+                      lambda export=export, name=name: kept_fingerprint_check(sd, name, export, sd / "fingerprints" / f"{name}.json"),
+                      done=lambda export=export, name=name: fingerprint_checked(sd / "fingerprints" / f"{name}.json", export)),
                 Stage(f"seed{seed} {name}: diagnose", diag,
                       lambda run=run, diag=diag: (diag.parent.mkdir(parents=True, exist_ok=True),
                                                   build.diagnose(run, self.heldout, diag, seed))),

@@ -90,9 +90,13 @@ def file_digest(path: str | os.PathLike) -> str:
     return h.hexdigest()[:16]
 
 
-def dir_fingerprint(path: str, hash_weights: bool = True) -> str:
+def dir_fingerprint(path: str, hash_weights: bool = True, ignore_keys: tuple = ()) -> str:
     """A short hash of a model directory: its config files' contents, and its weight files' contents
-    (or, with `hash_weights=False`, their names and sizes: cheap for a large target)."""
+    (or, with `hash_weights=False`, their names and sizes: cheap for a large target).
+
+    `ignore_keys`: top-level keys of a JSON file that say where the directory came from, not what it is; a
+    file holding one is hashed as its content without them (`json.dumps(indent=2, sort_keys=True)`, the
+    writers' own layout), so a file that never held them hashes as before."""
     h = hashlib.sha256()
     for name in sorted(os.listdir(path)):
         full = os.path.join(path, name)
@@ -105,10 +109,26 @@ def dir_fingerprint(path: str, hash_weights: bool = True) -> str:
         if weights and not hash_weights:
             h.update(str(os.path.getsize(full)).encode())
             continue
+        if not weights and ignore_keys and (kept := _json_without(full, ignore_keys)) is not None:
+            h.update(kept.encode())
+            continue
         with open(full, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
     return h.hexdigest()[:16]
+
+
+def _json_without(path: str, keys: tuple) -> str | None:
+    """The JSON object in `path` without `keys`, in the writers' layout; None when it holds none of them
+    (or is not a JSON object): it is then hashed as its bytes."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(obj, dict) or not any(k in obj for k in keys):
+        return None
+    return json.dumps({k: v for k, v in obj.items() if k not in keys}, indent=2, sort_keys=True) + "\n"
 
 
 def check_resume(where: str, recorded: dict | None, current: dict, fix: str, error: type = ResumeMismatch) -> None:

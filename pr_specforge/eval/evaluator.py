@@ -27,6 +27,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from pr_specforge.data.io import append_jsonl, check_resume, dir_fingerprint, read_json_object, read_jsonl_rows
+from pr_specforge.export import export_fingerprints
 from pr_specforge.training.objective.metrics import CONFIDENCE_BANDS
 from pr_specforge.serving import TREE_BUILDERS, SpeculativeDecoder, TreeConfig, autoregressive_decode
 
@@ -434,8 +435,14 @@ def provenance(settings: EvalSettings, target: str, drafts: Dict[str, str], dtyp
               "tree_builder": settings.tree_builder, "decompose": settings.decompose}  # both change the timings
     if settings.batch_prompts > 1:  # so does batching (absent at 1: out-dirs of earlier versions stay resumable)
         shared["batch_prompts"] = settings.batch_prompts
-    return {"shared": shared, "drafters": {name: dir_fingerprint(path) for name, path in drafts.items()},
-            TARGET_CONTENT: dir_fingerprint(target)}
+    prints = {name: export_fingerprints(path) for name, path in drafts.items()}
+    return {"shared": shared, "drafters": {name: fp[0] for name, fp in prints.items()},
+            TARGET_CONTENT: dir_fingerprint(target), LEGACY_DRAFTERS: {name: fp[1] for name, fp in prints.items()}}
+
+
+#: each drafter's fingerprint as its files are (`export.export_fingerprints`' legacy one, what out-dirs written before
+#: exports recorded their target by name hold): accepted on resume and replaced there by the current one; not written
+LEGACY_DRAFTERS = "drafters_as_files"
 
 
 #: the content hash of the target's weights (`dir_fingerprint`), kept beside `shared` (whose `target` hashes names
@@ -458,6 +465,8 @@ def check_out_dir(out_dir: str, current: dict) -> None:
 
     path = os.path.join(out_dir, PROVENANCE_FILE)
     rows_exist = any(os.path.exists(os.path.join(out_dir, f)) for f in ROW_FILES)
+    legacy = current.get(LEGACY_DRAFTERS) or {}
+    current = {k: v for k, v in current.items() if k != LEGACY_DRAFTERS}
     if not os.path.exists(path):
         if rows_exist:
             logging.getLogger(__name__).warning(
@@ -471,6 +480,8 @@ def check_out_dir(out_dir: str, current: dict) -> None:
     _check_target_content(f"--out-dir {out_dir}", before.get(TARGET_CONTENT), current[TARGET_CONTENT], fix)
     drafters = dict(before.get("drafters", {}))
     for name, fp in current["drafters"].items():
+        if drafters.get(name) is not None and drafters[name] == legacy.get(name):
+            drafters[name] = fp  # recorded as the files were (its target's path inside): the same export, migrated
         if drafters.get(name, fp) != fp:
             raise ValueError(f"--out-dir {out_dir}: drafter {name!r} there was made from other files; "
                              f"give this drafter another NAME, or rerun with --start-over to discard its rows")

@@ -331,7 +331,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--target", default=None, help="with an HF export: the target model directory (default: the features' manifest)")
     p.add_argument("--k", type=int, default=6, help="the tree's k: a miss outside depth 0's top k is one a served tree lacks")
     p.add_argument("--pr-tables", action="store_true", help="require Table 7 and the reconsidered rows (refuses an EAGLE-3 drafter)")
-    p.add_argument("--ttt-length", type=positive_int, default=None, help="with an export: TTT steps of the chain (default: SpecForge's)")
+    p.add_argument("--ttt-length", type=positive_int, default=None, help="with an export: TTT steps of the chain (default: the run's, which the export records; else SpecForge's)")
     p.add_argument("--limit", type=positive_int, default=None, help="at most this many batches")
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out sample order and the mixed rollout's "
                    "halt-depth sampling (a run and its export read the same samples at the same seed)")

@@ -140,40 +140,46 @@ def source_kind(path: str) -> str:
 
 def _export_recipe(export: Path, features: Optional[str], target: Optional[str], ttt_length: Optional[int]) -> Dict:
     """The recipe an HF (or SGLang) export is rebuilt with: its config as the draft config, the features' vocab
-    map, the target's lm_head key (`target_lm_head_key`)."""
+    map, the target's lm_head key (`target_lm_head_key`), and the settings of the run it came from that the export
+    records (`export.run_record`: TTT length, sequence length, batch size, attention backend, compute dtype, the
+    `pr` section), so the export measures the run's numbers; `--ttt-length` / `--target` win over them. An export
+    made before it recorded them is rebuilt with the dtype its config names and SpecForge's defaults."""
     from pr_specforge.config import PR_CONFIG_KEY
-    from pr_specforge.modeling.drafter import PR_ARCHITECTURE
-
+    from pr_specforge.data.hidden_states import TARGET_RECORD_KEY
     from pr_specforge.data.io import read_json_object
-    from pr_specforge.modeling.drafter import drafter_architecture
+    from pr_specforge.export import RUN_RECORD_KEY
+    from pr_specforge.modeling.drafter import PR_ARCHITECTURE, drafter_architecture
 
     try:
         arch = drafter_architecture(str(export))
     except ValueError as e:
         raise ConfigError(f"{e}; DRAFTER must be a `pr-specforge train` run, a checkpoint or an export "
                           "(`pr-specforge export`), not the target model") from None
-    from pr_specforge.data.hidden_states import TARGET_RECORD_KEY
-
     cfg = read_json_object(export / "config.json", error=ConfigError)
     recorded = _manifest(features)
-    own = (cfg.get(TARGET_RECORD_KEY) or {}).get("path")  # the target `export` recorded, where it still is
+    run = cfg.get(RUN_RECORD_KEY) if isinstance(cfg.get(RUN_RECORD_KEY), dict) else {}
+    own = (cfg.get(TARGET_RECORD_KEY) or {}).get("path")  # an export made before targets were recorded by name
     target = target or (own if own and Path(own).is_dir() else None) or (recorded.get("target") or {}).get("path")
     if not target or not Path(target).is_dir():
         raise ConfigError(f"{export} is an export: pass --target TARGET_DIR (the target model the features come from)")
     vocab = Path(features or "") / (recorded.get("vocab_mapping") or "vocab_mapping/vocab_mapping.pt")
     pr = arch == PR_ARCHITECTURE
+    ttt_length = ttt_length or run.get("ttt_length")
     raw = {
         "model": {"target_model_path": str(target), "draft_model_config": str(export / "config.json"),
                   "vocab_mapping_path": str(vocab) if vocab.is_file() else "",
-                  "lm_head_key": target_lm_head_key(Path(target)),
-                  "torch_dtype": str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")},  # as exported (as trained)
-        "data": {"hidden_states_path": str(features), "max_length": int(recorded.get("max_length") or 2048),
+                  "lm_head_key": run.get("lm_head_key") or target_lm_head_key(Path(target)),
+                  # the run's compute dtype (its numbers), else the dtype of the tensors written
+                  "torch_dtype": str(run.get("torch_dtype") or cfg.get("torch_dtype") or cfg.get("dtype") or "float32")},
+        "data": {"hidden_states_path": str(features),
+                 "max_length": int(run.get("max_length") or recorded.get("max_length") or 2048),
                  "dataloader_num_workers": 0},
-        "training": {"strategy": "pr" if pr else "eagle3", "batch_size": 1, "attention_backend": "sdpa",
+        "training": {"strategy": "pr" if pr else "eagle3", "batch_size": int(run.get("batch_size") or 1),
+                     "attention_backend": run.get("attention_backend") or "sdpa",
                      "fsdp_sharding": "NO_SHARD", **({"ttt_length": ttt_length} if ttt_length else {})},
     }
     if pr:
-        raw["pr"] = dict(cfg.get(PR_CONFIG_KEY) or {})
+        raw["pr"] = dict(run["pr"]) if pr and isinstance(run.get("pr"), dict) else dict(cfg.get(PR_CONFIG_KEY) or {})
     return raw
 
 
@@ -228,6 +234,21 @@ def check_same_target(features: str, source: DrafterSource) -> None:
             raise ConfigError(f"--features {features}: made from another target: its manifest.json records "
                               f"target.{field} {theirs[field]!r}, the drafter's target ({where}) has {ours[field]!r}; "
                               "measure on held-out features of the drafter's own target")
+    check_export_target(source, ours)
+
+
+def check_export_target(source: DrafterSource, ours: Dict) -> None:
+    """An export records its target by name and content fingerprint (`export._target_record`), not by path: the
+    target it is measured with (`--target`, else the features' manifest) must have that content."""
+    from pr_specforge.data.io import dir_fingerprint
+
+    target = (source.raw.get("model") or {}).get("target_model_path")
+    if not (source.hf and ours.get("fingerprint") and target and Path(target).is_dir()):
+        return
+    if (fp := dir_fingerprint(str(target))) != ours["fingerprint"]:
+        raise ConfigError(f"{target} is another target than the drafter's: the export records target "
+                          f"{ours.get('name')!r} with fingerprint {ours['fingerprint']}, {target} has {fp}; measure "
+                          "on held-out features of the drafter's own target, or pass --target with its directory")
 
 
 def _drafter_target(source: DrafterSource):
@@ -483,7 +504,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--features", required=True, help="held-out feature directory (`pr-specforge data hidden-states`)")
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the run's newest step)")
     p.add_argument("--target", default=None, help="with an export: the target model directory (default: the features' manifest)")
-    p.add_argument("--ttt-length", type=positive_int, default=None, help="with an export: TTT steps of the chain (default: SpecForge's)")
+    p.add_argument("--ttt-length", type=positive_int, default=None, help="with an export: TTT steps of the chain (default: the run's, which the export records; else SpecForge's)")
     p.add_argument("--limit", type=positive_int, default=None, help="at most this many batches")
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out sample order and the halt-depth sampling "
                    "(a run and its export read the same samples at the same seed)")

@@ -164,6 +164,63 @@ def check_same_schedule(output_dir: str, training) -> None:
         f"with --start-over to retrain {output_dir} from step 0; or keep training.{key}={old} to resume it")
 
 
+#: training settings a resumed run may change: they shape no step's arithmetic (when to log, save and evaluate, how
+#: many checkpoints to keep, where to resume from, how long to wait for a peer); the schedule has its own check
+RESUMABLE_TRAINING = ("save_interval", "eval_interval", "log_interval", "max_checkpoints", "resume_from",
+                      "dist_timeout", *SCHEDULE_FIELDS)
+#: the fields of a resolved recipe that shape a checkpoint's weights besides `training` and `pr` (paths are not
+#: compared: the same files may be named from another working directory; the features resume check owns their content)
+SHAPING_FIELDS = (("model", "torch_dtype"), ("data", "max_length"))
+
+
+def recorded_recipe(checkpoint: str) -> Optional[dict]:
+    """The resolved recipe the run that wrote `checkpoint` recorded (`resolved_recipe.yaml` beside it or in its run
+    directory), or None when there is none to read."""
+    import yaml
+
+    ckpt = checkpoint if os.path.isdir(checkpoint) else os.path.dirname(checkpoint)
+    for cand in (os.path.join(ckpt, "resolved_recipe.yaml"), os.path.join(os.path.dirname(os.path.abspath(ckpt)), "resolved_recipe.yaml")):
+        try:
+            with open(cand) as f:
+                raw = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(raw, dict):
+            return raw
+    return None
+
+
+def shaping_settings(payload: dict, schedule: bool = False) -> dict:
+    """The settings of a resolved recipe that shape its checkpoints (`RESUMABLE_TRAINING` left out; with `schedule`,
+    the schedule's fields kept: what a finished run's weights depend on), dotted."""
+    skip = [k for k in RESUMABLE_TRAINING if not (schedule and k in SCHEDULE_FIELDS)]
+    out = {f"training.{k}": v for k, v in (payload.get("training") or {}).items() if k not in skip}
+    out.update({f"pr.{k}": v for k, v in (payload.get("pr") or {}).items()})
+    for section, key in SHAPING_FIELDS:
+        if key in (payload.get(section) or {}):
+            out[f"{section}.{key}"] = payload[section][key]
+    return out
+
+
+def check_same_settings(resume: str, recipe, output_dir: str) -> None:
+    """A resumed run restores its optimiser, schedule and RNG from the checkpoint, so it continues the run that wrote
+    it only under the same settings: a changed setting (`shaping_settings`: the learning rate, a `pr.*` field, the dtype,
+    ...) would be recorded but not used. Refused in one line naming the setting and both values; settings the
+    checkpoint's run did not record (an older version) are not compared."""
+    from pr_specforge.data.io import check_resume
+    from pr_specforge.training.recipe import resolved_payload
+
+    recorded = recorded_recipe(resume)
+    if recorded is None:
+        return
+    before, now = shaping_settings(recorded), shaping_settings(resolved_payload(recipe))
+    now = {k: v for k, v in now.items() if k in before}
+    check_resume(f"resuming {resume}", before, now,
+                 f"a resumed run keeps the settings it was trained with: keep that value to resume it, rerun with "
+                 f"--start-over to retrain {output_dir} from step 0, or start a new run from its weights "
+                 f"(output_dir=NEW_DIR model.draft_checkpoint_path={resume})", error=ConfigError)
+
+
 def _feature_files(root: str):
     """The feature files under `root`, in a fixed order (directories and names sorted)."""
     for dirpath, dirnames, filenames in os.walk(root):
@@ -184,23 +241,28 @@ def check_run(recipe, start_over: bool = False, dry_run: bool = False) -> Option
     check_inputs(recipe)
     if dry_run:
         return None
-    return _resume_source(recipe.config, start_over)
+    return _resume_source(recipe, start_over)
 
 
-def _resume_source(cfg, start_over: bool) -> Optional[str]:
-    """A run directory holding checkpoints is resumed (under the same schedule) unless `start_over`,
-    which discards them (rank 0; no rank resumes)."""
+def _resume_source(recipe, start_over: bool) -> Optional[str]:
+    """A run directory holding checkpoints is resumed (under the same schedule and settings) unless `start_over`,
+    which discards them (rank 0; no rank resumes). A given `training.resume_from` is checked the same way."""
     import logging
 
     log = logging.getLogger(__name__)
+    cfg = recipe.config
     if start_over and int(os.environ.get("RANK", "0")) != 0:
         return None
     resume = resume_or_start_over(cfg.output_dir, cfg.training.resume_from, start_over)
     if start_over:
         log.info("--start-over: discarded the checkpoints and metrics in %s; training from step 0", cfg.output_dir)
-    if resume is None or resume == cfg.training.resume_from:
+    if resume is None:
+        return None
+    if resume == cfg.training.resume_from:
+        check_same_settings(resume, recipe, cfg.output_dir)
         return None
     check_same_schedule(cfg.output_dir, cfg.training)
+    check_same_settings(resume, recipe, cfg.output_dir)
     log.info("%s holds checkpoints: resuming from the newest (pass --start-over to discard them and train from step 0)",
              cfg.output_dir)
     return resume

@@ -136,7 +136,7 @@ def test_the_held_out_measures_record_the_curve_and_what_the_depths_compute(regi
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
         {"step": 1, "loss": 9.0}, {"step": 250, "eval/avg_loss": 9.7, "eval/simulated_acc_len": 0.60},
         {"step": 500, "eval/avg_loss": 8.6, "eval/simulated_acc_len": 0.74},
-        {"step": 750, "eval/avg_loss": 8.5, "eval/simulated_acc_len": 0.745})))
+        {"step": 750, "eval/avg_loss": 8.5, "eval/simulated_acc_len": 0.745}, {"step": 800, "loss": 8.4})))
     (sd / "diagnose").mkdir()
     (sd / "diagnose" / "pr-paper.json").write_text(json.dumps({"pr": {
         "pr/feature_change_depth_1": 0.31, "pr/feature_change_depth_2": 0.4, "pr/argmax_agree_depth_1": 0.9,
@@ -146,7 +146,8 @@ def test_the_held_out_measures_record_the_curve_and_what_the_depths_compute(regi
     (sd / "headroom" / "pr-paper.json").write_text(json.dumps({"pooled": {"table7": {"recovered": [[0, 0, 0, 0.063]]}}}))
     write_measures(run, sd / "diagnose" / "pr-paper.json", sd / "headroom" / "pr-paper.json", sd / "measures" / "pr-paper.json")
     m = json.loads((sd / "measures" / "pr-paper.json").read_text())
-    assert m["curve"] == [[250, 9.7, 0.60], [500, 8.6, 0.74], [750, 8.5, 0.745]] and m["steps"] == 750
+    assert m["curve"] == [[250, 9.7, 0.60], [500, 8.6, 0.74], [750, 8.5, 0.745]]
+    assert (m["steps"], m["curve_steps"]) == (800, 750)  # the step that served, and the curve's last point (issue 63)
     assert m["last_gain"] == pytest.approx(0.745 / 0.74 - 1) and m["last_gain"] < FLAT_GAIN and m["flattened"]
     assert m["feature_change"] == {"1": 0.31, "2": 0.4} and m["argmax_agree"] == {"1": 0.9, "2": 0.85}
     assert m["recovered_share"] == 0.07 and m["recovered_low_cd"] == 0.063
@@ -163,11 +164,14 @@ def test_the_held_out_measures_record_the_curve_and_what_the_depths_compute(regi
     assert row["measures"] == {"seed0": {"pr-paper": m}}
     text = regimes.render({"regimes": [row]})
     assert "### Held-out measures before serving" in text
-    assert "| seed0 | pr-paper | 750 | +0.7% | yes | 46.0% / 42.0% / 38.0% | 99.7% | 0.310 / 0.400 | 90.0% / 85.0% | 7.0% | 6.3% |" in text
+    assert "| seed0 | pr-paper | 800 (curve to 750) | +0.7% | yes | 46.0% / 42.0% / 38.0% | 99.7% | 0.310 / 0.400 | 90.0% / 85.0% | 7.0% | 6.3% |" in text
     # a measures file written before the depths' accuracy and the gate were kept: read from its diagnose beside it
     older = {k: v for k, v in m.items() if k not in ("acc_depth", "halt_at_0")}
     (sd / "measures" / "pr-paper.json").write_text(json.dumps(older))
     assert regimes.gsm8k_row(tmp_path)["measures"] == {"seed0": {"pr-paper": m}}
+    # one written when `steps` was the curve's last point: the served step is read from the run (or its kept curve)
+    (sd / "measures" / "pr-paper.json").write_text(json.dumps({k: v for k, v in m.items() if k != "curve_steps"} | {"steps": 750}))
+    assert regimes.gsm8k_row(tmp_path)["measures"]["seed0"]["pr-paper"]["steps"] == 800
 
 
 def test_a_cell_shows_how_many_verified_nodes_per_round_reconsideration_proposed_or_repriced(regimes, tmp_path):
@@ -352,6 +356,18 @@ def test_the_report_shows_screening_apart_from_the_report_split_and_gives_no_ver
     assert row["conditions"]["eagle3_tau"]["measured"]["seed0"]["from"] == "report"
 
 
+def _exports_served(sd, folder, names):
+    """An export per drafter under `sd/export/`, recorded in `folder`'s eval_config.json as the one that served."""
+    from pr_specforge.export import export_fingerprints
+
+    for name in names:
+        (sd / "export" / name).mkdir(parents=True, exist_ok=True)
+        (sd / "export" / name / "config.json").write_text("{}")
+        (sd / "export" / name / "model.safetensors").write_bytes(name.encode())
+    (folder / "eval_config.json").write_text(json.dumps(
+        {"drafters": {n: export_fingerprints(str(sd / "export" / n))[0] for n in names}}))
+
+
 def test_report_rounds_bring_every_folder_to_the_same_problems_before_any_goes_on(regimes, tmp_path):
     assert regimes.report_rounds(100, None) == [100] and regimes.report_rounds(100, 40) == [40, 80, 100]
     assert regimes.report_rounds(100, 50) == [50, 100] and regimes.report_rounds(30, 40) == [30]
@@ -375,7 +391,14 @@ def test_report_rounds_bring_every_folder_to_the_same_problems_before_any_goes_o
     assert not any(s.done() for s in stages)  # eagle3-long's cells are not served yet
     _served(b48, [(d, 48, t, f"r{i}", 30, 10) for i in range(45) for t in (0.0, 1.0) for d in served],
             finished={f"r{i}" for i in range(40)})
+    _exports_served(tmp_path / "seed0", b48, ("eagle3", "pr-warm", "eagle3-long", "pr-paper"))
     assert [s.done() for s in stages if "report-b48 " in s.name + " "] == [True, False, False]
+    # issue 63: a drafter exported again with other weights makes its served rounds not done (eval then refuses them)
+    weights = tmp_path / "seed0" / "export" / "pr-warm" / "model.safetensors"
+    weights.write_bytes(b"retrained")
+    assert not stages[0].done()
+    weights.write_bytes(b"pr-warm")
+    assert stages[0].done()
     # a drafter added to a folder served before (pr-paper beside the kept rows) is served, not skipped as done
     more = _regime(regimes, tmp_path, "--report-limit", "100", "--report-step", "40", "--drafters", "eagle3", "pr-paper")
     (first, *_), cells = more.report_stages(0), regimes.served_cells(more.report_serves(0, 40)[0][2])
@@ -473,7 +496,8 @@ def test_save_keeps_rows_and_records_only_and_restore_puts_back_the_eval_folders
     # the regenerated text (a rerun skips regenerating what has its `.done`, resumes the rest), the eval folders, and
     # the stage times and command log the rebuilt workdir goes on adding to; the features and drafters rerun
     assert restored == {"seed0/report-b48/eval_config.json", "seed0/screen-b48/summary.json", "regenerated.jsonl",
-                        "regenerated.done", "screen/regenerated.jsonl", "stage_times.json", "commands.log", "sittings.jsonl"}
+                        "regenerated.done", "screen/regenerated.jsonl", "stage_times.json", "commands.log", "sittings.jsonl",
+                        "data_settings.json", "seed0/settings.json"}  # the settings the next run compares its flags with
     assert (fresh / "seed0" / "report-b48" / "results.jsonl").read_text() == "newer"  # never overwritten
     with pytest.raises(FileNotFoundError, match="not a saved regime folder"):
         regimes.restore_rows(tmp_path / "nothing", fresh)
@@ -828,3 +852,67 @@ def test_the_committed_report_equals_its_rendering_from_the_kept_rows(regimes, t
     for suffix in (".md", ".json"):
         with open(os.path.join(RESULTS, "regimes" + suffix)) as f:
             assert prefix.with_suffix(suffix).read_text() == f.read(), f"benchmarks/results/regimes{suffix} is stale"
+
+
+# ---- issue 63: the study tools compare settings before they copy, and check every number before any work
+@pytest.mark.parametrize("argv, needle", [
+    (["gsm8k", "--train-limit", "0"], "--train-limit must be at least 1, got 0"),
+    (["gsm8k", "--train-limit", "-1"], "--train-limit must be at least 1, got -1"),
+    (["gsm8k", "--epochs", "0"], "--epochs must be at least 1, got 0"),
+    (["gsm8k", "--lr", "-1"], "--lr must be a finite number above 0, got -1.0"),
+    (["gsm8k", "--lr", "nan"], "--lr must be a finite number above 0, got nan"),
+    (["gsm8k", "--seeds", "0", "0"], "--seeds: 0 is given twice"),
+    (["gsm8k", "--report-step", "0"], "--report-step must be at least 1"),
+    (["gsm8k", "--eval-interval", "-5"], "--eval-interval must be at least 0"),
+    (["sharegpt", "--keep", "0"], "--keep must be at least 1"),
+    (["sharegpt", "--steps", "-3"], "--steps must be at least 1"),
+    (["report", "--report-limit", "0"], "--report-limit must be at least 1"),
+])
+def test_every_numeric_argument_is_range_checked_before_any_work(regimes, tmp_path, capsys, argv, needle):
+    work = tmp_path / "w"
+    extra = [] if argv[0] == "report" else ["--workdir", str(work)]
+    assert regimes.main([*argv, *extra]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert not work.exists()
+
+
+def test_restore_puts_the_settings_back_so_a_run_asking_for_others_is_refused(regimes, tmp_path, capsys):
+    """Restoring into a fresh workdir used to leave nothing to compare: ShareGPT replies showed as GSM8K's `(done)`,
+    and data made with --train-limit 400 as done for --train-limit 200."""
+    fresh = tmp_path / "fresh"
+    assert regimes.main(["restore", "--from", os.path.join(RESULTS, "regime-sharegpt"), "--workdir", str(fresh)]) == 0
+    assert (fresh / "data_settings.json").is_file()
+    assert regimes.main(["gsm8k", "--workdir", str(fresh), "--dry-run"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "was made with other settings" in err[-1] and "new --workdir" in err[-1], err
+    right = tmp_path / "right"
+    assert regimes.main(["restore", "--from", os.path.join(RESULTS, "regime-gsm8k"), "--workdir", str(right)]) == 0
+    assert regimes.main(["gsm8k", "--workdir", str(right), "--train-limit", "200", "--max-new-tokens", "128",
+                         "--dry-run"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "max_new_tokens: 256 -> 128" in err[-1] and "train_limit: 400 -> 200" in err[-1], err
+    assert regimes.main(["gsm8k", "--workdir", str(right), "--train-limit", "400", "--seeds", "0", "1", "--dry-run"]) == 0
+
+
+def test_save_compares_the_settings_before_copying(regimes, tmp_path, capsys):
+    kept = tmp_path / "kept"
+    shutil.copytree(os.path.join(RESULTS, "regime-gsm8k"), kept)
+    before = {p: p.read_bytes() for p in kept.rglob("*") if p.is_file()}
+    work = tmp_path / "work"
+    shutil.copytree(kept, work)
+    seed = json.loads((work / "seed0" / "settings.json").read_text())
+    (work / "seed0" / "settings.json").write_text(json.dumps(dict(seed, lr=0.05, epochs=5)))
+    assert regimes.main(["save", "--workdir", str(work), "--to", str(kept)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "seed0/settings.json differs" in err[0] and "lr: 0.05 here, 0.0003 kept" in err[0], err
+    assert "nothing written" in err[0]
+    assert {p: p.read_bytes() for p in kept.rglob("*") if p.is_file()} == before
+
+
+def test_report_refuses_a_folder_of_the_other_regime(regimes, tmp_path, capsys):
+    prefix = _committed_report_copy(tmp_path)
+    for flag, folder, other in (("--gsm8k", "regime-sharegpt", "--sharegpt"), ("--sharegpt", "regime-gsm8k", "--gsm8k")):
+        assert regimes.main(["report", flag, os.path.join(RESULTS, folder), "--out", str(prefix)]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"pass it as {other}" in err[0], err
