@@ -44,9 +44,11 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from pr_specforge.data.hidden_states import TARGET_RECORD_KEY
 from pr_specforge.data.io import DataFormatError, check_not_input, read_json_file
 from pr_specforge.export import (
     PR_CONFIG_KEY,
+    PROVENANCE_KEYS,
     SAFETENSORS_NAME,
     SPECULATOR_ARCHITECTURE,
     ExportError,
@@ -70,7 +72,7 @@ SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format (config ke
 DEFAULT_SPECULATIVE_TOKENS = 3
 #: the drafter config keys that describe the one decoder layer (the rest are EAGLE-3 or ours)
 EAGLE3_KEYS = ("draft_vocab_size", "target_hidden_size", "eagle_config", "fc_norm", "norm_output", "architectures",
-               PR_CONFIG_KEY, "pr_serving", "pr_specforge_target", "torch_dtype", "dtype")
+               PR_CONFIG_KEY, "pr_serving", "torch_dtype", "dtype") + PROVENANCE_KEYS
 
 
 def vllm_layer_ids(specforge_ids: List[int], target_layers: Optional[int]) -> List[int]:
@@ -121,7 +123,7 @@ def check_servable(source: str, cfg: Dict[str, Any], names: List[str], target_cf
     if any(n.startswith("pr_recon_adapter.") for n in names) or (cfg.get(PR_CONFIG_KEY) or {}).get("recon_adapter_rank"):
         raise ExportError(f"{source}: a drafter with a reconsideration adapter (pr.recon_adapter_rank > 0); no serving "
                           "path runs it (PR_EAGLE3 refuses it too)")
-    record = cfg.get("pr_specforge_target") or {}
+    record = cfg.get(TARGET_RECORD_KEY) or {}
     layers = record.get("num_hidden_layers")
     if target_cfg is not None:
         for key in ("num_hidden_layers", "hidden_size"):
@@ -189,8 +191,9 @@ def speculators_config(cfg: Dict[str, Any], layer_ids: List[int], verifier: str,
         VLLM_RECORD_KEY: {"drafter": source_kind, "served_as": "one-pass chain" if source_kind == "pr" else "chain",
                           "specforge_capture_layers": list(specforge_ids), "capture_layers_convention": "vllm (+1)"},
     }
-    if cfg.get("pr_specforge_target"):
-        out["pr_specforge_target"] = cfg["pr_specforge_target"]
+    for key in PROVENANCE_KEYS:  # the target by name and fingerprint, the run's settings: as the SGLang export has them
+        if cfg.get(key):
+            out[key] = cfg[key]
     return out
 
 
