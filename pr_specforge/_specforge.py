@@ -348,8 +348,10 @@ def lease_sample(store, sample_ref):
     return store._register_file_lease(sample_ref)
 
 
-def install_feature_file_errors() -> None:
-    """A feature file that fails to load mid-run raises one error naming it and the fix (idempotent).
+def install_feature_file_errors(check: Optional[Callable[[str, Any], None]] = None) -> None:
+    """A feature file that fails to load mid-run raises one error naming it and the fix; with `check`, every
+    sample SpecForge's loader reads is passed to `check(path, sample)` first, which raises on a bad one (a loader
+    thread's error reaches the trainer as it is). Installing again replaces the check.
 
     SpecForge's loader reads files lazily (`feature_store.load_feature_file`); torch's own error
     ("failed finding central directory") does not say which file."""
@@ -360,7 +362,7 @@ def install_feature_file_errors() -> None:
 
     def load_feature_file(path: str):
         try:
-            return original(path)
+            sample = original(path)
         except Exception as e:
             from pr_specforge.config import ConfigError
             from pr_specforge.data.io import brief
@@ -369,6 +371,9 @@ def install_feature_file_errors() -> None:
                 f"feature file {path}: does not load ({brief(e)}); delete it and rerun the "
                 "`pr-specforge data hidden-states` command that wrote it (`pr-specforge data validate DIR` lists every bad file)"
             ) from None
+        if check is not None:
+            check(path, sample)
+        return sample
 
     _patch(feature_store, "load_feature_file", load_feature_file)
     _patch(offline_reader, "load_feature_file", load_feature_file)

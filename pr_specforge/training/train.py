@@ -196,7 +196,10 @@ def assembled_run(recipe: Recipe):
     yields `(strategy, loader)` for tests and benchmarks that drive steps themselves."""
     from pr_specforge import _specforge as sf
 
+    from pr_specforge.training.preflight import recipe_sample_check
+
     sf.install_cpu_loss()
+    sf.install_feature_file_errors(recipe_sample_check(recipe))  # every sample checked as the loader reads it
     cfg, registry = run_config(recipe)
     resolved = sf.resolve_run(cfg, registry)
     os.environ["FSDP_SHARDING"] = cfg.training.fsdp_sharding  # as SpecForge's CLI does: the backend reads it
@@ -232,17 +235,19 @@ def _watch_sigint(seen: List[bool]):
 
 def install_training_runtime(recipe: Recipe, payload: dict) -> None:
     """Every runtime patch training needs, in one place (nothing is patched at import time):
-    SpecForge's loss on CPU, the stop at a non-finite loss, recipe-carrying atomic checkpoints
+    SpecForge's loss on CPU, the stop at a non-finite loss, the check of every feature sample the loader reads
+    (training and eval features: `preflight.FeatureSampleCheck`), recipe-carrying atomic checkpoints
     (never of non-finite tensors) carrying `payload` (`resolved_payload`), the metrics JSONL sink,
     the acceptance simulator in the eval pass, and the chosen backend."""
     from pr_specforge._specforge import install_cpu_loss, install_feature_file_errors, wrap_train_step
     from pr_specforge.training.backends.checkpoint import install_checkpoint_manager
+    from pr_specforge.training.preflight import recipe_sample_check
     from pr_specforge.training.simulate import install_eval_simulator
     from pr_specforge.training.telemetry import install_metrics_sink
 
     install_cpu_loss()
     wrap_train_step(check_finite_step)
-    install_feature_file_errors()
+    install_feature_file_errors(recipe_sample_check(recipe))
     install_checkpoint_manager(payload)
     install_metrics_sink()
     install_eval_simulator()
