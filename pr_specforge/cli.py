@@ -144,16 +144,14 @@ def _main(argv: List[str]) -> int:
         from pr_specforge.config import ConfigError
         from pr_specforge.data.io import DataFormatError
         from pr_specforge.training.errors import NonFiniteTraining, TrainingInterrupted
-        from pr_specforge.training.train import run_train
+        from pr_specforge.training.train import run_train, say_error
 
         try:
             return run_train(args.config, args.overrides, dry_run=args.dry_run, start_over=args.start_over)
-        except (ConfigError, DataFormatError) as e:  # a recipe value, or a row of the data it names
-            print(f"pr-specforge train: {e}", file=sys.stderr)
-            return 2
+        except (ConfigError, DataFormatError) as e:  # a recipe value, or a row of the data it names (a rank's too)
+            return say_error(f"pr-specforge train: {e}", 2)
         except NonFiniteTraining as e:
-            print(f"pr-specforge train: {e}", file=sys.stderr)
-            return 1
+            return say_error(f"pr-specforge train: {e}", 1)
         except TrainingInterrupted as e:
             if os.environ.get("RANK", "0") == "0":
                 print(f"pr-specforge train: {e}", file=sys.stderr)

@@ -108,27 +108,77 @@ def interrupted_message(output_dir: str) -> str:
             "rerun the same command to resume from it")
 
 
+#: set in the ranks `pr-specforge train` launches itself: the file a rank's one-line error goes to (`say_error`)
+RANK_ERROR_ENV = "PR_SPECFORGE_RANK_ERROR_FILE"
+
+
+def say_error(line: str, code: int) -> int:
+    """Say a run's one-line error (`line`) and return `code`. In a rank `pr-specforge train` launched, the line goes
+    to the launcher (`RANK_ERROR_ENV`; the first rank's wins), which says it once after torchrun ends, instead of
+    each rank's line, the peers' broken-connection tracebacks and torchrun's failure report."""
+    path = os.environ.get(RANK_ERROR_ENV)
+    if not path:
+        print(line, file=sys.stderr)
+        return code
+    try:
+        fd = os.open(path + ".part", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another rank said it first
+        return code
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{code}\n{line}")
+    os.replace(path + ".part", path)
+    return code
+
+
 def _self_launch(cmd: List[str], output_dir: str) -> int:
     """torchrun in its own session: Ctrl-C reaches this process only, which interrupts the ranks
-    (they stop quietly) and reports in one line, instead of torchrun's and every rank's tracebacks."""
+    (they stop quietly) and reports in one line, instead of torchrun's and every rank's tracebacks.
+    The ranks' stderr passes through until a rank says a one-line error (`say_error`): from then on it is
+    dropped, and that line is said once, with its exit code."""
     import signal
+    import tempfile
+    import threading
 
-    proc = subprocess.Popen(cmd, env={**os.environ, SELF_LAUNCHED_ENV: "1"}, start_new_session=True)
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        for pid in _children(proc.pid):
-            try:
-                os.kill(pid, signal.SIGINT)
-            except ProcessLookupError:
-                pass
-        while True:
-            try:
-                proc.wait()
-                break
-            except KeyboardInterrupt:
-                continue
-        raise TrainingInterrupted(interrupted_message(output_dir)) from None
+    with tempfile.TemporaryDirectory(prefix="pr-train-") as scratch:
+        said = os.path.join(scratch, "error")
+        proc = subprocess.Popen(cmd, env={**os.environ, SELF_LAUNCHED_ENV: "1", RANK_ERROR_ENV: said},
+                                start_new_session=True, stderr=subprocess.PIPE)
+        forward = threading.Thread(target=_forward_until, args=(proc.stderr, said), daemon=True)
+        forward.start()
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            for pid in _children(proc.pid):
+                try:
+                    os.kill(pid, signal.SIGINT)
+                except ProcessLookupError:
+                    pass
+            while True:
+                try:
+                    proc.wait()
+                    break
+                except KeyboardInterrupt:
+                    continue
+            raise TrainingInterrupted(interrupted_message(output_dir)) from None
+        finally:
+            forward.join()
+        if os.path.exists(said):
+            code, line = open(said).read().split("\n", 1)
+            print(line, file=sys.stderr)
+            return int(code)
+        return rc
+
+
+def _forward_until(stream, said: str) -> None:
+    """Copy `stream` (bytes) to stderr as it comes, until a rank says its error (`say_error` writes `said`); then
+    drain it unsaid."""
+    import codecs
+
+    decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+    for chunk in iter(lambda: stream.read1(65536), b""):
+        if not (os.path.exists(said) or os.path.exists(said + ".part")):
+            sys.stderr.write(decode(chunk))
+            sys.stderr.flush()
 
 
 def _children(pid: int) -> List[int]:

@@ -76,6 +76,23 @@ def test_a_bad_eval_file_ends_train_in_one_line(workspace, tmp_path, capsys):
     assert rc == 2 and f"{feats}" in line and "non-finite values" in line and "aux_hidden_state" in line, line
 
 
+def test_a_bad_file_read_by_one_of_two_ranks_is_one_line(workspace, tmp_path, capsys):
+    """Two ranks self-launched under torchrun (gloo): the rank that reads the bad sample says it; the launcher says
+    that line once, with its exit code, and none of the peers' broken-connection tracebacks or torchrun's report."""
+    from pr_specforge.cli import main
+
+    root, recipe, cases = workspace
+    edited, _ = cases["a later features file holding a token id >= the vocab"]
+    feats, _ = _every_file_after_the_first(root / "features", edited, tmp_path)
+    capsys.readouterr()
+    rc = main(["train", "-c", recipe, "deployment.trainer.nproc_per_node=2", f"data.hidden_states_path={feats}",
+               f"output_dir={tmp_path / 'out'}"])
+    captured = capsys.readouterr()
+    line = _one_line(captured.err + captured.out)
+    assert rc == 2 and f"{feats}" in line and "input_ids outside [0, 97)" in line, line
+    assert "ChildFailedError" not in captured.err and "[rank" not in captured.err, captured.err[-3000:]
+
+
 def test_good_features_pass_every_check_and_train(workspace, tmp_path, capsys):
     from pr_specforge.cli import main
 
