@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from pr_specforge.eval.experiment_report import build_report, check_report_prefix, render_markdown, write_report
-from pr_specforge.stages import HELDOUT_PROMPTS, REPO_ROOT, STAGE_ERRORS, Stage, StageBuilder, check_settings, run_stages, train_command
+from pr_specforge.stages import (HELDOUT_PROMPTS, REPO_ROOT, STAGE_ERRORS, Stage, StageBuilder, check_settings, run_stages,
+                                 stage_error_exit, train_command)
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         report = Experiment(args).run()
     except STAGE_ERRORS as e:
-        print(f"pr-specforge experiment: {e}", file=sys.stderr)
-        return 1
+        return stage_error_exit("pr-specforge experiment", e)
     print(render_markdown(report))
     return 0
 
