@@ -18,7 +18,10 @@ gate halted at depth 0 almost everywhere, what to change to see reconsideration 
 the same entry point a user would (`pr-specforge data ...`, `train`, `export`, `eval`, `control`), built by
 `stages.StageBuilder`.
 
-Owns: which stages `run` runs, with which settings, and the summary. Does not own any
+Everything `run` is given is checked before the first stage (`check_args`: a bad override, `--max-steps 0`, an
+unknown prompt set, a recipe that is not a PR recipe are one line, exit 2, and leave no workdir behind).
+
+Owns: which stages `run` runs, with which settings, their checks, and the summary. Does not own any
 stage's work or argument list (`pr_specforge.stages`).
 """
 
@@ -27,10 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from pr_specforge.stages import REPO_ROOT, STAGE_ERRORS, Stage, StageBuilder, check_settings, run_stages, stage_error_exit
+from pr_specforge.stages import REPO_ROOT, STAGE_ERRORS, Stage, StageBuilder, check_settings, run_stages, stage_error
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +77,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         text = run(parse_args(argv))
     except STAGE_ERRORS as e:
-        return stage_error_exit("pr-specforge run", e)
+        line, code = stage_error("pr-specforge run", e)
+        print(line, file=sys.stderr)
+        return code
     print(text)
     return 0
 

@@ -28,7 +28,7 @@ from typing import List, Sequence
 import yaml
 
 from pr_specforge.config import ConfigError
-from pr_specforge.training.errors import NonFiniteTraining, TrainingInterrupted
+from pr_specforge.training.errors import NonFiniteTraining, RankFailed, TrainingInterrupted
 from pr_specforge.training.preflight import check_run
 from pr_specforge.training.recipe import Recipe, load_recipe, resolved_payload
 
@@ -108,33 +108,32 @@ def interrupted_message(output_dir: str) -> str:
             "rerun the same command to resume from it")
 
 
-#: set in the ranks `pr-specforge train` launches itself: the file a rank's one-line error goes to (`say_error`)
+#: set in the ranks `pr-specforge train` launches itself: the file a rank's one-line error goes to (`hand_to_launcher`)
 RANK_ERROR_ENV = "PR_SPECFORGE_RANK_ERROR_FILE"
 
 
-def say_error(line: str, code: int) -> int:
-    """Say a run's one-line error (`line`) and return `code`. In a rank `pr-specforge train` launched, the line goes
-    to the launcher (`RANK_ERROR_ENV`; the first rank's wins), which says it once after torchrun ends, instead of
-    each rank's line, the peers' broken-connection tracebacks and torchrun's failure report."""
+def hand_to_launcher(message: str, code: int) -> bool:
+    """In a rank `pr-specforge train` launched (`RANK_ERROR_ENV` set), hand the run's one-line error (`message`, exit
+    `code`) to the launcher, which says it once after torchrun ends (the first rank's wins) instead of each rank's
+    line, the peers' broken-connection tracebacks and torchrun's failure report; False elsewhere."""
     path = os.environ.get(RANK_ERROR_ENV)
     if not path:
-        print(line, file=sys.stderr)
-        return code
+        return False
     try:
         fd = os.open(path + ".part", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:  # another rank said it first
-        return code
+        return True
     with os.fdopen(fd, "w") as f:
-        f.write(f"{code}\n{line}")
+        f.write(f"{code}\n{message}")
     os.replace(path + ".part", path)
-    return code
+    return True
 
 
 def _self_launch(cmd: List[str], output_dir: str) -> int:
     """torchrun in its own session: Ctrl-C reaches this process only, which interrupts the ranks
     (they stop quietly) and reports in one line, instead of torchrun's and every rank's tracebacks.
-    The ranks' stderr passes through until a rank says a one-line error (`say_error`): from then on it is
-    dropped, and that line is said once, with its exit code."""
+    The ranks' stderr passes through until a rank hands over a one-line error (`hand_to_launcher`): from then
+    on it is dropped, and that error is raised here (`RankFailed`, with the rank's exit code) for the CLI to say."""
     import signal
     import tempfile
     import threading
@@ -163,15 +162,15 @@ def _self_launch(cmd: List[str], output_dir: str) -> int:
         finally:
             forward.join()
         if os.path.exists(said):
-            code, line = open(said).read().split("\n", 1)
-            print(line, file=sys.stderr)
-            return int(code)
+            with open(said) as f:
+                code, message = f.read().split("\n", 1)
+            raise RankFailed(message, int(code))
         return rc
 
 
 def _forward_until(stream, said: str) -> None:
-    """Copy `stream` (bytes) to stderr as it comes, until a rank says its error (`say_error` writes `said`); then
-    drain it unsaid."""
+    """Copy `stream` (bytes) to stderr as it comes, until a rank hands over its error (`hand_to_launcher` writes
+    `said`); then drain it unsaid."""
     import codecs
 
     decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
