@@ -331,7 +331,8 @@ class FeatureSampleCheck:
 
     def _reference(self, path: str):
         """`(hidden size, dtype)` a sample at `path` must have: the draft config's size, else (and for the dtype)
-        its directory's first file's; `(None, None)` for a file under none of `roots`."""
+        its directory's first file's (read once per directory; loader threads may both read it, to the same
+        value); no dtype for a file under none of `roots`."""
         full = os.path.abspath(path)
         root = next((r for r in self.roots if full.startswith(r.rstrip(os.sep) + os.sep)), None)
         if root is None:

@@ -4,7 +4,8 @@
     torchrun --nproc_per_node 4 -m pr_specforge.cli train -c recipes/llama3.1-8b-pr.yaml
 
 Owns: the process launch (in-process for one rank or under torchrun; self-launch through
-torchrun for several ranks, re-entering THIS cli so every rank has the patched registry),
+torchrun for several ranks, re-entering THIS cli so every rank has the patched registry; a rank's one-line error is said once, by the
+launcher: `hand_to_launcher`),
 resume-by-default, Ctrl-C, the stop at a non-finite loss (`check_finite_step`), the runtime
 patches a run installs (`install_training_runtime`)
 and `assembled_run` (SpecForge's assembled trainer in one process, for `diagnose`, tests
