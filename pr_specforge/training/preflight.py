@@ -332,11 +332,11 @@ class FeatureSampleCheck:
     def _reference(self, path: str):
         """`(hidden size, dtype)` a sample at `path` must have: the draft config's size, else (and for the dtype)
         its directory's first file's (read once per directory; loader threads may both read it, to the same
-        value); no dtype for a file under none of `roots`."""
+        value); None for a file under none of `roots` (another run's, in a process that ran this one: unchecked)."""
         full = os.path.abspath(path)
         root = next((r for r in self.roots if full.startswith(r.rstrip(os.sep) + os.sep)), None)
         if root is None:
-            return self.hidden, None
+            return None
         if root not in self._first:
             first = _first_feature_file(root)
             sample = _load_feature_file(first, root, mmap=True) if first else None
@@ -346,7 +346,10 @@ class FeatureSampleCheck:
         return self.hidden or width, dtype
 
     def __call__(self, path: str, sample) -> None:
-        hidden, dtype = self._reference(path)
+        reference = self._reference(path)
+        if reference is None:
+            return
+        hidden, dtype = reference
         if hidden is None and isinstance(sample, dict) and hasattr(sample.get("hidden_state"), "shape"):
             hidden = int(sample["hidden_state"].shape[-1])
         from pr_specforge.data.validate import sample_problem

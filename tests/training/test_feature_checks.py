@@ -118,6 +118,20 @@ def test_the_sample_check_is_exact_on_finite_values_whose_sum_overflows():
         assert sample_problem(damaged, H, 100) == "non-finite values (NaN or Inf) in hidden_state"
 
 
+def test_the_check_reads_only_the_directories_of_its_run(workspace, tmp_path):
+    """The check stays installed in SpecForge's loader after a run in this process; another run's features (another
+    width) read later are not judged by it."""
+    from pr_specforge.training.preflight import FeatureSampleCheck
+
+    root, _, _ = workspace
+    check = FeatureSampleCheck({"target_hidden_size": 96, "vocab_size": 97}, (root / "elsewhere",))
+    first = sorted((root / "features").rglob("data_*.ckpt"))[0]
+    check(str(first), torch.load(first, weights_only=True))  # width 64, not under its roots: not judged
+    with pytest.raises(Exception, match="hidden_state shape"):
+        FeatureSampleCheck({"target_hidden_size": 96, "vocab_size": 97}, (root / "features",))(
+            str(first), torch.load(first, weights_only=True))
+
+
 def test_a_command_importing_specforge_says_a_bad_input_in_exactly_one_line(workspace):
     """SpecForge's import-time flash_attn notice no longer precedes the one-line error."""
     root, recipe, _ = workspace
