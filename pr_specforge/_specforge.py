@@ -22,63 +22,73 @@ and by the few tools that run SpecForge's loss on CPU:
     SpecForge's original, so installing twice does not wrap twice and
     `restore_training_backend` undoes the backend.
 
+SpecForge's import-time notice that flash_attn is not installed is silenced here (`FLASH_ATTN_NOTICE`, that one
+warning only), so a command's one-line error is one line.
+
 It deliberately does not re-export anything it does not use.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-import specforge.algorithms.eagle3.model as _eagle3_model_mod
-import specforge.distributed as _distributed_module
-import specforge.launch as _launch_module
-import specforge.training.assembly as _assembly_module
-import specforge.training.trainer as _trainer_module
-from specforge.algorithms.builtin import builtin_algorithm_registry  # noqa: F401
-from specforge.algorithms.common.providers import make_registration  # noqa: F401
-from specforge.algorithms.eagle3 import providers as eagle3_providers  # noqa: F401
-from specforge.algorithms.eagle3.model import OnlineEagle3Model  # noqa: F401
-from specforge.algorithms.eagle3.model import _compute_target_p_padded
-from specforge.algorithms.model_providers import (  # noqa: F401
-    build_eagle3_draft,
-    build_eagle3_model,
-    resolve_eagle_capture_layers,
-)
-from specforge.algorithms.registry import AlgorithmRegistration, AlgorithmRegistry  # noqa: F401
-from specforge.application import bind_run, resolve_run  # noqa: F401
-from specforge.cli import _train as train_resolved_run  # noqa: F401
-from specforge.config import Config  # noqa: F401
-from specforge.config.schema import apply_overrides, migrate_legacy_config  # noqa: F401
-from specforge.core.loss import LogSoftmaxLoss as _TritonLogSoftmaxLoss
-from specforge.data.preprocessing import preprocess_conversations  # noqa: F401
-from specforge.data.template import TEMPLATE_REGISTRY, ChatTemplate  # noqa: F401
-from specforge.distributed import destroy_distributed, init_distributed  # noqa: F401
-from specforge.export.checkpoint_io import resolve_training_state  # noqa: F401
-from specforge.lr_scheduler import ConstantWarmupLR, CosineAnnealingWarmupLR  # noqa: F401
-from specforge.modeling.draft.llama3_eagle import (  # noqa: F401
-    LlamaAttention,
-    LlamaForCausalLMEagle3,
-    LlamaMLP,
-    LlamaMutiRotaryEmbedding,
-    LlamaRMSNorm,
-    apply_rotary_pos_emb,
-    repeat_kv,
-)
-from specforge.modeling.draft.registry import DRAFT_REGISTRY, register_draft  # noqa: F401
-from specforge.runtime.contracts import TrainBatch  # noqa: F401
-from specforge.runtime.data_plane.feature_store import LocalFeatureStore  # noqa: F401
-from specforge.runtime.data_plane.offline_reader import OfflineManifestReader  # noqa: F401
-from specforge.training.backend import FSDPTrainingBackend, ParallelConfig, TrainingBackend  # noqa: F401
-from specforge.training.checkpoint import STATE_FILE, CheckpointManager  # noqa: F401
-from specforge.training.controller import TrainerController  # noqa: F401  (progress hook)
-from specforge.training.controller import TrainerCore as _TrainerCore
-from specforge.training.strategies.base import Eagle3TrainStrategy, StepOutput  # noqa: F401
-from specforge.training.tracking import TrackerLogger, scalar_metrics, training_metric_names  # noqa: F401
-from specforge.utils import padding  # noqa: F401
+#: the notice SpecForge's drafter module gives at import where flash_attn is not installed (it then uses another
+#: attention backend): two lines before every command's own output, one-line errors included; nothing else is hidden
+FLASH_ATTN_NOTICE = "flash_attn is not found"
+
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=FLASH_ATTN_NOTICE, category=UserWarning)
+    import specforge.algorithms.eagle3.model as _eagle3_model_mod
+    import specforge.distributed as _distributed_module
+    import specforge.launch as _launch_module
+    import specforge.training.assembly as _assembly_module
+    import specforge.training.trainer as _trainer_module
+    from specforge.algorithms.builtin import builtin_algorithm_registry  # noqa: F401
+    from specforge.algorithms.common.providers import make_registration  # noqa: F401
+    from specforge.algorithms.eagle3 import providers as eagle3_providers  # noqa: F401
+    from specforge.algorithms.eagle3.model import OnlineEagle3Model  # noqa: F401
+    from specforge.algorithms.eagle3.model import _compute_target_p_padded
+    from specforge.algorithms.model_providers import (  # noqa: F401
+        build_eagle3_draft,
+        build_eagle3_model,
+        resolve_eagle_capture_layers,
+    )
+    from specforge.algorithms.registry import AlgorithmRegistration, AlgorithmRegistry  # noqa: F401
+    from specforge.application import bind_run, resolve_run  # noqa: F401
+    from specforge.cli import _train as train_resolved_run  # noqa: F401
+    from specforge.config import Config  # noqa: F401
+    from specforge.config.schema import apply_overrides, migrate_legacy_config  # noqa: F401
+    from specforge.core.loss import LogSoftmaxLoss as _TritonLogSoftmaxLoss
+    from specforge.data.preprocessing import preprocess_conversations  # noqa: F401
+    from specforge.data.template import TEMPLATE_REGISTRY, ChatTemplate  # noqa: F401
+    from specforge.distributed import destroy_distributed, init_distributed  # noqa: F401
+    from specforge.export.checkpoint_io import resolve_training_state  # noqa: F401
+    from specforge.lr_scheduler import ConstantWarmupLR, CosineAnnealingWarmupLR  # noqa: F401
+    from specforge.modeling.draft.llama3_eagle import (  # noqa: F401
+        LlamaAttention,
+        LlamaForCausalLMEagle3,
+        LlamaMLP,
+        LlamaMutiRotaryEmbedding,
+        LlamaRMSNorm,
+        apply_rotary_pos_emb,
+        repeat_kv,
+    )
+    from specforge.modeling.draft.registry import DRAFT_REGISTRY, register_draft  # noqa: F401
+    from specforge.runtime.contracts import TrainBatch  # noqa: F401
+    from specforge.runtime.data_plane.feature_store import LocalFeatureStore  # noqa: F401
+    from specforge.runtime.data_plane.offline_reader import OfflineManifestReader  # noqa: F401
+    from specforge.training.backend import FSDPTrainingBackend, ParallelConfig, TrainingBackend  # noqa: F401
+    from specforge.training.checkpoint import STATE_FILE, CheckpointManager  # noqa: F401
+    from specforge.training.controller import TrainerController  # noqa: F401  (progress hook)
+    from specforge.training.controller import TrainerCore as _TrainerCore
+    from specforge.training.strategies.base import Eagle3TrainStrategy, StepOutput  # noqa: F401
+    from specforge.training.tracking import TrackerLogger, scalar_metrics, training_metric_names  # noqa: F401
+    from specforge.utils import padding  # noqa: F401
 
 
 def simulated_acc_len(per_position_acc):
@@ -338,8 +348,10 @@ def lease_sample(store, sample_ref):
     return store._register_file_lease(sample_ref)
 
 
-def install_feature_file_errors() -> None:
-    """A feature file that fails to load mid-run raises one error naming it and the fix (idempotent).
+def install_feature_file_errors(check: Optional[Callable[[str, Any], None]] = None) -> None:
+    """A feature file that fails to load mid-run raises one error naming it and the fix; with `check`, every
+    sample SpecForge's loader reads is passed to `check(path, sample)` first, which raises on a bad one (a loader
+    thread's error reaches the trainer as it is). Installing again replaces the check.
 
     SpecForge's loader reads files lazily (`feature_store.load_feature_file`); torch's own error
     ("failed finding central directory") does not say which file."""
@@ -350,7 +362,7 @@ def install_feature_file_errors() -> None:
 
     def load_feature_file(path: str):
         try:
-            return original(path)
+            sample = original(path)
         except Exception as e:
             from pr_specforge.config import ConfigError
             from pr_specforge.data.io import brief
@@ -359,6 +371,9 @@ def install_feature_file_errors() -> None:
                 f"feature file {path}: does not load ({brief(e)}); delete it and rerun the "
                 "`pr-specforge data hidden-states` command that wrote it (`pr-specforge data validate DIR` lists every bad file)"
             ) from None
+        if check is not None:
+            check(path, sample)
+        return sample
 
     _patch(feature_store, "load_feature_file", load_feature_file)
     _patch(offline_reader, "load_feature_file", load_feature_file)

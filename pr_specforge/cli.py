@@ -143,17 +143,22 @@ def _main(argv: List[str]) -> int:
     if args.command == "train":
         from pr_specforge.config import ConfigError
         from pr_specforge.data.io import DataFormatError
-        from pr_specforge.training.errors import NonFiniteTraining, TrainingInterrupted
-        from pr_specforge.training.train import run_train
+        from pr_specforge.training.errors import NonFiniteTraining, RankFailed, TrainingInterrupted
+        from pr_specforge.training.train import hand_to_launcher, run_train
+
+        def say(error: Exception, code: int) -> int:
+            if not hand_to_launcher(str(error), code):  # a self-launched rank: the launcher says it, once
+                print(f"pr-specforge train: {error}", file=sys.stderr)
+            return code
 
         try:
             return run_train(args.config, args.overrides, dry_run=args.dry_run, start_over=args.start_over)
         except (ConfigError, DataFormatError) as e:  # a recipe value, or a row of the data it names
-            print(f"pr-specforge train: {e}", file=sys.stderr)
-            return 2
+            return say(e, 2)
         except NonFiniteTraining as e:
-            print(f"pr-specforge train: {e}", file=sys.stderr)
-            return 1
+            return say(e, 1)
+        except RankFailed as e:  # what a rank of a self-launched run handed over
+            return say(e, e.code)
         except TrainingInterrupted as e:
             if os.environ.get("RANK", "0") == "0":
                 print(f"pr-specforge train: {e}", file=sys.stderr)

@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Sequence
 
 from pr_specforge.eval.experiment_report import build_report, check_report_prefix, render_markdown, write_report
 from pr_specforge.stages import (HELDOUT_PROMPTS, REPO_ROOT, STAGE_ERRORS, Stage, StageBuilder, check_settings, recipe_content,
-                                 run_stages, train_command)
+                                 run_stages, stage_error, train_command)
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         report = Experiment(args).run()
     except STAGE_ERRORS as e:
-        print(f"pr-specforge experiment: {e}", file=sys.stderr)
-        return 1
+        line, code = stage_error("pr-specforge experiment", e)
+        print(line, file=sys.stderr)
+        return code
     print(render_markdown(report))
     return 0
 

@@ -18,7 +18,10 @@ gate halted at depth 0 almost everywhere, what to change to see reconsideration 
 the same entry point a user would (`pr-specforge data ...`, `train`, `export`, `eval`, `control`), built by
 `stages.StageBuilder`.
 
-Owns: which stages `run` runs, with which settings, and the summary. Does not own any
+Everything `run` is given is checked before the first stage (`check_args`: a bad override, `--max-steps 0`, an
+unknown prompt set, a recipe that is not a PR recipe are one line, exit 2, and leave no workdir behind).
+
+Owns: which stages `run` runs, with which settings, their checks, and the summary. Does not own any
 stage's work or argument list (`pr_specforge.stages`).
 """
 
@@ -27,11 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
 from pr_specforge.stages import (REPO_ROOT, STAGE_ERRORS, Stage, StageBuilder, check_settings, migrate_recipe_record,
-                                 recipe_content, run_stages)
+                                 recipe_content, run_stages, stage_error)
 
 log = logging.getLogger(__name__)
 
@@ -58,21 +62,72 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """`run`'s arguments. `--eval-prompts` takes one or more words, so the overrides after it (`--eval-prompts
+    mtbench pr.gate_init_bias=-1`) land in its list: a `FIELD=VALUE` word there that is no file is an override."""
+    import os
+
+    args = _parser().parse_args(argv)
+    moved = [p for p in args.eval_prompts if "=" in p and not os.path.exists(p)]
+    args.eval_prompts = [p for p in args.eval_prompts if p not in moved]
+    args.overrides = [*args.overrides, *moved]
+    return args
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     try:
-        text = run(_parser().parse_args(argv))
+        text = run(parse_args(argv))
     except STAGE_ERRORS as e:
-        import sys
-
-        print(f"pr-specforge run: {e}", file=sys.stderr)
-        return 1
+        line, code = stage_error("pr-specforge run", e)
+        print(line, file=sys.stderr)
+        return code
     print(text)
     return 0
 
 
+#: `run`'s settings that count something, each at least 1
+COUNTS = ("conversations", "max_new_tokens", "max_prompt_chars", "max_length", "draft_vocab_size", "max_steps",
+          "eval_limit", "eval_max_new_tokens")
+
+
+def check_args(args: argparse.Namespace, build: StageBuilder) -> None:
+    """Everything `run` is given, checked before the first stage (and before the workdir records its settings), one
+    line each: the counts, `--budget`, `--eval-prompts` (known sets or files), the recipe with the train stage's
+    exact overrides (`load_recipe`: a bad override, `--max-steps 0`, ...), a PR recipe (the stages train, export
+    and evaluate a PR drafter), and for the control stage the recipe as `control` reads it."""
+    from pr_specforge.config import ConfigError
+    from pr_specforge.control.cli import pr_twin, recipe_pr
+    from pr_specforge.data.prompts import prompt_source_problem
+    from pr_specforge.training.recipe import load_recipe
+
+    for name in COUNTS:
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if min(args.budget) < 1:
+        raise ConfigError(f"--budget must be at least 1, got {min(args.budget)}")
+    for source in args.eval_prompts:
+        problem = prompt_source_problem(source)
+        if problem:
+            raise ConfigError(f"--eval-prompts: {problem}")
+    recipe = load_recipe(args.recipe, train_overrides(args, build))
+    if recipe.config.training.strategy != "pr":
+        raise ConfigError(f"--recipe {args.recipe}: training.strategy is {recipe.config.training.strategy!r}; `run` "
+                          f"trains, exports and evaluates a PR drafter, e.g. --recipe {pr_twin(args.recipe)}")
+    if not args.skip_control:
+        recipe_pr(args.recipe, [o for o in args.overrides if o.startswith("pr.")])
+
+
+def train_overrides(args: argparse.Namespace, build: StageBuilder) -> List[str]:
+    """The train stage's overrides: this workdir's target and features, `--max-steps`, the user's overrides."""
+    return [*build.feature_overrides(build.work / "runs" / "pr", args.max_length), f"training.max_steps={args.max_steps}",
+            *args.overrides]
+
+
 def run(args: argparse.Namespace) -> str:
-    """Every stage of the embedded default, in order (finished ones skipped); returns the summary."""
+    """Every stage of the embedded default, in order (finished ones skipped), after `check_args`; returns the
+    summary."""
     work = Path(args.workdir).resolve()
+    check_args(args, StageBuilder(work))
     work.mkdir(parents=True, exist_ok=True)
     check_run_settings(args, work)
     build = StageBuilder(work)
@@ -105,8 +160,7 @@ def stages(args: argparse.Namespace, build: StageBuilder) -> List[Stage]:
         build.regenerate_stage(args.max_new_tokens, args.max_prompt_chars, batch_size=16),
         build.features_stage(args.max_length, args.draft_vocab_size),
         # an interrupted training resumes from its newest checkpoint
-        build.train_stage("train", args.recipe, run_dir, lambda: [
-            *build.feature_overrides(run_dir, args.max_length), f"training.max_steps={args.max_steps}", *args.overrides]),
+        build.train_stage("train", args.recipe, run_dir, lambda: train_overrides(args, build)),
         Stage("export", export_hf / "config.json",
               lambda: (build.export(run_dir, export_sglang, "sglang"), build.export(run_dir, export_hf, "hf")),
               done=lambda: build.export_done(run_dir, export_sglang, export_hf)),

@@ -31,8 +31,14 @@ class StageFailed(RuntimeError):
     """A stage's command returned non-zero; the message names the command."""
 
 
-#: what a stage-running command reports in one line and exits 1 on (bad settings, no checkpoint, a failed stage)
+#: what a stage-running command reports in one line (`stage_error`): bad settings, no checkpoint, a failed stage
 STAGE_ERRORS = (StageFailed, FileNotFoundError, ValueError)
+
+
+def stage_error(command: str, error: Exception):
+    """`(line, exit code)` a stage-running command says one of `STAGE_ERRORS` with: one line (a SpecForge config
+    error spans several) as `command: ...`; 1 for a failed stage, 2 for bad input (the code every command gives it)."""
+    return f"{command}: {' '.join(str(error).split())}", 1 if isinstance(error, StageFailed) else 2
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: evaluation prompt sets whose prompts are held out of the training conversations

@@ -269,7 +269,8 @@ def drafter_bad_inputs(p):
 
 def later_feature_file_cases(held, bad):
     """Copies of the features `held` whose LAST feature file (not the first, which was the only one checked) is
-    damaged: name -> (features dir, needles of its one line; each names the file)."""
+    damaged: name -> (features dir, needles of its one line; each names the file). A loader checks each sample as
+    it reads it (`training.preflight.FeatureSampleCheck`), so each ends the command in one line."""
     import shutil
 
     import torch
@@ -292,11 +293,23 @@ def later_feature_file_cases(held, bad):
         "a later features file truncated": (lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]), ("does not load",)),
         "a later features file of garbage": (lambda p: p.write_bytes(b"not a torch file"), ("does not load",)),
         "a later features file of another width": (rewrite(lambda s: s.update(hidden_state=s["hidden_state"][..., :-1])),
-                                                   ("hidden_state is", "one target and dtype")),
+                                                   ("hidden_state shape",)),
         "a later features file without loss_mask": (rewrite(lambda s: s.pop("loss_mask")), ("missing key(s) ['loss_mask']",)),
         "a later features file of another dtype": (rewrite(lambda s: s.update(hidden_state=s["hidden_state"].half(),
                                                                               aux_hidden_state=s["aux_hidden_state"].half())),
-                                                   ("hidden_state is float16 of width",)),
+                                                   ("hidden_state is torch.float16", "first feature file torch.bfloat16")),
+        # issue 65: each of these gave rc 0 with wrong numbers (silent zero padding, NaN) or a 45-74 line traceback
+        "a later features file whose hidden states are shorter than input_ids": (
+            rewrite(lambda s: s.update(hidden_state=s["hidden_state"][:, :-2], aux_hidden_state=s["aux_hidden_state"][:, :-2])),
+            ("hidden_state shape", "input_ids tokens")),
+        "a later features file whose input_ids are shorter than the states": (
+            rewrite(lambda s: s.update(input_ids=s["input_ids"][:-2], loss_mask=s["loss_mask"][:-2])), ("hidden_state shape",)),
+        "a later features file holding NaN": (rewrite(lambda s: s["aux_hidden_state"][0, 3, 5].fill_(float("nan"))),
+                                              ("non-finite values", "aux_hidden_state")),
+        "a later features file holding a token id >= the vocab": (rewrite(lambda s: s["input_ids"][-1].fill_(10_000)),
+                                                                  ("input_ids outside [0, ",)),
+        "a later features file with a 2-D loss_mask": (rewrite(lambda s: s.update(loss_mask=s["loss_mask"][None])),
+                                                       ("loss_mask shape (1, ",)),
     }
     out = {}
     for name, (edit, needles) in cases.items():

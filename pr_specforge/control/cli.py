@@ -18,23 +18,35 @@ from typing import Any, Dict, List, Optional, Sequence
 from pr_specforge.config import ConfigError, PRConfig
 
 
+def shown_path(path) -> str:
+    """`path` as a user passes it from the current directory: relative when it lies under it, else absolute."""
+    full = os.path.abspath(path)
+    rel = os.path.relpath(full)
+    return full if rel.startswith(os.pardir) else rel
+
+
 def pr_twin(path: str) -> str:
-    """The PR recipe beside an EAGLE-3 one (`X-eagle3.yaml` -> `X-pr.yaml` or `X.yaml`), else the paper's PR base."""
+    """The PR recipe beside an EAGLE-3 one (`X-eagle3.yaml` -> `X-pr.yaml` or `X.yaml`), else the paper's PR base;
+    a path that names it from the current directory."""
+    from pr_specforge.stages import REPO_ROOT
+
     head, name = os.path.split(path)
     for twin in (name.replace("-eagle3", "-pr", 1), name.replace("-eagle3", "", 1)):
         if twin != name and os.path.isfile(os.path.join(head, twin)):
-            return os.path.join(head, twin)
-    return "recipes/_base/paper-pr.yaml"
+            return shown_path(os.path.join(head, twin))
+    return shown_path(REPO_ROOT / "recipes" / "_base" / "paper-pr.yaml")
 
 
 def recipe_pr(path: str, overrides: Sequence[str] = ()) -> PRConfig:
     """The `pr:` options of a recipe (its `extends:` chain resolved) with dotted `pr.` overrides. A recipe that is
     not a PR recipe (`training.strategy` other than `pr`, or neither that nor a `pr:` section) is refused: the
-    control would test PRConfig's defaults under its name."""
-    from pr_specforge.training.recipe import PR_SECTION, read_recipe_mapping, recipe_pr_config, split_overrides
+    control would test PRConfig's defaults under its name. The recipe is read by `train`'s strict loader
+    (`load_recipe`, as a recipe part: it need not name a target or data), so whatever `train` refuses in it
+    (an unknown key, a `pr:` without `training.strategy: pr`, a section that is no mapping) is refused here too."""
+    from pr_specforge.training.recipe import PR_SECTION, load_recipe, read_recipe_mapping, split_overrides
 
     raw = read_recipe_mapping(path)
-    spec_over, pr_over = split_overrides(overrides)
+    spec_over, _ = split_overrides(overrides)
     if spec_over:
         raise ConfigError(f"control: only pr.FIELD=VALUE overrides apply to the control, got {list(spec_over)}")
     training = raw.get("training") if isinstance(raw.get("training"), dict) else {}
@@ -43,7 +55,7 @@ def recipe_pr(path: str, overrides: Sequence[str] = ()) -> PRConfig:
         said = f"training.strategy is {strategy!r}" if strategy is not None else "it sets no training.strategy and has no pr: section"
         raise ConfigError(f"{path}: not a PR recipe ({said}): the control tests a recipe's PR options and this one has "
                           f"none; run it on a PR recipe, e.g. --recipe {pr_twin(path)}")
-    return recipe_pr_config(raw, pr_over, path)
+    return load_recipe(path, overrides, part=True).pr
 
 
 def table_lines(result: Dict[str, Any]) -> List[str]:

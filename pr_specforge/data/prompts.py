@@ -69,19 +69,30 @@ def _turns_of(row: dict, where: str) -> list[str]:
     return turns
 
 
+#: the prompt sets known by name (each a file of an installed package)
+NAMED_SETS = {"mtbench": MTBENCH, "mt_bench": MTBENCH, "mt-bench": MTBENCH, "gsm8k": GSM8K, "humaneval": HUMANEVAL}
+
+
+def prompt_source_problem(source: str) -> str | None:
+    """Why `source` is not a prompt source `load_prompts` reads (a known set's name or an existing file), or None."""
+    if source.lower() in NAMED_SETS or os.path.exists(source):
+        return None
+    return f"prompt source {source!r} is neither {sorted(NAMED_SETS)} nor an existing file"
+
+
 def load_prompts(source: str, limit: int | None = None, turns: str = "first") -> list[Prompt]:
     """Prompts from `mtbench | gsm8k | humaneval | PATH.jsonl[.gz]`."""
     if turns not in ("first", "all"):
         raise ValueError(f"turns must be 'first' or 'all', got {turns!r}")
-    named = {"mtbench": MTBENCH, "mt_bench": MTBENCH, "mt-bench": MTBENCH, "gsm8k": GSM8K, "humaneval": HUMANEVAL}
-    if source.lower() in named:
-        pkg, rel = named[source.lower()]
+    problem = prompt_source_problem(source)
+    if problem:
+        raise FileNotFoundError(problem)
+    if source.lower() in NAMED_SETS:
+        pkg, rel = NAMED_SETS[source.lower()]
         path = str(package_dir(pkg) / rel)
         name = source.lower()
-    elif os.path.exists(source):
-        path, name = source, os.path.splitext(os.path.basename(source))[0]
     else:
-        raise FileNotFoundError(f"prompt source {source!r} is neither {sorted(set(named))} nor an existing file")
+        path, name = source, os.path.splitext(os.path.basename(source))[0]
 
     out: list[Prompt] = []
     for lineno, row in _read_lines(path):

@@ -36,6 +36,55 @@ class ValidationReport:
         return not self.bad and not self.problems and self.files > 0
 
 
+def _finite(t) -> bool:
+    """No NaN or Inf in `t`, at the cost of one sum in its own dtype (NaN and Inf propagate through it; no copy of
+    `t`); the exact elementwise check runs only when that sum is not finite (a non-finite value, or finite values
+    whose sum overflows)."""
+    import torch
+
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
+def sample_problem(sample, hidden: int, vocab: int | None, dtype=None) -> str | None:
+    """The first problem of one loaded feature sample, naming its field, or None (see the module doc; `dtype`:
+    the hidden states' dtype every sample of a directory must share, when known). It costs a few reductions over
+    the sample's tensors, so a loader runs it on every sample it reads (`training.preflight.FeatureSampleCheck`)."""
+    import torch
+
+    if not isinstance(sample, dict):
+        return f"holds a {type(sample).__name__}, not a dict"
+    missing = [k for k in FEATURE_KEYS if k not in sample]
+    if missing:
+        return f"missing key(s) {missing}"
+    ids, mask, hs, aux = (sample[k] for k in FEATURE_KEYS)
+    not_tensors = [k for k in FEATURE_KEYS if not isinstance(sample[k], torch.Tensor)]
+    if not_tensors:
+        return f"{not_tensors[0]} is a {type(sample[not_tensors[0]]).__name__}, not a tensor"
+    if ids.dim() != 1 or ids.dtype != torch.long:
+        return f"input_ids must be 1-D int64, got {tuple(ids.shape)} {ids.dtype}"
+    L = ids.shape[0]
+    if tuple(mask.shape) != (L,):
+        return f"loss_mask shape {tuple(mask.shape)} != ({L},) (1-D, one entry per input_ids token)"
+    if tuple(hs.shape) != (1, L, hidden):
+        return f"hidden_state shape {tuple(hs.shape)} != (1, {L}, {hidden}) ({L} input_ids tokens, hidden size {hidden})"
+    if tuple(aux.shape) != (1, L, 3 * hidden):
+        return (f"aux_hidden_state shape {tuple(aux.shape)} != (1, {L}, {3 * hidden}) ({L} input_ids tokens, "
+                f"3 x hidden size {hidden})")
+    if not hs.is_floating_point() or not aux.is_floating_point():
+        return f"hidden states must be floating point, got hidden_state {hs.dtype}, aux_hidden_state {aux.dtype}"
+    for key, t in (("hidden_state", hs), ("aux_hidden_state", aux)):
+        if dtype is not None and t.dtype != dtype:
+            return f"{key} is {t.dtype}, the directory's first feature file {dtype}; every file must come from one capture"
+    for key, t in (("hidden_state", hs), ("aux_hidden_state", aux)):
+        if not _finite(t):
+            return f"non-finite values (NaN or Inf) in {key}"
+    if int((mask != 0).sum()) == 0:
+        return "empty loss_mask (no position is supervised)"
+    if L and vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        return f"input_ids outside [0, {vocab}) (max {int(ids.max())}, min {int(ids.min())}): not this target's vocab"
+    return None
+
+
 def _check_file(path: Path, hidden: int, vocab: int) -> str | None:
     import torch
 
@@ -43,32 +92,7 @@ def _check_file(path: Path, hidden: int, vocab: int) -> str | None:
         d = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # any unreadable file is a finding, not a crash
         return f"does not load ({type(e).__name__}: {str(e)[:120]})"
-    if not isinstance(d, dict):
-        return f"holds a {type(d).__name__}, not a dict"
-    missing = [k for k in FEATURE_KEYS if k not in d]
-    if missing:
-        return f"missing keys {missing}"
-    ids, mask, hs, aux = (d[k] for k in FEATURE_KEYS)
-    if not all(isinstance(t, torch.Tensor) for t in (ids, mask, hs, aux)):
-        return "a feature is not a tensor"
-    if ids.dim() != 1 or ids.dtype != torch.long:
-        return f"input_ids must be 1-D int64, got {tuple(ids.shape)} {ids.dtype}"
-    L = ids.shape[0]
-    if tuple(mask.shape) != (L,):
-        return f"loss_mask shape {tuple(mask.shape)} != ({L},)"
-    if tuple(hs.shape) != (1, L, hidden):
-        return f"hidden_state shape {tuple(hs.shape)} != (1, {L}, {hidden})"
-    if tuple(aux.shape) != (1, L, 3 * hidden):
-        return f"aux_hidden_state shape {tuple(aux.shape)} != (1, {L}, {3 * hidden})"
-    if not hs.is_floating_point() or not aux.is_floating_point():
-        return f"hidden states must be floating point, got {hs.dtype}/{aux.dtype}"
-    if not bool(torch.isfinite(hs).all()) or not bool(torch.isfinite(aux).all()):
-        return "non-finite values in the hidden states"
-    if int((mask != 0).sum()) == 0:
-        return "empty loss mask"
-    if L and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        return f"input_ids outside [0, {vocab})"
-    return None
+    return sample_problem(d, hidden, vocab)
 
 
 def _check_vocab(features_dir: Path, vocab: int, manifest: dict) -> list[str]:

@@ -296,10 +296,10 @@ def diagnose(run_dir: str, features: str, checkpoint: Optional[str] = None, limi
 
     if isinstance(run_dir, DrafterSource):
         source = run_dir
-        sample = check_feature_dir("--features", features, None, None, every=True)
+        sample = check_feature_dir("--features", features, None, None)
     else:
         source_kind(run_dir)
-        sample = check_feature_dir("--features", features, None, None, every=True)
+        sample = check_feature_dir("--features", features, None, None)
         source = drafter_source(run_dir, checkpoint, features, target, ttt_length)
     raw = source.raw
     check_features_fit(features, sample, raw)

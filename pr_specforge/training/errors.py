@@ -9,3 +9,11 @@ class TrainingInterrupted(Exception):
 
 class NonFiniteTraining(RuntimeError):
     """The loss (or a tensor about to be checkpointed) went non-finite; the message names the step and the term."""
+
+
+class RankFailed(Exception):
+    """A rank of a self-launched run ended with a one-line error (the message; `code` is its exit code)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code

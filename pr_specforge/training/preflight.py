@@ -9,8 +9,9 @@ already holds checkpoints (resume it, or start over only when told to).
 Also owns `check_run(recipe)`, every check `pr-specforge train` makes after loading the recipe,
 in one pass (the draft config's architecture, the target, `pr.init_from`, an online run's
 conversations, the vocab map, the first feature file of each feature directory against the
-draft config; then the run directory's resume guard and schedule), and `check_feature_dir`
-(`diagnose` uses it too).
+draft config; then the run directory's resume guard and schedule), `check_feature_dir`
+(`diagnose` uses it too), and `FeatureSampleCheck`, the check of every sample a loader reads
+(`recipe_sample_check`; installed in SpecForge's loader by `training.train`).
 
 Does not own: recipe parsing (`training.recipe`).
 """
@@ -353,16 +354,13 @@ def _check_manifest_status(field: str, feats: str) -> None:
                           f"{feats} did not finish; rerun the same command to complete it")
 
 
-#: what every SpecForge EAGLE-3 feature file holds
-FEATURE_KEYS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
-
-
 def _load_feature_file(path: str, feats: str, mmap: bool = False) -> dict:
     """One feature file, loaded (memory-mapped where it can be: only its header is read) and checked to be a
     SpecForge EAGLE-3 feature dict; one line naming the file otherwise."""
     import torch
 
     from pr_specforge.data.io import brief
+    from pr_specforge.data.validate import FEATURE_KEYS
 
     try:
         sample = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and not path.endswith(".gz"))
@@ -377,29 +375,68 @@ def _load_feature_file(path: str, feats: str, mmap: bool = False) -> dict:
     return sample
 
 
-def check_every_feature_file(feats: str, first: str, sample: dict) -> None:
-    """Every feature file under `feats` after `first` loads and matches `sample` (the first's): the same keys, hidden
-    widths and dtypes; one line naming the first file that does not (a later file truncated, garbage, of another
-    target or dtype failed deep inside a measurement, or not at all)."""
-    def form(s: dict) -> dict:
-        return {k: (tuple(s[k].shape[-1:]), str(s[k].dtype)) for k in ("hidden_state", "aux_hidden_state")}
+class FeatureSampleCheck:
+    """`data validate`'s checks of one sample (`data.validate.sample_problem`: keys, shapes, widths, dtype, token
+    ids in the vocab, a 1-D loss mask as long as input_ids, finite hidden states), made on every sample as a loader
+    reads it, so a bad file anywhere in a features directory of any size ends the command in one line naming it
+    and the field (`ConfigError`), at the cost of a few reductions per sample (no pass over the files at start).
 
-    want = form(sample)
-    for path in _feature_files(feats):
-        if path == first:
-            continue
-        got = form(_load_feature_file(path, feats, mmap=True))
-        for key, ((width, dtype), (own_width, own_dtype)) in ((k, (want[k], got[k])) for k in want):
-            if (width, dtype) != (own_width, own_dtype):
-                raise ConfigError(f"feature file {path}: {key} is {own_dtype.replace('torch.', '')} of width "
-                                  f"{own_width[0]}, the first feature file ({first}) {dtype.replace('torch.', '')} of "
-                                  f"width {width[0]}; every file of {feats} must come from one target and dtype")
+    The hidden size and vocab are the draft config's (`target_hidden_size`, `vocab_size`); the dtype every sample
+    must share is the one of the first file of its directory (`roots`: the features directories a run reads)."""
+
+    def __init__(self, draft: Optional[dict], roots=()) -> None:
+        draft = draft or {}
+        hidden = draft.get("target_hidden_size") or draft.get("hidden_size")
+        self.hidden = int(hidden) if hidden else None
+        self.vocab = int(draft["vocab_size"]) if draft.get("vocab_size") else None
+        self.roots = sorted({os.path.abspath(r) for r in roots if r}, key=len, reverse=True)
+        self._first: dict = {}  # root -> (hidden width, dtype) of its first feature file
+
+    def _reference(self, path: str):
+        """`(hidden size, dtype)` a sample at `path` must have: the draft config's size, else (and for the dtype)
+        its directory's first file's (read once per directory; loader threads may both read it, to the same
+        value); None for a file under none of `roots` (another run's, in a process that ran this one: unchecked)."""
+        full = os.path.abspath(path)
+        root = next((r for r in self.roots if full.startswith(r.rstrip(os.sep) + os.sep)), None)
+        if root is None:
+            return None
+        if root not in self._first:
+            first = _first_feature_file(root)
+            sample = _load_feature_file(first, root, mmap=True) if first else None
+            hs = sample.get("hidden_state") if sample is not None else None
+            self._first[root] = (int(hs.shape[-1]), hs.dtype) if hasattr(hs, "shape") else (None, None)
+        width, dtype = self._first[root]
+        return self.hidden or width, dtype
+
+    def __call__(self, path: str, sample) -> None:
+        reference = self._reference(path)
+        if reference is None:
+            return
+        hidden, dtype = reference
+        if hidden is None and isinstance(sample, dict) and hasattr(sample.get("hidden_state"), "shape"):
+            hidden = int(sample["hidden_state"].shape[-1])
+        from pr_specforge.data.validate import sample_problem
+
+        problem = sample_problem(sample, hidden or 0, self.vocab, dtype)
+        if problem:
+            raise ConfigError(f"feature file {path}: {problem}; delete it or prepare the features again "
+                              "(`pr-specforge data validate DIR` lists every bad file)")
 
 
-def check_feature_dir(field: str, feats: Optional[str], draft: Optional[dict], draft_path: Optional[str],
-                      every: bool = False):
-    """The first feature file under `feats`, checked against the draft config (`every`: and each later file against
-    it, `check_every_feature_file`); None when unset."""
+def recipe_sample_check(recipe) -> FeatureSampleCheck:
+    """The `FeatureSampleCheck` of a recipe's feature directories against its draft config."""
+    from pr_specforge.data.io import read_json_object
+
+    cfg = recipe.config
+    path = cfg.model.draft_model_config
+    draft = read_json_object(path, "model.draft_model_config:", error=ConfigError) if path and os.path.isfile(path) else None
+    return FeatureSampleCheck(draft, (cfg.data.hidden_states_path, cfg.data.eval_hidden_states_path))
+
+
+def check_feature_dir(field: str, feats: Optional[str], draft: Optional[dict], draft_path: Optional[str]):
+    """The first feature file under `feats`, checked against the draft config (its width first, naming the draft
+    config; then every check a loader makes of each sample, `FeatureSampleCheck`); None when unset. Later files
+    are checked as they are read."""
     if not feats:
         return None
     if not os.path.isdir(feats):
@@ -409,8 +446,6 @@ def check_feature_dir(field: str, feats: Optional[str], draft: Optional[dict], d
         raise ConfigError(f"{field}: no .ckpt feature files under {feats}")
     _check_manifest_status(field, feats)
     sample = _load_feature_file(first, feats)
-    if every:
-        check_every_feature_file(feats, first, sample)
     if draft is not None:
         target_hidden = int(draft.get("target_hidden_size") or draft.get("hidden_size"))
         width = int(sample["aux_hidden_state"].shape[-1])
@@ -419,4 +454,5 @@ def check_feature_dir(field: str, feats: Optional[str], draft: Optional[dict], d
                 f"feature file {first}: aux_hidden_state width {width} != 3 x target_hidden_size "
                 f"({target_hidden}) of {draft_path}; the features come from a different target"
             )
+    FeatureSampleCheck(draft, (feats,))(first, sample)
     return sample

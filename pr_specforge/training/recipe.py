@@ -226,9 +226,45 @@ def recipe_pr_config(raw: Dict[str, Any], pr_over: Dict[str, Any], path: str) ->
     return PRConfig.from_mapping({**(section or {}), **pr_over}, where=f"{path}: pr")
 
 
-def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
-    """Read a recipe YAML/JSON; validate SpecForge's part, the `pr:` and `backend:` parts strictly."""
+#: the data sources SpecForge's schema wants exactly one of
+DATA_SOURCES = ("hidden_states_path", "train_data_path", "prompts_path")
+
+
+def _stand_ins(raw: Dict[str, Any]) -> Dict[str, Any]:
+    """`raw` with what SpecForge's schema requires of a runnable recipe (a target, a data source) stood in for where
+    it is unset, so a recipe part (an `extends:` base, a control recipe) is checked as strictly as a whole one."""
+    model, data = raw.get("model"), raw.get("data")
+    stand_in: Dict[str, Any] = {}
+    if model is None or (isinstance(model, dict) and "target_model_path" not in model):
+        stand_in["model"] = {"target_model_path": "unset"}
+    if data is None or (isinstance(data, dict) and not any(data.get(k) for k in DATA_SOURCES)):
+        stand_in["data"] = {"hidden_states_path": "unset"}
+    return _deep_merge(stand_in, raw)
+
+
+def _check_sections(raw: Dict[str, Any], path: str) -> None:
+    """Each section of SpecForge's config a recipe gives (`model:`, `training:`, ...) is a mapping: one line naming
+    it (SpecForge's own validators fail with a TypeError on `training: 5`)."""
+    from pydantic import BaseModel
+
+    from pr_specforge._specforge import Config
+
+    for key, field in Config.model_fields.items():
+        value = raw.get(key)
+        section = isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        if section and value is not None and not isinstance(value, dict):
+            raise ConfigError(f"recipe {path}: {key}: expected a mapping of fields (FIELD: VALUE), "
+                              f"got {type(value).__name__} {value!r}")
+
+
+def load_recipe(path: str, overrides: Sequence[str] = (), part: bool = False) -> Recipe:
+    """Read a recipe YAML/JSON; validate SpecForge's part, the `pr:` and `backend:` parts strictly. `part`: a recipe
+    that need not be runnable alone (`recipes/_base/*.yaml`, what `control` reads): every key it has is checked as
+    strictly, and the target and data source SpecForge requires may be unset (`_stand_ins`)."""
     raw = read_recipe_mapping(path)
+    _check_sections(raw, path)
+    if part:
+        raw = _stand_ins(raw)
     spec_over, pr_over = split_overrides(overrides)
     online_request, raw, spec_over = pop_online_keys(raw, spec_over, path)
     pr = recipe_pr_config(raw, pr_over, path)

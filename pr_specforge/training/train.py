@@ -4,7 +4,8 @@
     torchrun --nproc_per_node 4 -m pr_specforge.cli train -c recipes/llama3.1-8b-pr.yaml
 
 Owns: the process launch (in-process for one rank or under torchrun; self-launch through
-torchrun for several ranks, re-entering THIS cli so every rank has the patched registry),
+torchrun for several ranks, re-entering THIS cli so every rank has the patched registry; a rank's one-line error is said once, by the
+launcher: `hand_to_launcher`),
 resume-by-default, Ctrl-C, the stop at a non-finite loss (`check_finite_step`), the runtime
 patches a run installs (`install_training_runtime`)
 and `assembled_run` (SpecForge's assembled trainer in one process, for `diagnose`, tests
@@ -28,7 +29,7 @@ from typing import List, Sequence
 import yaml
 
 from pr_specforge.config import ConfigError
-from pr_specforge.training.errors import NonFiniteTraining, TrainingInterrupted
+from pr_specforge.training.errors import NonFiniteTraining, RankFailed, TrainingInterrupted
 from pr_specforge.training.preflight import check_run
 from pr_specforge.training.recipe import Recipe, load_recipe, resolved_payload
 
@@ -108,27 +109,76 @@ def interrupted_message(output_dir: str) -> str:
             "rerun the same command to resume from it")
 
 
+#: set in the ranks `pr-specforge train` launches itself: the file a rank's one-line error goes to (`hand_to_launcher`)
+RANK_ERROR_ENV = "PR_SPECFORGE_RANK_ERROR_FILE"
+
+
+def hand_to_launcher(message: str, code: int) -> bool:
+    """In a rank `pr-specforge train` launched (`RANK_ERROR_ENV` set), hand the run's one-line error (`message`, exit
+    `code`) to the launcher, which says it once after torchrun ends (the first rank's wins) instead of each rank's
+    line, the peers' broken-connection tracebacks and torchrun's failure report; False elsewhere."""
+    path = os.environ.get(RANK_ERROR_ENV)
+    if not path:
+        return False
+    try:
+        fd = os.open(path + ".part", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another rank said it first
+        return True
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{code}\n{message}")
+    os.replace(path + ".part", path)
+    return True
+
+
 def _self_launch(cmd: List[str], output_dir: str) -> int:
     """torchrun in its own session: Ctrl-C reaches this process only, which interrupts the ranks
-    (they stop quietly) and reports in one line, instead of torchrun's and every rank's tracebacks."""
+    (they stop quietly) and reports in one line, instead of torchrun's and every rank's tracebacks.
+    The ranks' stderr passes through until a rank hands over a one-line error (`hand_to_launcher`): from then
+    on it is dropped, and that error is raised here (`RankFailed`, with the rank's exit code) for the CLI to say."""
     import signal
+    import tempfile
+    import threading
 
-    proc = subprocess.Popen(cmd, env={**os.environ, SELF_LAUNCHED_ENV: "1"}, start_new_session=True)
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        for pid in _children(proc.pid):
-            try:
-                os.kill(pid, signal.SIGINT)
-            except ProcessLookupError:
-                pass
-        while True:
-            try:
-                proc.wait()
-                break
-            except KeyboardInterrupt:
-                continue
-        raise TrainingInterrupted(interrupted_message(output_dir)) from None
+    with tempfile.TemporaryDirectory(prefix="pr-train-") as scratch:
+        said = os.path.join(scratch, "error")
+        proc = subprocess.Popen(cmd, env={**os.environ, SELF_LAUNCHED_ENV: "1", RANK_ERROR_ENV: said},
+                                start_new_session=True, stderr=subprocess.PIPE)
+        forward = threading.Thread(target=_forward_until, args=(proc.stderr, said), daemon=True)
+        forward.start()
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            for pid in _children(proc.pid):
+                try:
+                    os.kill(pid, signal.SIGINT)
+                except ProcessLookupError:
+                    pass
+            while True:
+                try:
+                    proc.wait()
+                    break
+                except KeyboardInterrupt:
+                    continue
+            raise TrainingInterrupted(interrupted_message(output_dir)) from None
+        finally:
+            forward.join()
+        if os.path.exists(said):
+            with open(said) as f:
+                code, message = f.read().split("\n", 1)
+            raise RankFailed(message, int(code))
+        return rc
+
+
+def _forward_until(stream, said: str) -> None:
+    """Copy `stream` (bytes) to stderr as it comes, until a rank hands over its error (`hand_to_launcher` writes
+    `said`); then drain it unsaid."""
+    import codecs
+
+    decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+    for chunk in iter(lambda: stream.read1(65536), b""):
+        if not (os.path.exists(said) or os.path.exists(said + ".part")):
+            sys.stderr.write(decode(chunk))
+            sys.stderr.flush()
 
 
 def _children(pid: int) -> List[int]:
@@ -196,7 +246,10 @@ def assembled_run(recipe: Recipe):
     yields `(strategy, loader)` for tests and benchmarks that drive steps themselves."""
     from pr_specforge import _specforge as sf
 
+    from pr_specforge.training.preflight import recipe_sample_check
+
     sf.install_cpu_loss()
+    sf.install_feature_file_errors(recipe_sample_check(recipe))  # every sample checked as the loader reads it
     cfg, registry = run_config(recipe)
     resolved = sf.resolve_run(cfg, registry)
     os.environ["FSDP_SHARDING"] = cfg.training.fsdp_sharding  # as SpecForge's CLI does: the backend reads it
@@ -232,17 +285,19 @@ def _watch_sigint(seen: List[bool]):
 
 def install_training_runtime(recipe: Recipe, payload: dict) -> None:
     """Every runtime patch training needs, in one place (nothing is patched at import time):
-    SpecForge's loss on CPU, the stop at a non-finite loss, recipe-carrying atomic checkpoints
+    SpecForge's loss on CPU, the stop at a non-finite loss, the check of every feature sample the loader reads
+    (training and eval features: `preflight.FeatureSampleCheck`), recipe-carrying atomic checkpoints
     (never of non-finite tensors) carrying `payload` (`resolved_payload`), the metrics JSONL sink,
     the acceptance simulator in the eval pass, and the chosen backend."""
     from pr_specforge._specforge import install_cpu_loss, install_feature_file_errors, wrap_train_step
     from pr_specforge.training.backends.checkpoint import install_checkpoint_manager
+    from pr_specforge.training.preflight import recipe_sample_check
     from pr_specforge.training.simulate import install_eval_simulator
     from pr_specforge.training.telemetry import install_metrics_sink
 
     install_cpu_loss()
     wrap_train_step(check_finite_step)
-    install_feature_file_errors()
+    install_feature_file_errors(recipe_sample_check(recipe))
     install_checkpoint_manager(payload)
     install_metrics_sink()
     install_eval_simulator()

@@ -42,7 +42,13 @@ RECIPE_CASES = {"eagle3": "r.yaml: not a PR recipe (training.strategy is 'eagle3
                 "no-strategy": "it sets no training.strategy and has no pr: section",
                 "pr-list": "pr: expected a mapping of PR settings (FIELD: VALUE), got list",
                 "pr-number": "pr: expected a mapping of PR settings (FIELD: VALUE), got int 3",
-                "symbols-3": "at least 5 symbols, got N = 3", "symbols-4": "1/(N-3) of the 2-hop queries by elimination"}
+                "symbols-3": "at least 5 symbols, got N = 3", "symbols-4": "1/(N-3) of the 2-hop queries by elimination",
+                # issue 65: read by train's strict loader, so what train refuses is refused here too
+                "unknown-top-level": "bogus: Extra inputs are not permitted",
+                "pr-without-strategy": "has a `pr:` section but training.strategy='eagle3'",
+                "training-5": "training: expected a mapping of fields (FIELD: VALUE), got int 5"}
+#: a PR recipe part (no target or data: `control` reads only its pr: options)
+PR_RECIPE = "training:\n  strategy: pr\npr:\n  max_depth: 2\n"
 
 
 @pytest.mark.parametrize("case", ["missing", "yaml", "unknown", "override", "queries", "recipe-dir", *JSON_CASES,
@@ -51,7 +57,9 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys, case):
     recipe = tmp_path / "r.yaml"
     args = ["--recipe", str(recipe)]
     recipe.write_text({"eagle3": "training:\n  strategy: eagle3\n", "no-strategy": "training:\n  num_epochs: 1\n",
-                       "pr-list": "pr: [max_depth, 2]\n", "pr-number": "pr: 3\n"}.get(case, "pr:\n  max_depth: 2\n"))
+                       "pr-list": "pr: [max_depth, 2]\n", "pr-number": "pr: 3\n", "unknown-top-level": PR_RECIPE + "bogus: 1\n",
+                       "pr-without-strategy": "pr:\n  max_depth: 2\n",
+                       "training-5": "training: 5\npr:\n  max_depth: 2\n"}.get(case, PR_RECIPE))
     if case == "missing":
         recipe.unlink()
     elif case == "recipe-dir":
@@ -66,12 +74,10 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys, case):
     elif case == "yaml":
         recipe.write_text("pr: [unclosed\n")
     elif case == "unknown":
-        recipe.write_text("pr:\n  max_dept: 2\n")
+        recipe.write_text("training:\n  strategy: pr\npr:\n  max_dept: 2\n")
     elif case == "override":
-        recipe.write_text("pr:\n  max_depth: 2\n")
         args.append("pr.recon_grad=sideways")
     elif case == "queries":
-        recipe.write_text("pr:\n  max_depth: 2\n")
         args += ["--symbols", "6", "--queries", "7"]
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
@@ -80,7 +86,7 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys, case):
             "queries": "1 to N = 6", "recipe-dir": "is a directory; name a recipe YAML file", **JSON_CASES,
             **RECIPE_CASES}[case] in err
     if case in JSON_CASES:
-        assert (tmp_path / "a-file").read_text() == "mine" and recipe.read_text() == "pr:\n  max_depth: 2\n"
+        assert (tmp_path / "a-file").read_text() == "mine" and recipe.read_text() == PR_RECIPE
         assert "control" not in capsys.readouterr().out
 
 
@@ -90,6 +96,18 @@ def test_an_eagle3_recipe_is_refused_and_pointed_at_its_pr_twin(capsys):
     assert err.err.count("\n") == 1 and "training.strategy is 'eagle3'" in err.err and "verdict" not in err.out
     assert "--recipe recipes/smollm2-135m-cpu.yaml" in err.err
     assert "--recipe recipes/qwen3-8b-pr.yaml" in str(pytest.raises(Exception, recipe_pr, "recipes/qwen3-8b-eagle3.yaml").value)
+
+
+def test_the_suggested_pr_recipe_is_a_path_from_any_working_directory(tmp_path, capsys, monkeypatch):
+    """issue 65: the paper's PR base was suggested as `recipes/_base/paper-pr.yaml`, a path relative to the
+    repository, from wherever the command ran."""
+    recipe = tmp_path / "mine-eagle3.yaml"
+    recipe.write_text("training:\n  strategy: eagle3\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["--recipe", str(recipe)]) == 2
+    suggested = capsys.readouterr().err.split("--recipe ")[-1].strip()
+    assert os.path.isfile(suggested) and suggested.endswith("recipes/_base/paper-pr.yaml"), suggested
+    assert main(["--recipe", suggested, "--steps", "1", "--symbols", "5"]) == 1  # it runs: a PR recipe (part)
 
 
 def test_cli_help_says_the_exit_codes(capsys):

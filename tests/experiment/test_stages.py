@@ -276,7 +276,7 @@ def test_experiment_report_never_replaces_a_file_that_is_not_an_earlier_report(t
     notes.write_text("a user's notes\n")
     other.write_text(json.dumps({"results": []}))  # no settings: not a report of the experiment
     for prefix, mine in ((tmp_path / "notes", notes), (tmp_path / "other", other)):
-        assert main(["--workdir", str(work), "--report", str(prefix)]) == 1
+        assert main(["--workdir", str(work), "--report", str(prefix)]) == 2  # bad input: 2, as every command (issue 65)
         lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("pr-specforge experiment:")]
         assert len(lines) == 1 and f"--report {mine}: exists" in lines[0] and "not an earlier experiment report" in lines[0], lines
     assert notes.read_text() == "a user's notes\n" and json.loads(other.read_text()) == {"results": []}

@@ -284,8 +284,10 @@ def test_rerun_resumes_start_over_discards_ctrl_c_and_bad_files_are_one_line(wor
 
 
 def test_a_non_finite_loss_stops_training_in_one_line_and_no_checkpoint_holds_nan(workspace, tmp_path, capsys):
-    """Features holding NaN (a corrupt preparation): the first step's loss is NaN; the run stops there in one
-    line naming the step and the terms, before that step's checkpoint; a NaN state is never saved either."""
+    """Features whose values are finite but huge (past what the drafter's arithmetic holds; features holding NaN
+    are refused as they are read, `tests/training/test_feature_checks.py`): the first step's loss is NaN; the run
+    stops there in one line naming the step and the terms, before that step's checkpoint; a NaN state is never
+    saved either."""
     import shutil
 
     import torch
@@ -298,7 +300,7 @@ def test_a_non_finite_loss_stops_training_in_one_line_and_no_checkpoint_holds_na
     shutil.copytree(os.path.join(_root(workspace), "features"), feats)
     for path in feats.glob("rows_*/data_*.ckpt"):
         sample = torch.load(path, weights_only=True)
-        sample["hidden_state"] = torch.full_like(sample["hidden_state"], float("nan"))
+        sample["hidden_state"] = torch.full_like(sample["hidden_state"], 3e38)
         torch.save(sample, path)
     out = tmp_path / "out"
     capsys.readouterr()
