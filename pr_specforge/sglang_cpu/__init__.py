@@ -1,6 +1,7 @@
-"""A CPU bridge for SGLang 0.5.14's EAGLE-3 speculative serving (tests and `scripts/sglang_cpu_serve.sh`).
+"""A CPU bridge for SGLang's EAGLE-3 speculative serving, 0.5.14 and 0.5.16+ (tests and `scripts/sglang_cpu_serve.sh`).
 
-Not imported by `import pr_specforge`. `child_env()` is the environment under which
+Not imported by `import pr_specforge`; shipped by the serving install (`serving/pyproject.toml`), and imports no
+SpecForge (`tests/sglang_plugin/test_serving_import.py`). `child_env()` is the environment under which
 `python -m sglang.launch_server --device cpu --attention-backend torch_native ...`
 (or `sglang.Engine`) runs EAGLE-3 on a CPU: the bridge's import hook (`bridge.install`,
 via `site/sitecustomize.py`, inherited by SGLang's subprocesses), `SGLANG_USE_CPU_ENGINE=1`,
