@@ -164,3 +164,26 @@ def test_register_without_sglang_is_one_line(serving_install, tmp_path):
     assert done.returncode == 1 and done.stdout == "", done.stdout + done.stderr
     assert done.stderr.startswith("PRServeError: PR_EAGLE3 is a plugin of SGLang (SGLang 0.5.14, 0.5.15.post1 and "
                                   "0.5.16-0.5.23), and ") and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_setup_serve_reinstalls_the_serving_install_when_any_file_it_ships_changes():
+    """scripts/setup_serve.sh's change list covers every package of serving/pyproject.toml (for the two shared
+    packages, the modules serving/setup.py keeps), so an edit to a shipped file reinstalls it."""
+    import ast
+    import re
+    import tomllib
+
+    with open(os.path.join(ROOT, "serving", "pyproject.toml"), "rb") as f:
+        packages = tomllib.load(f)["tool"]["setuptools"]["packages"]
+    setup_py = open(os.path.join(ROOT, "serving", "setup.py")).read()
+    shipped = ast.literal_eval(re.search(r"^SHIPPED = (\{.*\})$", setup_py, re.M).group(1))
+    script = open(os.path.join(ROOT, "scripts", "setup_serve.sh")).read()
+    watched = re.search(r'find (serving .*?) -newer', script, re.S).group(1).replace("\\\n", " ").split()
+    assert "serving" in watched
+    for package in packages:
+        path = package.replace(".", "/")
+        if package in shipped:
+            for module in shipped[package]:
+                assert f"{path}/{module}.py" in watched, f"{path}/{module}.py"
+        else:
+            assert any(path == w or path.startswith(w + "/") for w in watched), path
