@@ -5,8 +5,9 @@
 
 Owns: reading a `pr` or `eagle3` checkpoint (and the recipe stored in it, to find
 the draft config, vocab mapping and target), checking EVERY expected tensor name,
-shape and the vocab mapping before anything is written, and writing the output
-directory atomically (a temp dir renamed into place).
+shape and the vocab mapping before anything is written (`core.export_format`, which
+the serving side checks an export by too), and writing the output directory atomically
+(a temp dir renamed into place).
 
 * `--to sglang`: `config.json` with `architectures: [LlamaForCausalLMEagle3]`,
   `draft_vocab_size`, `target_hidden_size`, `eagle_config` (captured layer ids)
@@ -50,6 +51,16 @@ import torch
 
 from pr_specforge.config import PR_SERVING_DEFAULT_M, PR_SERVING_KEY
 from pr_specforge.data.hidden_states import TARGET_RECORD_KEY
+# what an export holds, checked the same way on the serving side (no SpecForge there): re-exported here
+from pr_specforge.core.export_format import (  # noqa: F401
+    CONTEXT_KEYS,
+    SAFETENSORS_NAME,
+    ExportError,
+    check_weights,
+    declared_context,
+    is_embedding as _is_embedding,
+    target_context,
+)
 from pr_specforge.data.io import DataFormatError, honour_umask_tree, read_json_file
 from pr_specforge.training.backends.checkpoint import RECIPE_STATE_KEY  # the resolved recipe inside a checkpoint
 from pr_specforge.modeling.drafter import (
@@ -72,7 +83,6 @@ from pr_specforge.export_records import (  # noqa: F401 (re-exported: where an e
 log = logging.getLogger(__name__)
 
 SUPPORTED_STRATEGIES = ("pr", "eagle3")
-SAFETENSORS_NAME = "model.safetensors"
 #: the architecture of an `--to vllm` export (pr_specforge.export_vllm: the speculators format)
 SPECULATOR_ARCHITECTURE = "Eagle3Speculator"
 
@@ -82,10 +92,6 @@ SGLANG_NAME_TRAPS = ("d2t", "t2d", "midlayer", "aux_norm_low", "aux_norm_mid", "
                      ".q_proj", ".k_proj", ".v_proj", ".gate_proj", ".up_proj")
 #: top-level module names of SGLang's EAGLE-3 model (a PR tensor under them would collide).
 SGLANG_MODULES = ("model.", "lm_head.", "fc.", "fc_norm.", "norm.", "layers.", "embed_tokens.")
-
-
-class ExportError(ValueError):
-    """The checkpoint would export into a silently broken drafter; the message says why."""
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -175,34 +181,6 @@ def build_drafter_skeleton(draft_config: Dict[str, Any], strategy: str, pr_setti
     return LlamaForCausalLMEagle3PR(build_pr_config(cfg, settings)).float()
 
 
-def _is_embedding(name: str) -> bool:
-    return "embed" in name.lower()
-
-
-def check_weights(model, weights: Dict[str, torch.Tensor], draft_config: Dict[str, Any]) -> None:
-    """Refuse a checkpoint that would load silently broken: every key, shape and the vocab map."""
-    expected = {k: v for k, v in model.state_dict().items() if not _is_embedding(k)}
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(k for k in set(weights) - set(expected) if not _is_embedding(k))
-    problems: List[str] = []
-    if missing:
-        problems.append(f"missing tensors {missing} (SGLang would leave them random, silently)")
-    if unexpected:
-        problems.append(f"tensors the {type(model).__name__} architecture does not have: {unexpected}")
-    for k in sorted(set(expected) & set(weights)):
-        if tuple(weights[k].shape) != tuple(expected[k].shape):
-            problems.append(f"{k}: shape {tuple(weights[k].shape)} in the checkpoint, {tuple(expected[k].shape)} expected by the draft config")
-    if problems:
-        raise ExportError("checkpoint does not match the draft config:\n  " + "\n  ".join(problems))
-    vocab, draft_vocab = int(draft_config["vocab_size"]), int(draft_config.get("draft_vocab_size") or draft_config["vocab_size"])
-    t2d, d2t = weights["t2d"], weights["d2t"]
-    if int(t2d.to(torch.int64).sum()) != draft_vocab:
-        raise ExportError(f"t2d marks {int(t2d.to(torch.int64).sum())} target tokens but draft_vocab_size is {draft_vocab}: the vocab mapping belongs to another draft vocab")
-    hot = d2t.to(torch.int64) + torch.arange(draft_vocab)
-    if int(hot.min()) < 0 or int(hot.max()) >= vocab or not torch.equal(torch.nonzero(t2d.bool()).flatten(), hot):
-        raise ExportError("d2t and t2d disagree (d2t[i] + i must list the target ids t2d marks, ascending): the vocab mapping is corrupt or mixed from two runs")
-
-
 def resolve_capture_layers(draft_config: Dict[str, Any], recipe: Optional[Dict[str, Any]], target_dir: Optional[str]) -> Optional[List[int]]:
     """Captured target layers (SpecForge's order: run override, draft config, target default)."""
     from pr_specforge._specforge import eagle_capture_layers
@@ -217,34 +195,6 @@ def resolve_capture_layers(draft_config: Dict[str, Any], recipe: Optional[Dict[s
 
         target_config = AutoConfig.from_pretrained(target_dir)
     return [int(x) for x in eagle_capture_layers(draft_config, target_config, override)]
-
-
-#: the config keys SGLang 0.5.14 takes a model's context length from, first found wins (its `get_context_length`)
-CONTEXT_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
-
-
-def declared_context(cfg: Dict[str, Any]) -> Optional[int]:
-    """The context length SGLang derives from a config dict: the first of `CONTEXT_KEYS`, times the rope
-    scaling factor unless the rope block carries its own `original_max_position_embeddings` (or is llama3's)."""
-    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}  # transformers 5 names it rope_parameters
-    factor = 1 if "original_max_position_embeddings" in rope or rope.get("rope_type") == "llama3" else rope.get("factor", 1)
-    for key in CONTEXT_KEYS:
-        if cfg.get(key) is not None:
-            return int(factor * cfg[key])
-    return None
-
-
-def target_context(target_dir: Optional[str]) -> Optional[int]:
-    """The target's context length as SGLang derives it (its text config), or None without a target."""
-    if not (target_dir and os.path.isfile(os.path.join(target_dir, "config.json"))):
-        return None
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(target_dir).get_text_config()
-    except (OSError, ValueError) as e:
-        raise ExportError(f"--target {target_dir}: its config.json does not load ({e})") from None
-    return declared_context(config.to_dict())
 
 
 def fit_context(cfg: Dict[str, Any], context: Optional[int]) -> None:

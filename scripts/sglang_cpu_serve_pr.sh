@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Serve a PR export (`pr-specforge export CKPT DIR --to sglang` of a `pr` checkpoint) WITH reconsideration on a CPU:
-# SGLang 0.5.14's server, our `PR_EAGLE3` plugin (pr_specforge/sglang_plugin), through the CPU bridge
+# SGLang's server (0.5.14; 0.5.23 with PYTHON=.venv-serve/bin/python, SGLang's own environment with only
+# `pip install ./serving`), our `PR_EAGLE3` plugin (pr_specforge/sglang_plugin), through the CPU bridge
 # (scripts/sglang_cpu_serve.sh, whose flags this passes on; later flags override).
 #
 #   scripts/sglang_cpu_serve_pr.sh TARGET_DIR PR_DRAFT_DIR [PORT] [extra launch_server flags...]

@@ -7,6 +7,8 @@ loads a PR export with these modules alone:
   * `recon_parts` - the second head and the low-rank reconsideration adapter;
   * `eagle3` - `PRServingDrafter`: a single-layer EAGLE-3 drafter in plain torch with the parameter names of
     an export, plus `PRRows` (what the SGLang plugin serves with).
+  * `export_format` - what an `export --to sglang` directory holds (its tensor check, its context length), which
+    the exporter writes by and the serving side (`sglang_cpu.preflight`) checks by.
 
 Does not own: the training drafter (`pr_specforge.modeling`, SpecForge's class plus `PRRows`).
 """

@@ -10,8 +10,11 @@ then a hang). Each is one line here, naming the directory or port and the fix, a
 DRAFT_DIR `none` (`scripts/sglang_cpu_serve_plain.sh`, the plain reference server): the target and the port only.
 With ALGORITHM `PR_EAGLE3` (the last `--speculative-algorithm` the script passes), the export is also
 checked as the `PR_EAGLE3` plugin checks it at start-up (`sglang_plugin.checks.check_drafter`).
-The tensor check is the exporter's own (`pr_specforge.export.check_weights`: every name, shape and
-the vocab map) against a drafter skeleton built on the meta device, reading only the tensors' headers.
+The tensor check is the exporter's own (`core.export_format.check_tensors`: every name, shape and
+the vocab map) against the serving drafter built on the meta device, reading only the tensors' headers.
+Nothing here imports SpecForge or SGLang: it runs in SGLang's own environment with only the serving install
+(`pip install ./serving`, which ships this package). PYTHON without SGLang is refused too. On success it prints
+the draft attention backend the installed SGLang line takes on a CPU (`draft_attention`; empty: the bridge's own).
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from pr_specforge.config import PR_CONFIG_KEY
 from pr_specforge.data.io import DataFormatError, read_json_file
+from pr_specforge.sglang_cpu import draft_attention
 
 #: what SGLang serves as a drafter, and what it does not (`export --to hf` directories); as in
 #: `pr_specforge.modeling` (not imported here: it imports SpecForge, whose import warns on stderr)
@@ -90,12 +95,28 @@ def _header_tensors(path: str) -> Dict[str, Any]:
         raise PreflightError(f"{path}: not a readable safetensors file ({e})") from None
 
 
-def check_draft_tensors(draft: str, cfg: Dict[str, Any]) -> None:
-    """Every tensor the draft config asks for, with its shape, and a consistent vocab map."""
+def eagle3_tensors(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """The EAGLE-3 tensors (not `pr_*`) an export of `cfg` must hold, as meta tensors of their shapes: the serving
+    drafter's (`core.eagle3`, plain torch: no SpecForge), whose names are the export's. Built with what changes no
+    tensor's shape (RoPE, activation, the PR settings) left at its defaults, so only the shapes can refuse."""
     import torch
 
-    from pr_specforge.export import SAFETENSORS_NAME, ExportError, build_drafter_skeleton, check_weights
-    from pr_specforge.modeling.drafter import PR_CONFIG_KEY
+    from pr_specforge.core.eagle3 import PRServingDrafter
+    from pr_specforge.core.parts import PR_PARAM_PREFIXES
+
+    shaped = {k: v for k, v in cfg.items() if k not in (PR_CONFIG_KEY, "rope_scaling", "rope_parameters", "hidden_act")}
+    with torch.device("meta"):
+        model = PRServingDrafter.from_export_config(shaped)
+    return {k: v for k, v in model.state_dict().items() if not k.startswith(PR_PARAM_PREFIXES)}
+
+
+def check_draft_tensors(draft: str, cfg: Dict[str, Any]) -> None:
+    """Every EAGLE-3 tensor the draft config asks for, with its shape, and a consistent vocab map (the exporter's
+    own check, `core.export_format.check_tensors`). The `pr_*` tensors, which SGLang's EAGLE-3 loader skips, are
+    `PR_EAGLE3`'s to check (`check_pr_drafter`)."""
+    from pr_specforge.core.eagle3 import ServingDrafterError
+    from pr_specforge.core.export_format import SAFETENSORS_NAME, ExportError, check_tensors
+    from pr_specforge.core.parts import PR_PARAM_PREFIXES
 
     path = os.path.join(draft, SAFETENSORS_NAME)
     if not os.path.isfile(path):
@@ -105,15 +126,14 @@ def check_draft_tensors(draft: str, cfg: Dict[str, Any]) -> None:
     if missing_map:
         raise PreflightError(f"{path}: no {' / '.join(missing_map)} tensor (the vocab map SGLang's hot_token_id comes from)")
     try:
-        with torch.device("meta"):
-            model = build_drafter_skeleton(cfg, "pr" if PR_CONFIG_KEY in cfg else "eagle3", None)
-        check_weights(model, weights, cfg)
-    except (ExportError, TypeError, ValueError, KeyError) as e:
+        check_tensors(eagle3_tensors(cfg), {k: v for k, v in weights.items() if not k.startswith(PR_PARAM_PREFIXES)},
+                      cfg, EAGLE3_ARCHITECTURE)
+    except (ExportError, ServingDrafterError, TypeError, ValueError, KeyError) as e:
         raise PreflightError(f"DRAFT {draft}: {' '.join(str(e).split())}") from None
 
 
 def check_context(draft: str, cfg: Dict[str, Any], target: str) -> None:
-    from pr_specforge.export import ExportError, declared_context, target_context
+    from pr_specforge.core.export_format import ExportError, declared_context, target_context
 
     try:
         need = target_context(target)
@@ -156,19 +176,37 @@ def check_pr_drafter(draft: str, cfg: Dict[str, Any]) -> None:
 PLAIN = "none"  # DRAFT_DIR of a plain server (no speculative decoding): `scripts/sglang_cpu_serve_plain.sh`
 
 
-def preflight(target: str, draft: str, port: str, algorithm: str = "EAGLE3") -> None:
-    """The cheap checks first: the port and the configs before the tensors (which import SpecForge). DRAFT_DIR
-    `none`: a plain server, whose target and port are checked."""
+def check_sglang() -> Tuple[int, ...]:
+    """The release of the SGLang this interpreter would serve with (read from its metadata: nothing imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from pr_specforge.sglang_plugin.seam import UnsupportedSGLang, version_tuple
+
+    try:
+        return version_tuple(version("sglang"))
+    except PackageNotFoundError:
+        raise PreflightError(f"PYTHON {sys.executable} has no SGLang: serve with the interpreter of SGLang's own "
+                             "environment (PYTHON=/path/to/its/bin/python)") from None
+    except UnsupportedSGLang as e:
+        raise PreflightError(str(e)) from None
+
+
+def preflight(target: str, draft: str, port: str, algorithm: str = "EAGLE3") -> Optional[str]:
+    """The cheap checks first: SGLang, the port and the configs before the tensors. DRAFT_DIR `none`: a plain
+    server, whose target and port are checked. Returns the draft attention backend of the installed SGLang line
+    (`draft_attention`; None for a plain server)."""
+    release = check_sglang()
     check_target(target)
     if draft == PLAIN:
         check_port(port)
-        return
+        return None
     cfg = check_draft_kind(draft, target)
     check_port(port)
     check_context(draft, cfg, target)
     if algorithm == "PR_EAGLE3":
         check_pr_drafter(draft, cfg)
     check_draft_tensors(draft, cfg)
+    return draft_attention(release)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -178,12 +216,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     import warnings
 
-    warnings.simplefilter("ignore")  # SpecForge's import warns (flash_attn); this command's stderr is its one line
+    warnings.simplefilter("ignore")  # this command's stderr is its one line
     try:
-        preflight(*args)
+        attention = preflight(*args)
     except PreflightError as e:
         print(f"sglang_cpu_serve: {e}", file=sys.stderr)
         return 2
+    print(attention or "")
     return 0
 
 

@@ -53,12 +53,28 @@ def one_line_refusals() -> None:
     sys.excepthook = hook
 
 
+def require_sglang() -> None:
+    """SGLang in this environment, else a `checks.PRServeError` (one line, with `one_line_refusals`): the plugin is
+    SGLang's, installed into its environment (`pip install ./serving`), never run without it."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("sglang") is None:
+        from pr_specforge.sglang_plugin.checks import PRServeError
+        from pr_specforge.sglang_plugin.seam import SUPPORTED
+
+        raise PRServeError(f"{ALGORITHM} is a plugin of SGLang ({SUPPORTED}), and {sys.executable} has no SGLang: "
+                           "install the serving package into SGLang's own environment (its python -m pip install ./serving)")
+
+
 def register() -> None:
-    """The entry point: register `PR_EAGLE3` (idempotent; a second call in one process does nothing)."""
+    """The entry point: register `PR_EAGLE3` (idempotent; a second call in one process does nothing). Without
+    SGLang, a one-line refusal (`require_sglang`)."""
+    one_line_refusals()
+    require_sglang()
     from pr_specforge.sglang_plugin.algorithm import register_algorithm
 
     register_algorithm()
-    one_line_refusals()
     from pr_specforge.sglang_plugin.admission import install as install_admission
 
     install_admission()

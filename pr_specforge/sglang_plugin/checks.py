@@ -80,13 +80,15 @@ class PRServeShape:
 
 
 def _env_int(name: str) -> Optional[int]:
+    """An integer override from the environment: None when unset; set, it is what serves (an empty or non-integer
+    value is refused in one line, never replaced by the export's; its range is `serve_shape`'s to check)."""
     raw = os.environ.get(name)
-    if raw is None or raw == "":
+    if raw is None:
         return None
     try:
         return int(raw)
     except ValueError:
-        raise PRServeError(f"{ALGORITHM}: {name}={raw!r} is not an integer") from None
+        raise PRServeError(f"{ALGORITHM}: {name}={raw!r} is not an integer (unset it to serve the export's value)") from None
 
 
 def read_export_config(draft_dir: Optional[str]) -> Dict:
@@ -101,8 +103,8 @@ def read_export_config(draft_dir: Optional[str]) -> Dict:
 def serve_shape(server_args, export_config: Dict) -> PRServeShape:
     serving = export_config.get(SERVING_KEY) or {}
     k = int(server_args.speculative_eagle_topk)
-    bw = _env_int(ENV_BW) or int(serving.get("bw", k))
-    m = _env_int(ENV_M)
+    bw, m = _env_int(ENV_BW), _env_int(ENV_M)
+    bw = int(serving.get("bw", k)) if bw is None else bw
     m = int(serving.get("m", DEFAULT_M)) if m is None else m
     gamma = int(server_args.speculative_num_steps)
     budget = int(server_args.speculative_num_draft_tokens) - 1

@@ -87,6 +87,14 @@ def _a_file(tmp):
     return str(tmp / "notes.txt")
 
 
+def _python_without_sglang(exports, tmp):
+    """PYTHON an interpreter whose environment has no SGLang (this one without its site-packages)."""
+    wrapper = tmp / "python-without-sglang"
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    wrapper.chmod(0o755)
+    return {"python": str(wrapper)}
+
+
 #: issue 43's audit rows: missing and wrong paths, and the PR script's own drafter check, all before SGLang starts
 BAD_SERVE.update({
     "a draft path that does not exist": (lambda e, t: {"draft": str(t / "nowhere")}, "DRAFT " + "{tmp}/nowhere: does not exist"),
@@ -97,6 +105,8 @@ BAD_SERVE.update({
                                     "(a training run or checkpoint: serve `pr-specforge export"),
     "an EAGLE-3 export to the PR script": (_eagle3_export, "not a PR drafter export (serve it with --speculative-algorithm EAGLE3)"),
     "a port in use, PR script": ("in use PR", "is in use"),
+    "a PYTHON without SGLang (issue 65)": (_python_without_sglang, "has no SGLang: serve with the interpreter of "
+                                           "SGLang's own environment"),
 })
 
 
@@ -117,7 +127,7 @@ def test_the_serve_script_refuses_bad_input_in_one_line_before_sglang_starts(exp
         script = args.pop("script", SCRIPT)
     try:
         proc = subprocess.run(["bash", script, args["target"], args["draft"], args["port"]], capture_output=True,
-                              text=True, timeout=120, env=dict(ENV, PYTHON=sys.executable))
+                              text=True, timeout=120, env=dict(ENV, PYTHON=args.pop("python", sys.executable)))
     finally:
         if holder is not None:
             holder.close()

@@ -9,6 +9,10 @@ chain of 3): the output must be the target's greedy decode and the accepted draf
 by prompt, and plain greedy serving's. This is the PR export served as EAGLE-3 (its `pr_*` tensors
 are skipped). A request at temperature 0.8 is refused in one line (HTTP 400: no sampling verify on a CPU) and the
 server serves the next. A renamed or missing tensor fails it (the script's preflight names the tensor, or the bridge's `DraftLoadError` stops the server), as would a drafter left random.
+
+The serving install on its own (issue 65): `scripts/sglang_cpu_serve_pr.sh` with `PYTHON=.venv-serve/bin/python`
+(SGLang 0.5.23's own environment with the serving install, no SpecForge) starts with its defaults on the export made
+as `make run` makes it and answers: plain greedy serving's tokens, through PR_EAGLE3's rounds.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import os
 import re
 import sys
 import urllib.error
+import urllib.request
 
 import pytest
 
@@ -28,6 +33,7 @@ from tests.sglang_live.conftest import STEPS, _free_port, greedy, post, serving
 from tests.sglang_live.eagle3 import CHAIN_STEPS, MAX_NEW, served_tau
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "sglang_cpu_serve.sh")
+PR_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "sglang_cpu_serve_pr.sh")
 
 
 def test_the_serve_script_serves_an_export_made_against_a_longer_context_target(live_run, our_decoder, plain, tmp_path):
@@ -59,3 +65,31 @@ def test_the_serve_script_serves_an_export_made_against_a_longer_context_target(
         assert (meta["spec_verify_ct"], meta["spec_num_correct_drafts"]) == (ref.rounds, sum(ref.accept_lengths) - ref.rounds)
     assert served_tau(served) > 2.0, f"the trained drafter should accept most drafts on its own distribution, tau {served_tau(served)}"
     assert re.search(r"[(, ]dtype='float32'", (tmp_path / "server.log").read_text())  # the verified default, not 'auto'
+
+
+def test_the_pr_script_serves_in_sglang_0_5_23s_own_environment_with_only_the_serving_install(live_run, plain, tmp_path):
+    """The script alone, no test environment of ours (no PYTHONPATH, no bridge environment: the script sets what it
+    needs), its defaults (k 6, gamma 8, B 48; on 0.5.23 its preflight gives the draft SGLang's Triton attention), on
+    `export CKPT OUT --to sglang --target TARGET` of the live run; 127.0.0.1, a free port, stopped also on failure."""
+    from pr_specforge.export import main as export_main
+    from tests.serve_contract import serve_python
+
+    python = serve_python()
+    export = tmp_path / "pr-sglang"
+    ckpt = str(live_run["root"] / "out" / f"specforge-run-step{STEPS}")
+    assert export_main([ckpt, str(export), "--to", "sglang", "--target", live_run["target"]]) == 0
+    env = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", PYTHON=python)
+    port = _free_port()
+    new = 4
+    # its start-up includes SGLang's warm-up request, minutes at this shape in Triton's interpreter on a small CPU
+    with serving(["bash", PR_SCRIPT, live_run["target"], str(export), str(port)], port, tmp_path / "server.log", env,
+                 start_timeout=1200):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=60) as r:
+            info = json.loads(r.read())
+        out = greedy(port, live_run["prompts"][0], new)
+    assert info["version"] == "0.5.23" and "PR_EAGLE3" in str(info["speculative_algorithm"])
+    assert (info["speculative_eagle_topk"], info["speculative_num_steps"], info["speculative_num_draft_tokens"]) == (6, 8, 49)
+    assert info["speculative_draft_attention_backend"] == "triton"  # the preflight's pick for 0.5.16+
+    assert out["output_ids"] == plain[0][:new]  # lossless: plain greedy serving's first tokens
+    assert out["meta_info"]["spec_verify_ct"] >= 1, out["meta_info"]
