@@ -197,9 +197,10 @@ def test_held_out_eval_features_are_checked_before_training(tmp_path):
     recipe = write_workspace(str(tmp_path), strategy="eagle3", steps=1)
     feats = str(tmp_path / "features")
     base = [sys.executable, "-m", "pr_specforge.cli", "train", "-c", recipe, "--dry-run", "training.eval_interval=1"]
-    rc, out = _run([*base, f"data.eval_hidden_states_path={tmp_path / 'nowhere'}"], tmp_path)
+    rc, out = _run([*base, f"data.eval_hidden_states_path={tmp_path / 'nowhere'}", "model.torch_dtype=bfloat16"],
+                   tmp_path)
     assert rc == 2 and "data.eval_hidden_states_path" in out and "not a directory" in out and "Traceback" not in out
-    # bf16 features + fp32 weights would fail inside SpecForge's eagle3 eval loop at the first eval step
+    # bf16 features + fp32 weights would fail inside SpecForge's eagle3 training and eval loops at the first step
     rc, out = _run([*base, f"data.eval_hidden_states_path={feats}"], tmp_path)
     assert rc == 2 and "model.torch_dtype=bfloat16" in out and "Traceback" not in out, out[-2000:]
     rc, out = _run([*base, f"data.eval_hidden_states_path={feats}", "model.torch_dtype=bfloat16"], tmp_path)

@@ -9,7 +9,7 @@ numerics regenerates the reference:
     PYTHONPATH=. python -m tests.objective.test_numerics_pinned --write
 
 The reference stores float values as `float.hex` and each gradient tensor as a short
-SHA-256 of its bytes, plus the norm of all gradients. On a machine whose torch build or CPU capability differs
+SHA-256 of its bytes, plus the norm of all gradients. On a machine whose torch build, CPU capability or CPU vendor differs
 from the recorded one, summation order inside BLAS may differ, so there the values and
 the gradient norm are compared to rtol 1e-5 instead of bit for bit (still a real check).
 """
@@ -55,8 +55,24 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()[:16]
 
 
+def _cpu_vendor() -> str:
+    """The CPU's vendor (`vendor_id` of /proc/cpuinfo): BLAS and oneDNN choose their kernels, and so their summation
+    order, by vendor as well as by capability (the gate's gradients of the PR cases differ in their last bits between
+    an Intel Xeon and the AMD EPYC that recorded the reference, both AVX512, the same torch)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 def _fingerprint() -> str:
-    return f"torch {torch.__version__} cpu {torch.backends.cpu.get_cpu_capability()}"
+    return f"torch {torch.__version__} cpu {torch.backends.cpu.get_cpu_capability()} {_cpu_vendor()}"
 
 
 def _batch(cfg, prompt: int = 0, pad_last: int = 0):
