@@ -35,6 +35,13 @@ each round over its own server's median target compute: the same forward in both
 server process that runs all its compute slower, which on a 2-core CPU swings the plain ratio by 10%), `m3_over_m0` against the
 floor's own ratio (target, as we read "within 0.05x of the compute floor": m3_over_m0 <= m3_floor_over_m0_floor
 + 0.05 on a CPU; m3_over_m0 <= 1.05 on a GPU).
+`--ops also|only`: each shape's device ops per round as well (also) or alone (only): one more pair of servers
+with `PR_EAGLE3_OP_COUNTS` (`pr_specforge.sglang_plugin.op_counts`: each decode round under the torch profiler,
+its outermost working torch operators counted, the kernel launches a GPU would make), each way asked once per
+number of requests; per cell and way the ops of the round and of each phase (draft, verify, extend), and per draft
+step (the draft phase's ops over gamma) EAGLE3's, each PR way's, what it adds to EAGLE3's, and its draft by part
+(`pr_specforge.op_parts`: load, tree, frontier, bids, row_inputs, rows, readouts, pool, repricing, cut,
+pack, encoding, verify_input; `model`: the draft model's forwards). Counts do not depend on the machine's load.
 `--untimed`: no round timing (its wrappers synchronise the device after each phase), so only tau and tokens per
 second, with their ratios pooled and per server pair; `--overlap` (implies it): SGLang's overlap schedule on both
 servers, whose gain a synchronising timer would hide. On a CPU nothing overlaps; the pair is for a GPU
@@ -184,7 +191,7 @@ def ops_markdown(result: dict, header: bool = False) -> str:
                          f"| {c['extend']:.0f} | {c['other']:.0f} | {r[f'{w}_draft_ops_per_step']:.1f} | {added} "
                          f"| {c['rounds_counted']} |")
     parts = sorted({p for _, block in blocks for w in WAYS[1:] for p in block["ops"][w]["draft_parts"]},
-                   key=lambda p: (p != "model", p))
+                   key=lambda p: (PART_ORDER.index(p) if p in PART_ORDER else len(PART_ORDER), p))
     lines += ["", "PR_EAGLE3's draft phase per draft step (its ops over gamma), by part (`model`: the draft model's "
               "forwards, as in EAGLE3; the rest is PR's round logic; `other`: the draft phase's unlabelled ops):", "",
               "| shape | requests | way | " + " | ".join(parts) + " |", "|---|---|---|" + "---|" * len(parts)]
@@ -450,13 +457,15 @@ def cell_ops(asks: List[dict], rounds: List[dict], n: int) -> dict:
 
 #: a round's phases as the op counter labels them (`other`: the round's ops outside the three)
 OP_PHASES = ("draft", "verify", "extend", "other")
-#: the draft phase's parts that are the model's forwards in both algorithms (the rest of PR's is its round's logic)
-MODEL_PARTS = ("model",)
+#: the draft phase's parts in the order a PR round runs them (`pr_specforge.op_parts` labels; `model`: the draft
+#: model's forwards, as in EAGLE3); a part not named here comes after them
+PART_ORDER = ("model", "load", "tree", "frontier", "bids", "row_inputs", "rows", "readouts", "pool", "repricing", "cut",
+              "pack", "encoding", "verify_input", "other")
 
 
 def ops_ratios(ops: Dict[str, dict], gamma: int) -> dict:
     """Per draft step (the draft phase's ops over its gamma steps): EAGLE3's, each PR way's, the ops each PR way adds
-    to EAGLE3's, and each PR way's ops by part (the parts' labels, `pr_specforge.serving.op_parts`)."""
+    to EAGLE3's, and each PR way's ops by part (the parts' labels, `pr_specforge.op_parts`)."""
     e = ops["eagle3"]
     r = {"eagle3_draft_ops_per_step": e["draft"] / gamma}
     for w in WAYS[1:]:

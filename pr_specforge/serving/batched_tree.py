@@ -49,7 +49,7 @@ import torch
 
 from pr_specforge.serving.drafter_runtime import DrafterRuntime
 from pr_specforge.serving.host_reads import to_device
-from pr_specforge.serving.op_parts import part
+from pr_specforge.op_parts import part
 from pr_specforge.serving.tensor_tree import (
     NEG,
     TensorDraftTree,

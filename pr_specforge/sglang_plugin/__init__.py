@@ -20,7 +20,7 @@ registry (`HookRegistry`, which SGLang applies). Nothing of SGLang is edited.
   * `timing` - with `PR_EAGLE3_ROUND_TIMES=FILE` only: each decode round's time, phases and model compute, for
     EAGLE-3 and PR_EAGLE3 alike (`benchmarks/serving_cost.py`).
   * `op_counts` - with `PR_EAGLE3_OP_COUNTS=FILE` only: each decode round's device ops, by phase and by part
-    (`serving.op_parts` labels PR's parts), for both alike (`benchmarks/serving_cost.py --ops`).
+    (`pr_specforge.op_parts` labels PR's parts), for both alike (`benchmarks/serving_cost.py --ops`).
 
 On a CPU, `pr_specforge.sglang_cpu` (the bridge) is still what makes SGLang's EAGLE path run.
 """

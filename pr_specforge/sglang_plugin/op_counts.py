@@ -8,7 +8,7 @@ activity), its phases labelled (`pr_ops::phase:draft` around `EagleDraftWorker.d
 `verify` around `EAGLEWorkerV2.verify`, `extend` around `EagleDraftWorker._draft_extend_for_decode`), the model
 compute labelled as the part `model` (`ModelRunner.forward`, our rows' forwards `SGLangRows.forward_rows` and
 `DrafterRuntime.forward_tree_rows`) and our drafter's head and gate readouts as `readouts`, and the labels
-`serving.op_parts.part` puts around the PR round's own parts (`enable`d here): load, tree, frontier, bids, pool,
+`pr_specforge.op_parts.part` puts around the PR round's own parts (`enable`d here): load, tree, frontier, bids, pool,
 repricing, row_inputs, rows, readouts, cut, pack, encoding, verify_input.
 
 What is counted: a device op is an operator of the profile (`aten::`, or another `namespace::`, such as a custom
@@ -19,7 +19,10 @@ kernel's) called from outside any other operator, that works on its tensors' dev
     algorithms; inside a CUDA graph the same ops are the graph's nodes);
   * an operator that only views or allocates, itself and all it calls (`NO_KERNEL`: views, reshapes of contiguous
     tensors, `empty`, a `to` that has nothing to do), launches nothing and is not counted;
-  * a host read (`aten::item`) is counted: on a GPU it is a device-to-host copy.
+  * a host read (`aten::item`) is counted: on a GPU it is a device-to-host copy;
+  * a CPU bridge's stand-in of one sgl-kernel kernel (`pr_specforge.op_parts.stand_in`: SGLang's tree build and greedy
+    tree verify, its cache-location kernels, which loop over the requests in torch ops here) is one op,
+    `kernel:<name>`: the one launch it is on a GPU.
 (The CPU's kernels call other operators inside theirs, a sum its fill, an add with a number its scalar's copy, which
 a GPU's kernels do not: counting the innermost operators would count those instead.)
 
@@ -40,8 +43,8 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from pr_specforge.serving import op_parts
-from pr_specforge.serving.op_parts import PART, PHASE
+from pr_specforge import op_parts
+from pr_specforge.op_parts import KERNEL, PART, PHASE
 
 ENV = "PR_EAGLE3_OP_COUNTS"
 PHASES = ("draft", "verify", "extend")
@@ -77,6 +80,9 @@ def count_ops(events) -> Dict[str, Dict[str, collections.Counter]]:
     stack = [(ev, "other", "other") for ev in events if ev.cpu_parent is None]
     while stack:
         ev, phase, where = stack.pop()
+        if ev.name.startswith(KERNEL):  # a host stand-in of one device kernel: one op, whatever it runs inside
+            out[phase][where][ev.name[len(op_parts.PREFIX):]] += 1
+            continue
         if _is_op(ev.name):
             if _works(ev):
                 out[phase][where][ev.name] += 1

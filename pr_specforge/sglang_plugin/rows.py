@@ -49,7 +49,7 @@ import torch
 from pr_specforge.serving.batched_tree import READOUTS, RuntimeRows, check_readouts
 from pr_specforge.serving.drafter_runtime import DrafterRuntime
 from pr_specforge.serving.host_reads import host_reads_allowed, to_device
-from pr_specforge.serving.op_parts import part
+from pr_specforge.op_parts import part
 from pr_specforge.serving.tensor_tree import TreeShape, batch_step_readouts, step_readouts
 from pr_specforge.sglang_plugin.round_graph import GRAPH_ENV, GRAPH_MODES, RoundGraphs
 from pr_specforge.sglang_plugin.row_attention import ATTENTION_ENV, ROW_ATTENTIONS, row_backend, row_kv_lists

@@ -62,7 +62,7 @@ from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorker
 from pr_specforge.serving.batched_tree import BatchedTreeBuilder, BatchRequest
 from pr_specforge.serving.drafter_runtime import DrafterRuntime, readouts_row_invariant
 from pr_specforge.serving.host_reads import NoHostReads, to_device
-from pr_specforge.serving.op_parts import part
+from pr_specforge.op_parts import part
 from pr_specforge.serving.tensor_tree import TensorTreeBuilder
 from pr_specforge.sglang_plugin.checks import (
     check_readouts, check_round_graph, check_row_attention, check_server_args, load_pr_drafter, overlap_on, rows_for,

@@ -1,7 +1,8 @@
 """`benchmarks/serving_cost.py --ops only` live on this CPU at the small shape (k 2, B_w 2, gamma 3, B 6): one pair of
 servers (SGLang's EAGLE3 and PR_EAGLE3, `PR_EAGLE3_OP_COUNTS`) counts every decode round's device ops under the torch
 profiler, by phase and by part (`pr_specforge.sglang_plugin.op_counts`). The counts are real ops of real rounds:
-verify and draft-extend are SGLang's in both algorithms and count the same; EAGLE3's draft has no PR part; PR's
+verify and draft-extend are SGLang's in both algorithms and count the same; SGLang's tree build (the CPU bridge's
+stand-in of one sgl-kernel kernel) is one op in both; EAGLE3's draft has no PR part; PR's
 draft shows its parts, the reconsideration's (bids, repricing) at m = 3 only, and m = 3 adds ops to m = 0."""
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def test_the_op_counter_counts_each_phases_ops_and_splits_prs_draft_by_part(live
         assert e["verify"] == m0["verify"] == m3["verify"] and e["extend"] == m0["extend"] == m3["extend"], key
         assert set(e["draft_parts"]) <= {"model", "other"} and e["draft_parts"]["model"] > 0, key
         assert "aten::topk" in e["draft_names"]["other"], key  # SGLang's own top-k selection
+        # SGLang's tree build: the CPU bridge's stand-in of sgl-kernel's one kernel, one op in both
+        assert e["draft_names"]["other"]["kernel:build_tree"] == 1, key
+        assert m0["draft_names"]["verify_input"]["kernel:build_tree"] == 1, key
         for c in (m0, m3):
             assert set(PR_PARTS) <= set(c["draft_parts"]) and c["draft_parts"]["model"] > 0, key
         assert "bids" not in m0["draft_parts"] and "repricing" not in m0["draft_parts"], key
