@@ -22,7 +22,11 @@ kernel's) called from outside any other operator, that works on its tensors' dev
   * a host read (`aten::item`) is counted: on a GPU it is a device-to-host copy;
   * a CPU bridge's stand-in of one sgl-kernel kernel (`pr_specforge.op_parts.stand_in`: SGLang's tree build and greedy
     tree verify, its cache-location kernels, which loop over the requests in torch ops here) is one op,
-    `kernel:<name>`: the one launch it is on a GPU.
+    `kernel:<name>`: the one launch it is on a GPU;
+  * so is each attention call of a model layer (`RadixAttention.forward`, `kernel:attention`), whatever its backend
+    runs inside: SGLang's `torch_native` backend on a CPU loops over the requests (one `scaled_dot_product_attention`
+    each, and per top-k branch in EAGLE3's draft), where a GPU backend launches one kernel for the batch (on a GPU,
+    a Triton kernel launched from Python is not a torch operator and would not be seen at all).
 (The CPU's kernels call other operators inside theirs, a sum its fill, an add with a number its scalar's copy, which
 a GPU's kernels do not: counting the innermost operators would count those instead.)
 
@@ -44,7 +48,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from pr_specforge import op_parts
-from pr_specforge.op_parts import KERNEL, PART, PHASE
+from pr_specforge.op_parts import KERNEL, PART, PHASE, stand_in
 
 ENV = "PR_EAGLE3_OP_COUNTS"
 PHASES = ("draft", "verify", "extend")
@@ -116,6 +120,11 @@ def _labelled(label: str, fn: Callable) -> Callable:
     return wrapper
 
 
+def _counted_as_one(fn: Callable) -> Callable:
+    fn.pr_counted = True
+    return fn
+
+
 def _counted_round(fn: Callable, path: str) -> Callable:
     @functools.wraps(fn)
     def wrapper(self, batch, *args, **kwargs):
@@ -155,6 +164,7 @@ def install(path: Optional[str] = None) -> bool:
         return False
     if _installed:
         return True
+    from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
 
@@ -168,6 +178,7 @@ def install(path: Optional[str] = None) -> bool:
     _wrap(PRDraftWorker, "draft", lambda fn: _labelled(PHASE + "draft", fn))
     _wrap(EagleDraftWorker, "_draft_extend_for_decode", lambda fn: _labelled(PHASE + "extend", fn))
     _wrap(ModelRunner, "forward", lambda fn: _labelled(PART + "model", fn))
+    _wrap(RadixAttention, "forward", lambda fn: _counted_as_one(stand_in("attention")(fn)))
     _wrap(DrafterRuntime, "forward_tree_rows", lambda fn: _labelled(PART + "model", fn))
     _wrap(SGLangRows, "forward_rows", lambda fn: _labelled(PART + "model", fn))
     for name in ("log_probs", "halt_probability", "readout_and_halt"):
