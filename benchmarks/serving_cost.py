@@ -175,12 +175,13 @@ def ops_markdown(result: dict, header: bool = False) -> str:
         return ""
     lines = []
     if header:
-        lines += [f"# Device ops per served round: PR_EAGLE3 vs SGLang's EAGLE3 ({result['machine']}, {result['dtype']})",
+        lines += [f"# Device ops per served round: PR_EAGLE3 vs SGLang's EAGLE3 ({result['machine']}, "
+                  f"{result['dtype']})",
                   "", f"Commit {result['commit']}, {result['date']}, {result['cpu']}{device_note(result)}; target "
                   f"{result['target_name']}, drafter {result['draft_name']}; {result['max_new']} new tokens a request; "
                   f"PR_EAGLE3's readouts: {result['readouts']}.", ""]
-    lines += [OPS_NOTE, "", "| shape | requests | way | round ops | draft | verify | extend | other | draft ops per step "
-              "| added per draft step vs eagle3 | rounds counted |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [OPS_NOTE, "", "| shape | requests | way | round ops | draft | verify | extend | other "
+              "| draft ops per step | added per draft step vs eagle3 | rounds counted |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, block in blocks:
         shape, n = key.split("/")
         r = block["ops_ratios"]
@@ -443,7 +444,8 @@ def cell_ops(asks: List[dict], rounds: List[dict], n: int) -> dict:
     rids = {rid for a in asks for rid in a["rids"]}
     full = [r for r in rounds if r["batch"] == n and set(r["rids"]) <= rids]
     if not full:
-        raise RuntimeError(f"no counted round with all {n} requests of a cell: is PR_EAGLE3_OP_COUNTS reaching the server?")
+        raise RuntimeError(f"no counted round with all {n} requests of a cell: is PR_EAGLE3_OP_COUNTS reaching the "
+                           "server?")
     total = lambda r, ph: sum(r["ops"].get(ph, {}).values())  # noqa: E731
     out = {"round": statistics.median(sum(total(r, ph) for ph in r["ops"]) for r in full)}
     for ph in OP_PHASES:
