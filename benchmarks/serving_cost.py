@@ -35,6 +35,13 @@ each round over its own server's median target compute: the same forward in both
 server process that runs all its compute slower, which on a 2-core CPU swings the plain ratio by 10%), `m3_over_m0` against the
 floor's own ratio (target, as we read "within 0.05x of the compute floor": m3_over_m0 <= m3_floor_over_m0_floor
 + 0.05 on a CPU; m3_over_m0 <= 1.05 on a GPU).
+`--ops also|only`: each shape's device ops per round as well (also) or alone (only): one more pair of servers
+with `PR_EAGLE3_OP_COUNTS` (`pr_specforge.sglang_plugin.op_counts`: each decode round under the torch profiler,
+its outermost working torch operators counted, the kernel launches a GPU would make), each way asked once per
+number of requests; per cell and way the ops of the round and of each phase (draft, verify, extend), and per draft
+step (the draft phase's ops over gamma) EAGLE3's, each PR way's, what it adds to EAGLE3's, and its draft by part
+(`pr_specforge.op_parts`: load, tree, frontier, bids, row_inputs, rows, readouts, pool, repricing, cut,
+pack, encoding, verify_input; `model`: the draft model's forwards). Counts do not depend on the machine's load.
 `--untimed`: no round timing (its wrappers synchronise the device after each phase), so only tau and tokens per
 second, with their ratios pooled and per server pair; `--overlap` (implies it): SGLang's overlap schedule on both
 servers, whose gain a synchronising timer would hide. On a CPU nothing overlaps; the pair is for a GPU
@@ -153,8 +160,59 @@ def ratios(cells: Dict[str, dict], gpu: bool) -> dict:
 
 
 def markdown(result: dict) -> str:
-    if result.get("timed", True) is False:
-        return throughput_markdown(result)
+    if result.get("ops") == "only":
+        return ops_markdown(result, header=True)
+    ops = ops_markdown(result)
+    table = throughput_markdown(result) if result.get("timed", True) is False else timed_markdown(result)
+    return table + ("\n" + ops if ops else "")
+
+
+def ops_markdown(result: dict, header: bool = False) -> str:
+    """The op counts (`--ops`): each way's device ops per round by phase, and per draft step what PR adds to EAGLE3's
+    and by part ("" where the run counted none)."""
+    blocks = [(key, block) for key, block in result["cells"].items() if "ops" in block]
+    if not blocks:
+        return ""
+    lines = []
+    if header:
+        lines += [f"# Device ops per served round: PR_EAGLE3 vs SGLang's EAGLE3 ({result['machine']}, "
+                  f"{result['dtype']})",
+                  "", f"Commit {result['commit']}, {result['date']}, {result['cpu']}{device_note(result)}; target "
+                  f"{result['target_name']}, drafter {result['draft_name']}; {result['max_new']} new tokens a request; "
+                  f"PR_EAGLE3's readouts: {result['readouts']}.", ""]
+    lines += [OPS_NOTE, "", "| shape | requests | way | round ops | draft | verify | extend | other "
+              "| draft ops per step | added per draft step vs eagle3 | rounds counted |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, block in blocks:
+        shape, n = key.split("/")
+        r = block["ops_ratios"]
+        for w in WAYS:
+            c = block["ops"][w]
+            added = "-" if w == "eagle3" else f"{r[f'{w}_added_ops_per_step']:.1f}"
+            lines.append(f"| {shape} | {n} | {w} | {c['round']:.0f} | {c['draft']:.0f} | {c['verify']:.0f} "
+                         f"| {c['extend']:.0f} | {c['other']:.0f} | {r[f'{w}_draft_ops_per_step']:.1f} | {added} "
+                         f"| {c['rounds_counted']} |")
+    parts = sorted({p for _, block in blocks for w in WAYS[1:] for p in block["ops"][w]["draft_parts"]},
+                   key=lambda p: (PART_ORDER.index(p) if p in PART_ORDER else len(PART_ORDER), p))
+    lines += ["", "PR_EAGLE3's draft phase per draft step (its ops over gamma), by part (`model`: the draft model's "
+              "forwards, as in EAGLE3; the rest is PR's round logic; `other`: the draft phase's unlabelled ops):", "",
+              "| shape | requests | way | " + " | ".join(parts) + " |", "|---|---|---|" + "---|" * len(parts)]
+    for key, block in blocks:
+        shape, n = key.split("/")
+        for w in WAYS[1:]:
+            per = block["ops_ratios"][f"{w}_parts_per_step"]
+            lines.append(f"| {shape} | {n} | {w} | " + " | ".join(f"{per.get(p, 0):.1f}" for p in parts) + " |")
+    if header:
+        lines += ["", f"Command: `{result['command']}`"]
+    return "\n".join(lines + [""])
+
+
+OPS_NOTE = ("Device ops: each outermost torch operator of a decode round's profile that works on its device (not a "
+            "view or an allocation alone), the kernel launch it is on a GPU (`pr_specforge.sglang_plugin.op_counts`); "
+            "medians over the counted rounds whose batch is all of a cell's requests. Op counts do not depend on the "
+            "machine's speed or load.")
+
+
+def timed_markdown(result: dict) -> str:
     ms = lambda x: f"{1000 * x:.1f}"  # noqa: E731
     lines = [f"# Served round cost: PR_EAGLE3 vs SGLang's EAGLE3 ({result['machine']}, {result['dtype']})", "",
              f"Commit {result['commit']}, {result['date']}, {result['cpu']}, torch threads {result['threads']}"
@@ -286,34 +344,14 @@ def run_shape(args, shape_name: str, prompts, work: str, log) -> Dict[str, dict]
     """One shape's cells. Each repeat starts its own pair of servers (EAGLE3 and PR_EAGLE3, new processes) and stops
     them after its asks: one server process may run all its compute some percent slower than another, so the
     repeats sample that spread instead of keeping one pair's luck."""
-    from pr_specforge.sglang_cpu.server import free_port, launch_command, server_env, serving
-
-    shape = SHAPES[shape_name]
     asks, rounds = {}, []
+    out = count_shape(args, shape_name, prompts, work, log) if args.ops else {}
+    if args.ops == "only":
+        return out
     for rep in range(args.repeats):
         times = {a: os.path.join(work, f"{shape_name}-{a}-rounds-{rep + 1}.jsonl") for a in ("eagle3", "pr")}
-        ports, stack = {}, contextlib.ExitStack()
-        with stack:
-            for alg, name in (("eagle3", "EAGLE3"), ("pr", "PR_EAGLE3")):
-                port = free_port()
-                env = dict(os.environ, HF_HUB_OFFLINE="1", PR_EAGLE3_BW=str(shape["k"]), PR_EAGLE3_M=str(args.m),
-                           PR_EAGLE3_READOUTS=args.readouts)
-                env.pop("PR_EAGLE3_ROUND_TIMES", None)
-                if not args.untimed:
-                    env["PR_EAGLE3_ROUND_TIMES"] = times[alg]
-                env = server_env(args.device, env)
-                log(f"{shape_name} repeat {rep + 1}/{args.repeats}: starting {name} on 127.0.0.1:{port} ({args.device}, "
-                    f"CUDA graphs {'on' if args.cuda_graph else 'off'}, overlap schedule {'on' if args.overlap else 'off'})")
-                cmd = launch_command(args.target, port, *spec_args(name, args.draft, shape), dtype=args.dtype,
-                                     max_total_tokens=args.max_total_tokens, device=args.device,
-                                     cuda_graph=args.cuda_graph, overlap=args.overlap)
-                stack.enter_context(serving(cmd, port, os.path.join(work, f"{shape_name}-{alg}-{rep + 1}.log"), env))
-                ports[alg] = port
-            call = {"eagle3": lambda ids: ask(ports["eagle3"], ids, args.max_new),
-                    "pr_m0": lambda ids: ask(ports["pr"], ids, args.max_new, m=0),
-                    "pr_m3": lambda ids: ask(ports["pr"], ids, args.max_new, m=args.m)}
-            for w in WAYS:  # warm-up: one request each, not timed
-                call[w](prompts[:1])
+        with server_pair(args, shape_name, prompts, work, f"repeat {rep + 1}/{args.repeats}", str(rep + 1),
+                         None if args.untimed else ("PR_EAGLE3_ROUND_TIMES", times), log) as call:
             for n in args.requests:
                 order = WAYS[rep % 3:] + WAYS[: rep % 3]
                 for w in order:
@@ -322,7 +360,7 @@ def run_shape(args, shape_name: str, prompts, work: str, log) -> Dict[str, dict]
                     log(f"{shape_name} n={n} {w} repeat {rep + 1}/{args.repeats}: {a['tokens']} tokens in "
                         f"{a['wall_s']:.1f} s, tau {a['tokens'] / max(1, a['rounds']):.2f}")
         rounds.append({"eagle3": read_times(times["eagle3"]), "pr": read_times(times["pr"])})
-    readouts, out = served_readouts(os.path.join(work, f"{shape_name}-pr-1.log")), {}
+    readouts = served_readouts(os.path.join(work, f"{shape_name}-pr-1.log"))
     pooled = {alg: [r for rep in rounds for r in rep[alg]] for alg in ("eagle3", "pr")}
     for n in args.requests:
         same = all(a["outputs"] == b["outputs"] for w in WAYS[1:] for a, b in zip(asks[(n, "eagle3")], asks[(n, w)]))
@@ -336,9 +374,109 @@ def run_shape(args, shape_name: str, prompts, work: str, log) -> Dict[str, dict]
             ratio = ratios(cells, gpu=args.device == "cuda")
             per_pair = [pair_ratios({w: (asks[(n, w)][rep], rounds[rep][_alg(w)]) for w in WAYS}, n,
                                     args.device == "cuda") for rep in range(args.repeats)]
-        out[f"{shape_name}/{n}"] = {"ways": cells, "ratios": ratio, "per_server_pair": per_pair,
-                                    "outputs_equal_eagle3": same, "readouts": readouts}
+        out.setdefault(f"{shape_name}/{n}", {}).update(
+            {"ways": cells, "ratios": ratio, "per_server_pair": per_pair, "outputs_equal_eagle3": same,
+             "readouts": readouts})
     return out
+
+
+@contextlib.contextmanager
+def server_pair(args, shape_name: str, prompts, work: str, what: str, tag: str, record, log):
+    """An EAGLE3 and a PR_EAGLE3 server at `shape_name` (new processes, stopped on exit, also on failure), each warmed
+    up with one request of each way it serves; yields `{way: ask(ids)}`. `record`: None, or (environment switch,
+    {alg: file}): the file each server records its rounds in (`PR_EAGLE3_ROUND_TIMES`, `PR_EAGLE3_OP_COUNTS`)."""
+    from pr_specforge.sglang_cpu.server import free_port, launch_command, server_env, serving
+
+    shape = SHAPES[shape_name]
+    ports = {}
+    with contextlib.ExitStack() as stack:
+        for alg, name in (("eagle3", "EAGLE3"), ("pr", "PR_EAGLE3")):
+            port = free_port()
+            env = dict(os.environ, HF_HUB_OFFLINE="1", PR_EAGLE3_BW=str(shape["k"]), PR_EAGLE3_M=str(args.m),
+                       PR_EAGLE3_READOUTS=args.readouts)
+            for switch in RECORDERS:
+                env.pop(switch, None)
+            if record is not None:
+                env[record[0]] = record[1][alg]
+            env = server_env(args.device, env)
+            log(f"{shape_name} {what}: starting {name} on 127.0.0.1:{port} ({args.device}, "
+                f"CUDA graphs {'on' if args.cuda_graph else 'off'}, overlap schedule {'on' if args.overlap else 'off'})")
+            cmd = launch_command(args.target, port, *spec_args(name, args.draft, shape), dtype=args.dtype,
+                                 max_total_tokens=args.max_total_tokens, device=args.device,
+                                 cuda_graph=args.cuda_graph, overlap=args.overlap)
+            stack.enter_context(serving(cmd, port, os.path.join(work, f"{shape_name}-{alg}-{tag}.log"), env))
+            ports[alg] = port
+        call = {"eagle3": lambda ids: ask(ports["eagle3"], ids, args.max_new),
+                "pr_m0": lambda ids: ask(ports["pr"], ids, args.max_new, m=0),
+                "pr_m3": lambda ids: ask(ports["pr"], ids, args.max_new, m=args.m)}
+        for w in WAYS:  # warm-up: one request each, not recorded in a cell
+            call[w](prompts[:1])
+        yield call
+
+
+#: the servers' recording switches (`pr_specforge.sglang_plugin.timing`, `op_counts`): one at most per server
+RECORDERS = ("PR_EAGLE3_ROUND_TIMES", "PR_EAGLE3_OP_COUNTS")
+
+
+def count_shape(args, shape_name: str, prompts, work: str, log) -> Dict[str, dict]:
+    """One shape's op counts (`--ops`): one pair of servers that count their rounds' device ops
+    (`PR_EAGLE3_OP_COUNTS`, `pr_specforge.sglang_plugin.op_counts`; the counts do not depend on the machine's load, so
+    one pair is enough), each way asked with each number of requests -> `{"shape/n": {"ops": {way: cell_ops},
+    "ops_ratios": ops_ratios}}`."""
+    files = {a: os.path.join(work, f"{shape_name}-{a}-ops.jsonl") for a in ("eagle3", "pr")}
+    asks = {}
+    with server_pair(args, shape_name, prompts, work, "op counts", "ops", ("PR_EAGLE3_OP_COUNTS", files), log) as call:
+        for n in args.requests:
+            for w in WAYS:
+                asks[(n, w)] = a = call[w](prompts[:n])
+                log(f"{shape_name} n={n} {w} op counts: {a['tokens']} tokens, {a['rounds']} rounds")
+    rounds = {a: read_times(f) for a, f in files.items()}
+    gamma, out = SHAPES[shape_name]["gamma"], {}
+    for n in args.requests:
+        ops = {w: cell_ops([asks[(n, w)]], rounds[_alg(w)], n) for w in WAYS}
+        out[f"{shape_name}/{n}"] = {"ops": ops, "ops_ratios": ops_ratios(ops, gamma)}
+    return out
+
+
+def cell_ops(asks: List[dict], rounds: List[dict], n: int) -> dict:
+    """A cell's device ops per round (medians over the counted rounds whose batch is all of its requests): the
+    round's, each phase's, the draft phase's by part, and one such round's draft ops by operator name."""
+    rids = {rid for a in asks for rid in a["rids"]}
+    full = [r for r in rounds if r["batch"] == n and set(r["rids"]) <= rids]
+    if not full:
+        raise RuntimeError(f"no counted round with all {n} requests of a cell: is PR_EAGLE3_OP_COUNTS reaching the "
+                           "server?")
+    total = lambda r, ph: sum(r["ops"].get(ph, {}).values())  # noqa: E731
+    out = {"round": statistics.median(sum(total(r, ph) for ph in r["ops"]) for r in full)}
+    for ph in OP_PHASES:
+        out[ph] = statistics.median(total(r, ph) for r in full)
+    parts = sorted({p for r in full for p in r["ops"].get("draft", {})})
+    out["draft_parts"] = {p: statistics.median(r["ops"].get("draft", {}).get(p, 0) for r in full) for p in parts}
+    out["draft_names"] = full[len(full) // 2]["names"].get("draft", {})
+    out["rounds_counted"] = len(full)
+    return out
+
+
+#: a round's phases as the op counter labels them (`other`: the round's ops outside the three)
+OP_PHASES = ("draft", "verify", "extend", "other")
+#: the draft phase's parts in the order a PR round runs them (`pr_specforge.op_parts` labels; `model`: the draft
+#: model's forwards, as in EAGLE3); a part not named here comes after them
+PART_ORDER = ("model", "load", "tree", "frontier", "bids", "row_inputs", "rows", "readouts", "pool", "repricing", "cut",
+              "pack", "encoding", "verify_input", "other")
+
+
+def ops_ratios(ops: Dict[str, dict], gamma: int) -> dict:
+    """Per draft step (the draft phase's ops over its gamma steps): EAGLE3's, each PR way's, the ops each PR way adds
+    to EAGLE3's, and each PR way's ops by part (the parts' labels, `pr_specforge.op_parts`)."""
+    e = ops["eagle3"]
+    r = {"eagle3_draft_ops_per_step": e["draft"] / gamma}
+    for w in WAYS[1:]:
+        c = ops[w]
+        r[f"{w}_draft_ops_per_step"] = c["draft"] / gamma
+        r[f"{w}_added_ops_per_step"] = (c["draft"] - e["draft"]) / gamma
+        r[f"{w}_round_ops_over_eagle3"] = c["round"] / e["round"]
+        r[f"{w}_parts_per_step"] = {p: v / gamma for p, v in c["draft_parts"].items()}
+    return r
 
 
 def pair_ratios(by_way: Dict[str, tuple], n: int, gpu: bool) -> dict:
@@ -394,6 +532,9 @@ def main(argv=None) -> int:
                    help="no round timing (its wrappers synchronise the device): tau and tokens/s only")
     p.add_argument("--overlap", action="store_true",
                    help="SGLang's overlap schedule on both servers (implies --untimed)")
+    p.add_argument("--ops", choices=("also", "only"), default=None,
+                   help="count each round's device ops (one more server pair per shape, `PR_EAGLE3_OP_COUNTS`): "
+                        "also (beside the timed repeats) or only (no timed repeats)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--machine", default="quiet machine")
     p.add_argument("--work", default=None, help="where the servers' logs and round times go (default: a temp dir)")
@@ -430,7 +571,7 @@ def main(argv=None) -> int:
               "target_name": os.path.basename(os.path.normpath(args.target)),
               "draft_name": os.path.basename(os.path.normpath(args.draft)), "max_new": args.max_new,
               "repeats": args.repeats, "m": args.m, "shapes": {s: SHAPES[s] for s in args.shapes},
-              "readouts": args.readouts,
+              "readouts": args.readouts, "ops": args.ops,
               "wall_s": time.time() - t0, "cells": cells,
               "command": "python benchmarks/serving_cost.py " + shlex.join(argv if argv is not None else sys.argv[1:])}
     table = markdown(result)

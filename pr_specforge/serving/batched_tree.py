@@ -49,6 +49,7 @@ import torch
 
 from pr_specforge.serving.drafter_runtime import DrafterRuntime
 from pr_specforge.serving.host_reads import to_device
+from pr_specforge.op_parts import part
 from pr_specforge.serving.tensor_tree import (
     NEG,
     TensorDraftTree,
@@ -133,7 +134,8 @@ class RuntimeRows:
             else:
                 lams.append(forward_step_rows(*args, logp_out[b])[1])
         if self.readouts == "batched":
-            return batch_step_readouts(tb, self.rts[0], feat_out, logp_out)
+            with part("readouts"):
+                return batch_step_readouts(tb, self.rts[0], feat_out, logp_out)
         return torch.stack(lams) if tb.m else None
 
 
@@ -206,8 +208,9 @@ class BatchedTreeBuilder(TreeShape):
         `sglang_plugin.encoding.encode_packed`). Valid until the next round of this batch size."""
         rts = [self._check(i, req) for i, req in enumerate(requests)]
         x = self._batches.get(len(requests)) or self._batches.setdefault(len(requests), _Batch(self, len(requests)))
-        self.rows.begin(self, rts)
-        self._load(x, requests)
+        with part("load"):  # the round's inputs: its rows' slots, roots, uniforms
+            self.rows.begin(self, rts)
+            self._load(x, requests)
         return self.rows.run(self, x.size, lambda: self._body(x))
 
     def unpack(self, host: torch.Tensor, kept: torch.Tensor, lengths: Sequence[int],
@@ -236,23 +239,28 @@ class BatchedTreeBuilder(TreeShape):
     def _body(self, x: _Batch):
         """The round on the device, from the loaded buffers to the packed result `[b, L]` and the kept nodes: no host
         read and no data-dependent shape (what `sglang_plugin.round_graph` captures as one graph per batch size)."""
-        x.reset()
-        self._root(x)
-        for st in self.steps:
-            self._step(x, st)
-        kept, ok, where = self._cut(x)
-        return self._pack(x, kept, ok, where), kept
+        with part("tree"):  # the tree's own bookkeeping; its named parts below are labelled where they run
+            x.reset()
+            self._root(x)
+            for st in self.steps:
+                self._step(x, st)
+        with part("cut"):
+            kept, ok, where = self._cut(x)
+        with part("pack"):
+            return self._pack(x, kept, ok, where), kept
 
     # ---------------------------------------------------------------- round
     def _root(self, x: _Batch) -> None:
         k = self.k
-        lam = self.rows.root(x.row_feat[:, :1], x.row_logp[:, :1])
+        with part("readouts"):
+            lam = self.rows.root(x.row_feat[:, :1], x.row_logp[:, :1])
         top = torch.topk(x.row_logp[:, 0], k, dim=-1)
         x.row_topv[:, 0], x.draft[:, 1 : 1 + k] = top.values, top.indices
         x.score[:, 1 : 1 + k] = x.row_topv[:, 0]
         if self.pool_on:
-            self._admit(x.row_topv[:, :1, 0], lam.double(), x.u[:, :1], x.row_ok[:, :1],
-                        x.pooled[:, :1], x.bid_base[:, :1], x.survive[:, :1])
+            with part("pool"):
+                self._admit(x.row_topv[:, :1, 0], lam.double(), x.u[:, :1], x.row_ok[:, :1],
+                            x.pooled[:, :1], x.bid_base[:, :1], x.survive[:, :1])
 
     def _frontier(self, x: _Batch, st: _Step):
         """Per request, the B_w highest-scoring valid slots of the previous block (ties: earlier slot first)."""
@@ -279,10 +287,12 @@ class BatchedTreeBuilder(TreeShape):
     def _step(self, x: _Batch, st: _Step) -> None:
         bw, m, k, p, b = self.bw, self.m, self.k, self.per_step, x.size
         fr, blk = slice(st.r0, st.r0 + bw), slice(st.block, st.block + p * k)
-        adv, adv_ok = self._frontier(x, st)
+        with part("frontier"):
+            adv, adv_ok = self._frontier(x, st)
         rec, nodes, ok = None, adv, adv_ok
         if m:
-            rec, rec_ok = self._pool_pick(x)
+            with part("bids"):
+                rec, rec_ok = self._pool_pick(x)
             nodes, ok = torch.cat([adv, x.row_node.gather(1, rec)], 1), torch.cat([adv_ok, rec_ok], 1)
         anc = x.anc[x.bi, nodes]  # [b, p, N]: the rows' nodes' ancestors-or-self
         logp, lam = self._forward(x, st, adv, rec, anc)
@@ -294,9 +304,11 @@ class BatchedTreeBuilder(TreeShape):
         x.valid[:, blk].view(b, p, k)[:, :bw] = adv_ok[:, :, None]
         vals = top.values
         if m:
-            self._admit(x.row_topv[:, fr, 0], lam[:, :bw], x.u[:, fr], x.row_ok[:, fr], x.pooled[:, fr],
-                        x.bid_base[:, fr], x.survive[:, fr])
-            vals = torch.cat([vals.double(), self._reconsider(x, st, rec, rec_ok, logp[:, bw:], lam[:, bw:])], 1)
+            with part("pool"):
+                self._admit(x.row_topv[:, fr, 0], lam[:, :bw], x.u[:, fr], x.row_ok[:, fr], x.pooled[:, fr],
+                            x.bid_base[:, fr], x.survive[:, fr])
+            with part("repricing"):
+                vals = torch.cat([vals.double(), self._reconsider(x, st, rec, rec_ok, logp[:, bw:], lam[:, bw:])], 1)
         # created after Eq. 9's shifts, from their parents' repriced scores: as if shifted with them
         x.score[:, blk] = (x.score.gather(1, nodes)[:, :, None] + vals).view(b, p * k)
         x.anc[:, blk] = (anc[:, :, None] | st.eye[None]).view(b, p * k, -1)
@@ -304,12 +316,14 @@ class BatchedTreeBuilder(TreeShape):
     def _forward(self, x: _Batch, st: _Step, adv, rec, anc):
         """The step's rows of every request through `rows`; their readouts (and lambda with a pool)."""
         rows = slice(st.r0, st.r0 + self.per_step)
-        hidden = self.rt.feedback(x.row_feat[x.bi, self.slot_row[adv]])  # post-norm feedback when the drafter has it
-        rec_feat = x.row_feat[x.bi, x.cur_row.gather(1, rec)] if self.m else None
-        pos = anc.sum(-1) + (x.root_pos - 1)  # position = root's + depth
-        visible = torch.matmul(anc.float(), self.src_onehot) + st.own > 0  # exact: sums of 0/1
-        lam = self.rows.step(st, x.draft.gather(1, adv), hidden, rec_feat, pos, visible,
-                             x.row_feat[:, rows], x.row_logp[:, rows])
+        with part("row_inputs"):
+            hidden = self.rt.feedback(x.row_feat[x.bi, self.slot_row[adv]])  # post-norm feedback if the drafter has it
+            rec_feat = x.row_feat[x.bi, x.cur_row.gather(1, rec)] if self.m else None
+            pos = anc.sum(-1) + (x.root_pos - 1)  # position = root's + depth
+            visible = torch.matmul(anc.float(), self.src_onehot) + st.own > 0  # exact: sums of 0/1
+        with part("rows"):  # the rows' forward (the model, its readouts: labelled inside)
+            lam = self.rows.step(st, x.draft.gather(1, adv), hidden, rec_feat, pos, visible,
+                                 x.row_feat[:, rows], x.row_logp[:, rows])
         return x.row_logp[:, rows], lam
 
     def _reconsider(self, x: _Batch, st: _Step, rec, rec_ok, logp_d, lam):

@@ -192,12 +192,16 @@ def _patch_draft_factory(mod) -> None:
 def _patch_cache_locs(mod) -> None:
     import torch
 
+    from pr_specforge.op_parts import stand_in
+
+    @stand_in("assign_extend_cache_locs")
     def assign_extend_cache_locs_func(req_pool_indices, req_to_token, start_offset, end_offset, batch_size,
                                       draft_token_num, device):
         rows = req_to_token[req_pool_indices]
         return torch.cat([rows[b, s:e] for b, (s, e) in enumerate(zip(start_offset.tolist(), end_offset.tolist()))]
                          ).to(torch.int64)
 
+    @stand_in("assign_req_to_token_pool")
     def assign_req_to_token_pool_func(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
                                       batch_size):
         at = 0
@@ -210,6 +214,7 @@ def _patch_cache_locs(mod) -> None:
             return self.run
 
         @staticmethod
+        @stand_in("assign_draft_cache_locs")
         def run(req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len, topk, num_steps):
             width = topk * num_steps
             for b, (req, s) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):

@@ -38,9 +38,12 @@ import importlib.machinery
 import sys
 import types
 
+from pr_specforge.op_parts import stand_in
+
 UNBRIDGED = ("rotate_input_ids_cpu",)
 
 
+@stand_in("assign_req_to_token_pool")
 def assign_req_to_token_pool(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
     """Replaces sgl-kernel's `assign_req_to_token_pool_cpu`: request b's slots `out_cache_loc[at:at + n_b]` into
     `req_to_token[req_pool_indices[b], start[b]:end[b]]`, `at` the sum of the earlier requests' `n`."""
@@ -61,6 +64,7 @@ def copy_kv_rows(data_ptrs, strides, tgt_loc, src_loc) -> None:
             ctypes.memmove(int(base) + t * stride, int(base) + s * stride, stride)
 
 
+@stand_in("build_tree")
 def build_tree_triton(*args):
     """Replaces sgl-kernel's `build_tree_kernel_efficient_cpu` (same arguments) by SGLang's Triton kernel of it."""
     from sglang.kernels.ops.speculative.spec_tree import sgl_build_tree_kernel_triton
@@ -68,6 +72,7 @@ def build_tree_triton(*args):
     return sgl_build_tree_kernel_triton(*args)
 
 
+@stand_in("verify_tree_greedy")
 def verify_tree_greedy_triton(predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
                               retrive_next_sibling, target_predict):
     """Replaces sgl-kernel's `verify_tree_greedy_cpu` (its keywords) by SGLang's Triton kernel of it."""
@@ -77,6 +82,7 @@ def verify_tree_greedy_triton(predicts, accept_index, accept_token_num, candidat
                   retrive_next_sibling, target_predict)
 
 
+@stand_in("assign_draft_cache_locs")
 def draft_cache_locs(req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len, topk, num_cols) -> None:
     """Replaces sgl-kernel's `assign_draft_cache_locs_contiguous_cpu` by SGLang's Triton kernel of it."""
     from sglang.kernels.ops.speculative.cache_locs import assign_draft_cache_locs_contiguous as kernel
@@ -86,6 +92,7 @@ def draft_cache_locs(req_pool_indices, req_to_token, seq_lens, out_cache_loc, po
                   mrope=None, BS=bs, WRITE_POSITIONS=False, WRITE_MROPE=False)
 
 
+@stand_in("assign_extend_cache_locs")
 def extend_cache_locs(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len) -> None:
     """Replaces sgl-kernel's `assign_extend_cache_locs_cpu` by SGLang's Triton kernel of it."""
     from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs as kernel
@@ -95,6 +102,7 @@ def extend_cache_locs(req_pool_indices, req_to_token, start_offset, end_offset, 
                   1 << max(bs - 1, 0).bit_length())
 
 
+@stand_in("fill_bonus_tokens")
 def fill_bonus_tokens(accept_tokens, accept_lens, bonus_tokens, accept_stride) -> None:
     """Replaces sgl-kernel's `fill_bonus_tokens_cpu`: request b's bonus token is its last accepted one,
     `accept_tokens[b * stride + accept_lens[b] - 1]`."""
@@ -104,6 +112,7 @@ def fill_bonus_tokens(accept_tokens, accept_lens, bonus_tokens, accept_stride) -
     bonus_tokens.copy_(accept_tokens.reshape(-1)[rows * accept_stride + accept_lens.long() - 1].to(bonus_tokens.dtype))
 
 
+@stand_in("fill_accept_out_cache_loc")
 def fill_accept_out_cache_loc(accept_index, out_cache_loc, accept_out_cache_loc) -> None:
     """Replaces sgl-kernel's `fill_accept_out_cache_loc_cpu`: the slots of the accepted entries (`!= -1`) of
     `accept_index`, in order, at the front of `accept_out_cache_loc`."""

@@ -27,6 +27,8 @@ from typing import List
 
 import torch
 
+from pr_specforge.op_parts import stand_in
+
 
 class InvalidDraftTree(RuntimeError):
     """A kept draft node whose parent was cut (SGLang's 'invalid eagle tree')."""
@@ -48,6 +50,7 @@ def _parents(sel: List[int], parent_ids: List[int], topk: int) -> List[int]:
     return out
 
 
+@stand_in("build_tree")
 def build_tree(bonus_tokens, parent_list, top_scores_index, draft_tokens, seq_lens, seq_lens_sum, topk,
                spec_steps, num_verify_tokens, tree_mask_mode=0, tree_mask_buf=None, position_buf=None):
     """Same arguments and return values as SGLang's `build_tree_kernel_efficient` (FULL_MASK mode)."""
@@ -89,6 +92,7 @@ def build_tree(bonus_tokens, parent_list, top_scores_index, draft_tokens, seq_le
             tokens.to(dev))
 
 
+@stand_in("verify_tree_greedy")
 def verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, retrieve_index, retrieve_next_token,
                        retrieve_next_sibling, target_predict, topk=-1):
     """Same arguments and in-place outputs as SGLang's `verify_tree_greedy_func` (returns them too)."""

@@ -19,6 +19,8 @@ registry (`HookRegistry`, which SGLang applies). Nothing of SGLang is edited.
   * `seam` - every SGLang call whose form differs between the supported lines, and the version refusal.
   * `timing` - with `PR_EAGLE3_ROUND_TIMES=FILE` only: each decode round's time, phases and model compute, for
     EAGLE-3 and PR_EAGLE3 alike (`benchmarks/serving_cost.py`).
+  * `op_counts` - with `PR_EAGLE3_OP_COUNTS=FILE` only: each decode round's device ops, by phase and by part
+    (`pr_specforge.op_parts` labels PR's parts), for both alike (`benchmarks/serving_cost.py --ops`).
 
 On a CPU, `pr_specforge.sglang_cpu` (the bridge) is still what makes SGLang's EAGLE path run.
 """
@@ -29,6 +31,7 @@ import os
 
 ALGORITHM = "PR_EAGLE3"
 TIMES_ENV = "PR_EAGLE3_ROUND_TIMES"  # `timing.ENV`, read here without importing SGLang
+OPS_ENV = "PR_EAGLE3_OP_COUNTS"  # `op_counts.ENV`, likewise
 
 
 def one_line_refusals() -> None:
@@ -82,3 +85,7 @@ def register() -> None:
         from pr_specforge.sglang_plugin.timing import install
 
         install()
+    if os.environ.get(OPS_ENV):
+        from pr_specforge.sglang_plugin.op_counts import install as install_op_counts
+
+        install_op_counts()

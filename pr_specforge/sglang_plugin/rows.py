@@ -49,6 +49,7 @@ import torch
 from pr_specforge.serving.batched_tree import READOUTS, RuntimeRows, check_readouts
 from pr_specforge.serving.drafter_runtime import DrafterRuntime
 from pr_specforge.serving.host_reads import host_reads_allowed, to_device
+from pr_specforge.op_parts import part
 from pr_specforge.serving.tensor_tree import TreeShape, batch_step_readouts, step_readouts
 from pr_specforge.sglang_plugin.round_graph import GRAPH_ENV, GRAPH_MODES, RoundGraphs
 from pr_specforge.sglang_plugin.row_attention import ATTENTION_ENV, ROW_ATTENTIONS, row_backend, row_kv_lists
@@ -235,7 +236,8 @@ class SGLangRows(RuntimeRows):
         feats = self.forward_rows(fb)
         feats = feats.reshape(b, p, -1).to(feat_out.dtype)
         feat_out.copy_(feats)
-        if self.readouts == "batched":  # one call per head for every request's rows
-            return batch_step_readouts(tb, rt, feat_out, logp_out)
-        lams = [step_readouts(tb, rt, feats[i], logp_out[i])[1] for i in range(b)]
-        return torch.stack(lams) if tb.m else None
+        with part("readouts"):
+            if self.readouts == "batched":  # one call per head for every request's rows
+                return batch_step_readouts(tb, rt, feat_out, logp_out)
+            lams = [step_readouts(tb, rt, feats[i], logp_out[i])[1] for i in range(b)]
+            return torch.stack(lams) if tb.m else None

@@ -62,6 +62,7 @@ from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorker
 from pr_specforge.serving.batched_tree import BatchedTreeBuilder, BatchRequest
 from pr_specforge.serving.drafter_runtime import DrafterRuntime, readouts_row_invariant
 from pr_specforge.serving.host_reads import NoHostReads, to_device
+from pr_specforge.op_parts import part
 from pr_specforge.serving.tensor_tree import TensorTreeBuilder
 from pr_specforge.sglang_plugin.checks import (
     check_readouts, check_round_graph, check_row_attention, check_server_args, load_pr_drafter, overlap_on, rows_for,
@@ -209,20 +210,22 @@ class PRDraftWorker(EagleDraftWorker):
         for members in groups.values():
             builder = self._builder(batch.reqs[members[0]])
             self.pr_rows.prepare(batch, draft_input)
-            requests = [BatchRequest(PoolContext(self.pr_rt.drafter, self._length_bound(batch.reqs[b]),
-                                                 seam.req_pool_idx(batch.reqs[b]), batch.seq_lens[b]),
-                                     draft_input.bonus_tokens[b], draft_input.hidden_states[b],
-                                     self._generator(batch.reqs[b]))
-                        for b in members]
+            with part("load"):
+                requests = [BatchRequest(PoolContext(self.pr_rt.drafter, self._length_bound(batch.reqs[b]),
+                                                     seam.req_pool_idx(batch.reqs[b]), batch.seq_lens[b]),
+                                         draft_input.bonus_tokens[b], draft_input.hidden_states[b],
+                                         self._generator(batch.reqs[b]))
+                            for b in members]
             size = padded_size(len(members), self.pr_sizes)  # a captured size: padding requests fill it
             requests += [self._pad_request(draft_input)] * (size - len(members))
             packed, kept = builder.build_packed(requests)
             packed, kept = packed[: len(members)], kept[: len(members)]
-            at = to_device(members, dev)
-            *parts, check = encode_packed(packed, shape.budget, shape.k, width)
-            for out, part in zip((parent_list, top_scores_index, draft_tokens), parts):
-                out.index_copy_(0, at, part.to(dev))
-            summary.index_copy_(0, at, torch.cat([check, round_counts(packed, shape.budget, shape.k)], 1).to(dev))
+            with part("encoding"):
+                at = to_device(members, dev)
+                *parts, check = encode_packed(packed, shape.budget, shape.k, width)
+                for out, one in zip((parent_list, top_scores_index, draft_tokens), parts):
+                    out.index_copy_(0, at, one.to(dev))
+                summary.index_copy_(0, at, torch.cat([check, round_counts(packed, shape.budget, shape.k)], 1).to(dev))
             graphs = self.pr_rows.graphs
             ran = "off" if graphs is None else graphs.last if self.pr_rows.in_graph else "eager"
             for b in members:
@@ -338,7 +341,8 @@ class PRDraftWorker(EagleDraftWorker):
                 self._count(req.rid, lengths[b], counts[b], tree, len(trees),
                             _kv_room(seam.kv_allocated_len(req), lengths[b]), "off")
             self.pr_pending.append(_Pending(None, None, [], [], [], [], None, [], list(batch.reqs), counts))
-        return self._verify_input(batch, draft_input, *verify)
+        with part("verify_input"):  # SGLang's own tree build, as its EAGLE3's draft builds its verify input
+            return self._verify_input(batch, draft_input, *verify)
 
     def _host_read_check(self):
         """With `PR_EAGLE3_CHECK_HOST_READS=on` (a debugging aid: a Python call per torch operation), the round runs

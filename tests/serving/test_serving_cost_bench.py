@@ -170,3 +170,35 @@ def test_the_gpu_check_script_stops_in_one_line_without_a_gpu(tmp_path):
     assert out.returncode == 2
     assert out.stdout.strip().splitlines() == [f"gpu_pr_eagle3_check: {sys.executable} sees no CUDA device: run it on "
                                                "a GPU machine"]
+
+
+def _counted(rids, draft_parts, verify=100, extend=20):
+    ops = {"draft": draft_parts, "verify": {"model": verify}, "extend": {"model": extend}}
+    return {"batch": len(rids), "rids": rids, "ops": ops, "names": {"draft": {p: {"aten::add": v} for p, v in
+                                                                              draft_parts.items()}}}
+
+
+def test_op_counts_per_cell_per_draft_step_and_by_part(bench):
+    """`--ops`: a cell's op counts from its full-batch rounds only; per draft step, what PR adds to EAGLE3's draft;
+    the tables."""
+    asks = [{"rids": ["a", "b"]}]
+    eagle3 = [_counted(["a", "b"], {"model": 30, "other": 15}), _counted(["a"], {"model": 99})]
+    m0 = [_counted(["a", "b"], {"model": 30, "readouts": 9, "encoding": 12})]
+    m3 = [_counted(["a", "b"], {"model": 36, "readouts": 9, "encoding": 12, "bids": 6, "repricing": 24})]
+    ops = {w: bench.cell_ops(asks, rounds, 2) for w, rounds in zip(bench.WAYS, (eagle3, m0, m3))}
+    assert ops["eagle3"] == {"round": 165, "draft": 45, "verify": 100, "extend": 20, "other": 0,
+                             "draft_parts": {"model": 30, "other": 15}, "rounds_counted": 1,
+                             "draft_names": {"model": {"aten::add": 30}, "other": {"aten::add": 15}}}
+    r = bench.ops_ratios(ops, gamma=3)
+    assert r["eagle3_draft_ops_per_step"] == 15 and r["pr_m0_added_ops_per_step"] == pytest.approx(2)
+    assert r["pr_m3_added_ops_per_step"] == pytest.approx(14) and r["pr_m3_parts_per_step"]["repricing"] == 8
+    with pytest.raises(RuntimeError, match="no counted round"):
+        bench.cell_ops(asks, eagle3[1:], 2)
+    result = {"machine": "m", "dtype": "float32", "commit": "abc", "date": "d", "cpu": "c", "target_name": "t",
+              "draft_name": "p", "max_new": 8, "readouts": "batched", "ops": "only", "command": "cmd",
+              "cells": {"small/2": {"ops": ops, "ops_ratios": r}}}
+    table = bench.markdown(result)
+    assert "| small | 2 | pr_m3 | 207 | 87 | 100 | 20 | 0 | 29.0 | 14.0 | 1 |" in table
+    assert "| model | bids | readouts | repricing | encoding |" in table  # the round's order, then any other
+    assert "| small | 2 | pr_m3 | 12.0 | 2.0 | 3.0 | 8.0 | 4.0 |" in table
+    assert "| small | 2 | pr_m0 | 10.0 | 0.0 |" in table
