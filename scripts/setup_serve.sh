@@ -19,7 +19,8 @@ fi
 served=.venv-serve/.pr_specforge_serve_installed
 # what the serving wheel ships (serving/pyproject.toml, serving/setup.py): a change to any of it reinstalls
 if [ ! -f "$served" ] || [ -n "$(find serving pr_specforge/core pr_specforge/serving pr_specforge/sglang_plugin \
-      pr_specforge/sglang_cpu pr_specforge/__init__.py pr_specforge/config.py pr_specforge/local_server.py pr_specforge/data/__init__.py \
+      pr_specforge/sglang_cpu pr_specforge/__init__.py pr_specforge/config.py pr_specforge/local_server.py pr_specforge/op_parts.py \
+      pr_specforge/data/__init__.py \
       pr_specforge/data/io.py -newer "$served" -name '*.py' -o -newer "$served" -name '*.toml' | head -1)" ]; then
   .venv-serve/bin/python -m pip install --quiet ./serving
   touch "$served"

@@ -12,7 +12,7 @@ import tempfile
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-SHIPPED = {"pr_specforge": {"__init__", "config", "local_server"}, "pr_specforge.data": {"__init__", "io"}}
+SHIPPED = {"pr_specforge": {"__init__", "config", "local_server", "op_parts"}, "pr_specforge.data": {"__init__", "io"}}
 
 
 class ServingModules(build_py):
