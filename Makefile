@@ -21,8 +21,8 @@ setup-vllm:
 run: setup
 	.venv/bin/pr-specforge run $(ARGS)
 
-# The test suite (CPU, tiny random models, serial; both SGLang lines: 14 min of tests on 2 quiet cores at 5c1b7c9,
-# 830 s, of which the 0.5.23 line ~3 min; .venv-serve's install adds ~4.5 min once).
+# The test suite (CPU, tiny random models, serial; both SGLang lines and vLLM: 29 min of tests on 2 quiet Intel cores at d515ad7;
+# .venv-serve adds ~4.5 min of install once, .venv-vllm ~2 min).
 test: setup setup-serve setup-vllm
 	PR_SERVE_VENV_REQUIRED=1 .venv/bin/python -m pytest -q tests $(ARGS)
 
