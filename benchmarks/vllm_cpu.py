@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -28,16 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def _commit() -> str:
-    root = Path(__file__).resolve().parent.parent
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
-                           text=True).stdout.strip()
-    return sha + ("+changes" if dirty else "")
-
-
 def run(args) -> dict:
-    from benchmarks.serving_cost import prompt_ids
+    from benchmarks.serving_cost import commit, prompt_ids
     from pr_specforge.vllm_live import complete_one_at_a_time, vllm_server
 
     prompts = prompt_ids(args.target, args.prompts)
@@ -50,9 +43,9 @@ def run(args) -> dict:
                 complete_one_at_a_time(port, prompts[:1], args.max_new, spec=False)  # warm-up, not counted
                 rows[way] = complete_one_at_a_time(port, prompts, args.max_new, spec=export != "-")
     plain = [r["output_ids"] for r in rows["target alone"]]
-    out = {"provenance": {"commit": _commit(), "date": datetime.date.today().isoformat(), "machine": args.machine,
+    out = {"provenance": {"commit": commit(), "date": datetime.date.today().isoformat(), "machine": args.machine,
                           "cpu": f"{platform.processor() or platform.machine()} x {os.cpu_count()}",
-                          "command": "python benchmarks/vllm_cpu.py " + " ".join(sys.argv[1:]),
+                          "command": "python benchmarks/vllm_cpu.py " + shlex.join(args.argv),
                           "vllm": _version(), "prompts": f"MT-Bench first turns 1-{len(prompts)}",
                           "max_new": args.max_new, "dtype": "float32", "requests": "one at a time"},
            "ways": {}}
@@ -105,10 +98,18 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--md", default=None)
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     for name, value in (("--prompts", args.prompts), ("--max-new", args.max_new), ("--kv-gib", args.kv_gib)):
         if value < 1:
             p.error(f"{name} must be >= 1, got {value}")
-    from pr_specforge.data.io import atomic_write_json, atomic_write_text
+    from pr_specforge.data.io import DataFormatError, atomic_write_json, atomic_write_text, check_writable_file
+
+    try:  # the outputs are the project's one ownership rule's, checked before any server starts
+        for flag, path, fmt in (("--json", args.json, "JSON"), ("--md", args.md, "Markdown")):
+            if path:
+                check_writable_file(flag, path, fmt=fmt, inputs=[args.target, args.draft])
+    except DataFormatError as e:
+        p.error(str(e))
 
     res = run(args)
     text = render(res)
