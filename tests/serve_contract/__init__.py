@@ -13,10 +13,17 @@ SERVE_PYTHON = os.path.join(ROOT, ".venv-serve", "bin", "python")
 REQUIRED_ENV = "PR_SERVE_VENV_REQUIRED"  # set by `make test`: a missing .venv-serve fails instead of skipping
 
 
-def serve_python() -> str:
-    """The 0.5.23 environment's interpreter; skips (outside `make test` and CI) when it was not built."""
-    if os.path.exists(SERVE_PYTHON):
-        return SERVE_PYTHON
+def built_python(python: str, setup: str, what: str) -> str:
+    """The interpreter `python` of an environment `make test` builds with `scripts/{setup}`; when it was not built,
+    fails under `make test` and CI (`REQUIRED_ENV`, `CI`) and skips elsewhere, saying how to build it (`what`)."""
+    if os.path.exists(python):
+        return python
     if os.environ.get(REQUIRED_ENV) or os.environ.get("CI"):
-        pytest.fail(f"{SERVE_PYTHON} is missing: `make test` builds it (scripts/setup_serve.sh)")
-    pytest.skip("no .venv-serve (SGLang 0.5.23): run scripts/setup_serve.sh, or `make test`, to test the second SGLang line")
+        pytest.fail(f"{python} is missing: `make test` builds it (scripts/{setup})")
+    pytest.skip(f"no {os.path.basename(os.path.dirname(os.path.dirname(python)))}: run scripts/{setup}, or `make test`, "
+                f"to test {what}")
+
+
+def serve_python() -> str:
+    """The 0.5.23 environment's interpreter (`built_python`)."""
+    return built_python(SERVE_PYTHON, "setup_serve.sh", "the second SGLang line (SGLang 0.5.23)")

