@@ -12,7 +12,8 @@ its compute a few percent slower than another, so each repeat samples a new pair
 `per_server_pair`):
   eagle3  `--speculative-algorithm EAGLE3`, SGLang's own draft (the same export, read as plain EAGLE-3);
   pr      `--speculative-algorithm PR_EAGLE3`, our plugin; each request sets its m
-          (`custom_params.pr_eagle3.m`): `pr_m0` (m = 0: the plugin's round with no reconsideration row)
+          (`custom_params.pr_eagle3.m`): `pr_m0` (m = 0: every request of the batch at m = 0, so SGLang's own
+          draft drafts it, `PR_EAGLE3_M0_DRAFT=sglang`; `--m0-draft pr`: the plugin's round with no reconsideration row)
           and `pr_m3` (m = `--m`, default 3: co-forwarded reconsideration rows every step).
 Both servers sleep on idle, so the one not being asked does not take a core. For each number of concurrent
 requests (`--requests`, default 1 and 4), in each repeat, the three ways are asked in turn (the order
@@ -179,7 +180,7 @@ def ops_markdown(result: dict, header: bool = False) -> str:
                   f"{result['dtype']})",
                   "", f"Commit {result['commit']}, {result['date']}, {result['cpu']}{device_note(result)}; target "
                   f"{result['target_name']}, drafter {result['draft_name']}; {result['max_new']} new tokens a request; "
-                  f"PR_EAGLE3's readouts: {result['readouts']}.", ""]
+                  f"PR_EAGLE3's readouts: {result['readouts']}. {m0_note(result)}", ""]
     lines += [OPS_NOTE, "", "| shape | requests | way | round ops | draft | verify | extend | other "
               "| draft ops per step | added per draft step vs eagle3 | rounds counted |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, block in blocks:
@@ -219,7 +220,7 @@ def timed_markdown(result: dict) -> str:
              f"{device_note(result)}; "
              f"target {result['target_name']}, drafter {result['draft_name']}; {result['max_new']} new tokens a "
              f"request, {result['repeats']} repeats; medians over rounds whose batch is all of a cell's requests. "
-             f"PR_EAGLE3's readouts: {readouts_note(result)}.", "",
+             f"PR_EAGLE3's readouts: {readouts_note(result)}. {m0_note(result)}", "",
              "| shape | requests | way | round ms | floor ms | bookkeeping ms | draft ms | draft floor ms | verify ms "
              "| extend ms | tau | tokens/s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, block in result["cells"].items():
@@ -265,7 +266,7 @@ def throughput_markdown(result: dict) -> str:
              f"{device_note(result)}, SGLang's overlap schedule {overlap}; untimed servers (no round times: the timing "
              f"wrappers synchronise the device); target {result['target_name']}, drafter {result['draft_name']}; "
              f"{result['max_new']} new tokens a request, {result['repeats']} repeats, a new server pair each; "
-             f"PR_EAGLE3's readouts: {readouts_note(result)}.", "",
+             f"PR_EAGLE3's readouts: {readouts_note(result)}. {m0_note(result)}", "",
              "| shape | requests | way | tau | tokens/s |", "|---|---|---|---|---|"]
     for key, block in result["cells"].items():
         shape, n = key.split("/")
@@ -298,6 +299,13 @@ def device_note(result: dict) -> str:
     if result.get("device") != "cuda":
         return ""
     return f", {result.get('gpu')}, SGLang's CUDA graphs {'on' if result.get('cuda_graph') else 'off'}"
+
+
+def m0_note(result: dict) -> str:
+    """Who drafted the pr_m0 way (`--m0-draft`; results before it existed: PR's round)."""
+    if result.get("m0_draft", "pr") == "sglang":
+        return "pr_m0: every request at m = 0, drafted by SGLang's own EAGLE-3 draft (PR_EAGLE3_M0_DRAFT=sglang)."
+    return "pr_m0: PR's round with no reconsideration row (PR_EAGLE3_M0_DRAFT=pr, or before it existed)."
 
 
 def readouts_note(result: dict) -> str:
@@ -393,7 +401,7 @@ def server_pair(args, shape_name: str, prompts, work: str, what: str, tag: str, 
         for alg, name in (("eagle3", "EAGLE3"), ("pr", "PR_EAGLE3")):
             port = free_port()
             env = dict(os.environ, HF_HUB_OFFLINE="1", PR_EAGLE3_BW=str(shape["k"]), PR_EAGLE3_M=str(args.m),
-                       PR_EAGLE3_READOUTS=args.readouts)
+                       PR_EAGLE3_READOUTS=args.readouts, PR_EAGLE3_M0_DRAFT=args.m0_draft)
             for switch in RECORDERS:
                 env.pop(switch, None)
             if record is not None:
@@ -525,6 +533,9 @@ def main(argv=None) -> int:
     p.add_argument("--readouts", choices=("batched", "request"), default="batched",
                    help="PR_EAGLE3_READOUTS of the PR server: the heads and gate in one call per step for the batch "
                         "(batched) or one per request")
+    p.add_argument("--m0-draft", choices=("sglang", "pr"), default="sglang",
+                   help="PR_EAGLE3_M0_DRAFT of the PR server: who drafts the pr_m0 way's batches (all at m = 0): "
+                        "SGLang's own draft (sglang, the plugin's default) or PR's round with no reconsideration row")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: through the CPU bridge; cuda: a stock GPU launch (Triton attention, PR rows on Triton)")
     p.add_argument("--cuda-graph", action="store_true", help="on --device cuda: SGLang's CUDA graphs on (default off)")
@@ -571,7 +582,7 @@ def main(argv=None) -> int:
               "target_name": os.path.basename(os.path.normpath(args.target)),
               "draft_name": os.path.basename(os.path.normpath(args.draft)), "max_new": args.max_new,
               "repeats": args.repeats, "m": args.m, "shapes": {s: SHAPES[s] for s in args.shapes},
-              "readouts": args.readouts, "ops": args.ops,
+              "readouts": args.readouts, "m0_draft": args.m0_draft, "ops": args.ops,
               "wall_s": time.time() - t0, "cells": cells,
               "command": "python benchmarks/serving_cost.py " + shlex.join(argv if argv is not None else sys.argv[1:])}
     table = markdown(result)

@@ -253,6 +253,7 @@ def check_export_and_shape(server_args) -> PRServeShape:
     check_drafter(server_args.speculative_draft_model_path, export_config)
     check_rows(shape, export_config, overlap_on(server_args))
     check_readouts()
+    check_m0_draft()
     check_row_attention()
     check_round_graph()
     return shape
@@ -291,6 +292,16 @@ def check_readouts() -> str:
 
     try:
         return readouts_mode()
+    except ValueError as e:
+        raise PRServeError(str(e)) from None
+
+
+def check_m0_draft() -> str:
+    """`PR_EAGLE3_M0_DRAFT` (`rows.m0_draft_mode`), refused in one line when it is not a mode."""
+    from pr_specforge.sglang_plugin.rows import m0_draft_mode
+
+    try:
+        return m0_draft_mode()
     except ValueError as e:
         raise PRServeError(str(e)) from None
 

@@ -95,3 +95,28 @@ def check_encoded(check: Sequence[int], budget: int, k: int, width: int) -> None
         raise ValueError(f"the tree needs more than {width} node groups")
     if most > k:
         raise ValueError(f"a node has more than k={k} children of one kind")
+
+
+def trees_of_verify(draft_token: torch.Tensor, next_token: torch.Tensor, next_sibling: torch.Tensor,
+                    n: int) -> List[Tuple[List[int], List[int]]]:
+    """The trees a verify input holds, on the host: per request `(tokens, parents)` in its node order (the root,
+    then the kept nodes in score-id order, as `build_tree_kernel_efficient` lays them out), `parents[0] = -1`.
+    Read from the verify's child links (`retrieve_next_token` = first child, `retrieve_next_sibling` = next
+    sibling, local node indices): the inverse of the build, whatever order a kernel links siblings in. The round
+    log's trees of a round SGLang's own draft made (`PR_EAGLE3_M0_DRAFT=sglang`)."""
+    tokens = draft_token.reshape(-1, n).tolist()
+    first, sibling = next_token.reshape(-1, n).tolist(), next_sibling.reshape(-1, n).tolist()
+    out = []
+    for toks, fc, sib in zip(tokens, first, sibling):
+        parents = [-1] * n
+        for i in range(n):
+            c = fc[i]
+            while c >= 0:
+                if parents[c] != -1 or c == 0:
+                    raise ValueError(f"verify tree: node {c} linked twice")
+                parents[c] = i
+                c = sib[c]
+        if any(p < 0 for p in parents[1:]):
+            raise ValueError("verify tree: a node no link reaches")
+        out.append((toks, parents))
+    return out

@@ -57,6 +57,8 @@ from pr_specforge.sglang_plugin.row_attention import ATTENTION_ENV, ROW_ATTENTIO
 ROWS_ENV = "PR_EAGLE3_ROWS"
 ROWS_MODES = ("ours", "sglang")
 READOUTS_ENV = "PR_EAGLE3_READOUTS"
+M0_DRAFT_ENV = "PR_EAGLE3_M0_DRAFT"
+M0_DRAFT_MODES = ("sglang", "pr")
 
 
 def env_mode(name: str, modes: Sequence[str], default: Optional[str]) -> Optional[str]:
@@ -71,6 +73,12 @@ def env_mode(name: str, modes: Sequence[str], default: Optional[str]) -> Optiona
 def rows_mode() -> Optional[str]:
     """`PR_EAGLE3_ROWS` as set (None when unset: `checks.check_rows` picks); ValueError, one line, for anything else."""
     return env_mode(ROWS_ENV, ROWS_MODES, None)
+
+
+def m0_draft_mode() -> str:
+    """`PR_EAGLE3_M0_DRAFT`: who drafts a batch whose every request is at m = 0 with B_w = k: `sglang` (the default:
+    SGLang's own EAGLE-3 draft, EAGLE3's ops) or `pr` (PR's round with no reconsideration row, the same tree)."""
+    return env_mode(M0_DRAFT_ENV, M0_DRAFT_MODES, "sglang")
 
 
 def readouts_mode() -> str:

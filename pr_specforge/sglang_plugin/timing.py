@@ -57,7 +57,8 @@ def _timed(key: str, fn: Callable, *, outermost: Optional[str] = None, phase: bo
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         rec = _round()
-        if rec is None or (outermost and getattr(_state, outermost, False)):
+        if rec is None or (outermost and getattr(_state, outermost, False)) or \
+                (phase and getattr(_state, "phase", None)):  # a phase inside one (PR's draft calling SGLang's)
             return fn(*args, **kwargs)
         if outermost:
             setattr(_state, outermost, True)

@@ -5,6 +5,13 @@
 but `draft` is SGLang's: the draft model, its KV pool and draft-extend (prefill and decode), target
 verify, acceptance, the radix cache, chunked prefill, retraction.
 
+A batch whose every request is at m = 0 with B_w = k (the server's shape or the requests' own) is drafted by SGLang's
+own EAGLE-3 draft (`EagleDraftWorker.draft`, `_eagle3_draft`; `PR_EAGLE3_M0_DRAFT=sglang`, the default): PR's round
+then forwards EAGLE-3's rows and keeps EAGLE-3's tree, so SGLang's draft is the same tree with EAGLE3's ops, op for
+op (its counters are 0; with a round log its trees are read back from the verify input, `encoding.trees_of_verify`).
+`PR_EAGLE3_M0_DRAFT=pr`, a batch with one reconsidering request, B_w != k, or sampled drafts
+(`--speculative-use-rejection-sampling`) draft PR's round for all.
+
 `PRDraftWorker.draft` has two row paths, chosen by `PR_EAGLE3_ROWS` (`checks.check_rows`: `sglang` by default
 where SGLang's runner can run the rows):
   * `ours`: request by request, steps 1-3 below (chosen by itself for adapter drafters and rows that outgrow the
@@ -65,11 +72,11 @@ from pr_specforge.serving.host_reads import NoHostReads, to_device
 from pr_specforge.op_parts import part
 from pr_specforge.serving.tensor_tree import TensorTreeBuilder
 from pr_specforge.sglang_plugin.checks import (
-    check_readouts, check_round_graph, check_row_attention, check_server_args, load_pr_drafter, overlap_on, rows_for,
-    rows_room)
+    check_m0_draft, check_readouts, check_round_graph, check_row_attention, check_server_args, load_pr_drafter,
+    overlap_on, rows_for, rows_room)
 from pr_specforge.sglang_plugin.admission import UNREPORTED_LINE, record_round, worker_shape
 from pr_specforge.sglang_plugin.draft_model import use_for_draft
-from pr_specforge.sglang_plugin.encoding import check_encoded, encode_packed, encode_tree, round_counts
+from pr_specforge.sglang_plugin.encoding import check_encoded, encode_packed, encode_tree, round_counts, trees_of_verify
 from pr_specforge.sglang_plugin.round_graph import RoundGraphs, padded_size, round_sizes
 from pr_specforge.sglang_plugin import seam
 from pr_specforge.sglang_plugin.rows import PoolContext, SGLangRows, env_mode
@@ -94,6 +101,22 @@ class _Pending:
     built: list
     reqs: list = field(default_factory=list)
     counts: Optional[list] = None
+    eagle3: bool = False  # SGLang's own draft made the round (`PR_EAGLE3_M0_DRAFT`)
+    verify: Optional[object] = None  # with a round log, that round's verify input (its trees: `trees_of_verify`)
+
+
+@dataclass
+class _LoggedTree:
+    """A tree as the round log writes it: its tokens and parents in node order."""
+
+    node_tokens: List[int]
+    node_parents: List[int]
+
+    def tokens(self) -> List[int]:
+        return self.node_tokens
+
+    def parents(self) -> List[int]:
+        return self.node_parents
 
 
 def _to_host(summary: torch.Tensor):
@@ -130,6 +153,9 @@ class PRDraftWorker(EagleDraftWorker):
         self.pr_mode = mode  # "sglang" or "ours" (`checks.check_rows`)
         self.pr_max_rows = rows_room(self.pr_shape, overlap_on(self.server_args)) if mode == "sglang" else None
         self.pr_check_reads = env_mode(CHECK_HOST_READS, ("off", "on"), "off") == "on"
+        # a batch all at m = 0, B_w = k is SGLang's own EAGLE-3 draft (`_eagle3_batch`), unless sampled drafts
+        self.pr_m0_draft = check_m0_draft() == "sglang" and not getattr(
+            self.server_args, "speculative_use_rejection_sampling", False)
         self.pr_counting(os.environ.get(ROUND_LOG) or None)
 
     def pr_counting(self, log_path: Optional[str]) -> None:
@@ -279,6 +305,8 @@ class PRDraftWorker(EagleDraftWorker):
         counters summed and, with a round log, its lines written. `draft` leaves it pending so that nothing in the
         draft waits for the device; it is settled when SGLang processes the round's verify result (`pr_verified`),
         or with a round log right after its verify (`_settle`)."""
+        if p.eagle3:
+            return self._settle_eagle3(p)
         if p.done is not None:
             p.done.synchronize()
         shape = self.pr_shape
@@ -293,7 +321,23 @@ class PRDraftWorker(EagleDraftWorker):
             self._count(p.rids[b], lengths[b], s[3:], trees[b], len(p.rids), _kv_room(p.allocated[b], lengths[b]),
                         p.graph[b], p.graph_batch[b])
 
-    def _count(self, rid: str, seq_len, counts, tree, batch_size: int, kv_room, graph: str, graph_batch: int = 0) -> None:
+    def _settle_eagle3(self, p: _Pending) -> None:
+        """A round SGLang's own draft made: no reconsideration row, so every counter is 0; with a round log, its
+        trees read back from its verify input (`trees_of_verify`)."""
+        n = len(p.rids)
+        lengths = p.seq_lens.tolist() if p.seq_lens is not None else [None] * n
+        trees = [None] * n
+        if p.verify is not None:
+            v = p.verify
+            trees = [_LoggedTree(*t) for t in trees_of_verify(v.draft_token.cpu(), v.retrieve_next_token.cpu(),
+                                                               v.retrieve_next_sibling.cpu(), v.draft_token_num)]
+        p.counts = [[0] * len(COUNTERS) for _ in range(n)]
+        for b in range(n):
+            self._count(p.rids[b], lengths[b], p.counts[b], trees[b], n, _kv_room(p.allocated[b], lengths[b]),
+                        p.graph[b], p.graph_batch[b], rows="eagle3")
+
+    def _count(self, rid: str, seq_len, counts, tree, batch_size: int, kv_room, graph: str, graph_batch: int = 0,
+               rows: Optional[str] = None) -> None:
         """A request's round: its counters (`counts` = recon_rows, recon_kept, repriced_kept) into the worker's totals
         and, with a round log, its line (`tree`: the round's tree)."""
         self.pr_totals["rounds"] += 1
@@ -302,9 +346,13 @@ class PRDraftWorker(EagleDraftWorker):
         if self.pr_log:
             readouts = self.pr_rows.readouts if self.pr_rows is not None else "request"
             attention = self.pr_rows.attention if self.pr_rows is not None else "ours"
-            line = {"rid": rid, "seq_len": seq_len, "rows": self.pr_mode, "readouts": readouts, "attention": attention,
+            invariant = self.pr_row_invariant
+            if rows == "eagle3":  # SGLang's own draft ran: none of PR's rows, readouts or their invariance
+                readouts = attention = invariant = None
+            line = {"rid": rid, "seq_len": seq_len, "rows": rows or self.pr_mode, "readouts": readouts,
+                    "attention": attention,
                     "graph": graph, "graph_batch": graph_batch,
-                    "row_invariant": self.pr_row_invariant, "batch": batch_size, "kv_room": kv_room,
+                    "row_invariant": invariant, "batch": batch_size, "kv_room": kv_room,
                     "tokens": tree.tokens(), "parents": tree.parents(),
                     **{name: int(value) for name, value in zip(COUNTERS, counts)}}
             with open(self.pr_log, "a") as f:
@@ -323,6 +371,8 @@ class PRDraftWorker(EagleDraftWorker):
             p = self.pr_pending.popleft()
             if p.counts is None:
                 self._settle_round(p)
+        if self._eagle3_batch(batch):
+            return self._eagle3_draft(batch)
         draft_input = batch.spec_info
         width = shape.parent_width()
         if self.pr_rows is not None:
@@ -343,6 +393,30 @@ class PRDraftWorker(EagleDraftWorker):
             self.pr_pending.append(_Pending(None, None, [], [], [], [], None, [], list(batch.reqs), counts))
         with part("verify_input"):  # SGLang's own tree build, as its EAGLE3's draft builds its verify input
             return self._verify_input(batch, draft_input, *verify)
+
+    def _eagle3_batch(self, batch) -> bool:
+        """Whether SGLang's own EAGLE-3 draft drafts this batch (`PR_EAGLE3_M0_DRAFT=sglang`, the default): every
+        request at m = 0 with B_w = k, where PR's round forwards EAGLE-3's rows and keeps EAGLE-3's tree, node for
+        node (docs/serving.md), so the draft is SGLang's own, op for op. A batch with one reconsidering request
+        (or B_w != k) is PR's round for all."""
+        if not self.pr_m0_draft:
+            return False
+        for req in batch.reqs:
+            shape = worker_shape(req, self.pr_shape, self.pr_max_rows)
+            if shape.m != 0 or shape.bw != self.topk:
+                return False
+        return True
+
+    def _eagle3_draft(self, batch):
+        """SGLang's own draft (`EagleDraftWorker.draft`: its draft forwards, top-k selection, tree and verify input),
+        with the round's host part left pending as PR's rounds are (`pr_verified`: counters 0, meta info)."""
+        verify = EagleDraftWorker.draft(self, batch)
+        bs = len(batch.reqs)
+        self.pr_pending.append(_Pending(None, None, [req.rid for req in batch.reqs],
+                                        [seam.kv_allocated_len(req) for req in batch.reqs], ["eagle3"] * bs, [0] * bs,
+                                        batch.seq_lens.clone() if self.pr_log else None, [], list(batch.reqs),
+                                        eagle3=True, verify=verify if self.pr_log else None))
+        return verify
 
     def _host_read_check(self):
         """With `PR_EAGLE3_CHECK_HOST_READS=on` (a debugging aid: a Python call per torch operation), the round runs

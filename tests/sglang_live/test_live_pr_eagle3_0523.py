@@ -34,11 +34,16 @@ def served(live_run, tmp_path_factory):
             alone = generate(port, live_run["prompts"][1], m=0)
     log = round_log(rounds)
     return ([served_counts(o, log) for o in concurrent], [served_counts(o, log) for o in sequential],
-            served_counts(alone, log), sequential, [r for rs in log.values() for r in rs])
+            served_counts(alone, log), sequential, [r for rid, rs in log.items() for r in rs if rid != alone_id(alone)],
+            log[alone_id(alone)])
+
+
+def alone_id(out) -> str:
+    return out["meta_info"]["id"]
 
 
 def test_on_0_5_23_four_concurrent_and_four_sequential_requests_equal_our_decoder(live_run, plain, served):
-    concurrent, sequential, _, outs, rounds = served
+    concurrent, sequential, _, outs, rounds, _ = served
     ours = Ours(live_run).decode(SHAPE, live_run["prompts"])
     assert_same(concurrent, ours)
     assert_same(sequential, ours)
@@ -52,4 +57,6 @@ def test_on_0_5_23_four_concurrent_and_four_sequential_requests_equal_our_decode
 def test_on_0_5_23_m0_equals_our_decoders_m0_tree(live_run, served):
     alone = served[2]
     assert alone["recon_rows"] == 0
+    # a batch all at m = 0 is SGLang 0.5.23's own EAGLE-3 draft (`PR_EAGLE3_M0_DRAFT=sglang`), the tree still ours
+    assert served[5] and all(r["rows"] == "eagle3" for r in served[5])
     assert_same([alone], Ours(live_run).decode(Shape(k=2, bw=2, m=0, gamma=3, budget=6), live_run["prompts"][1:2]))

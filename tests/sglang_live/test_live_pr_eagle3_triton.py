@@ -26,7 +26,9 @@ PADDED = LIVE_DEVICE == "cpu" or LIVE_CUDA_GRAPH  # GPU there are none to pad to
 @pytest.fixture(scope="module")
 def served(live_run, tmp_path_factory):
     ctx, rounds = pr_server(live_run, tmp_path_factory.mktemp("pr_eagle3_triton"), SHAPE,
-                            env={"PR_EAGLE3_ROW_ATTENTION": "triton", "PR_EAGLE3_ROUND_GRAPH": "on"},
+                            # m = 0 drafted by PR's round (not SGLang's own draft): its graph and padding are tested
+                            env={"PR_EAGLE3_ROW_ATTENTION": "triton", "PR_EAGLE3_ROUND_GRAPH": "on",
+                                 "PR_EAGLE3_M0_DRAFT": "pr"},
                             args=("--triton-attention-num-kv-splits", "2", "--cuda-graph-bs-decode", *map(str, SIZES)))
     with ctx as port:
         with ThreadPoolExecutor(4) as pool:

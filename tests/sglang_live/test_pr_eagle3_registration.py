@@ -207,6 +207,20 @@ def test_the_readouts_switch_defaults_to_batched_and_refuses_a_bad_value(live_ru
         check_server_args(args)
 
 
+def test_the_m0_draft_switch_defaults_to_sglangs_own_draft_and_refuses_a_bad_value(live_run, cpu_engine, monkeypatch):
+    from pr_specforge.sglang_plugin.checks import PRServeError, check_m0_draft, check_server_args
+
+    args = _server_args(live_run, live_run["pr"], steps=5, topk=2, tokens=7)
+    monkeypatch.delenv("PR_EAGLE3_M0_DRAFT", raising=False)
+    assert check_m0_draft() == "sglang"
+    monkeypatch.setenv("PR_EAGLE3_M0_DRAFT", " PR ")
+    assert check_m0_draft() == "pr" and check_server_args(args).k == 2
+    for bad in ("eagle3", "0"):
+        monkeypatch.setenv("PR_EAGLE3_M0_DRAFT", bad)
+        with pytest.raises(PRServeError, match=f"PR_EAGLE3_M0_DRAFT='{bad}' is not one of sglang, pr$"):
+            check_server_args(args)
+
+
 def test_the_row_attention_switch_picks_triton_on_cuda_and_refuses_a_bad_value(live_run, cpu_engine, monkeypatch):
     from pr_specforge.sglang_plugin.checks import PRServeError, check_row_attention, check_server_args
 

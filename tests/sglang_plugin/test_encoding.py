@@ -110,3 +110,39 @@ def test_the_device_encoding_of_a_batch_equals_the_host_encoding_of_each_tree(mo
     nodes[PACKED_ROWS.index("via"), 1:] = 0
     with pytest.raises(ValueError, match=f"more than k={shape.k} children of one kind"):
         check_encoded(encode_packed(crowded, shape.budget, shape.k, width)[3][0].tolist(), shape.budget, shape.k, width)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"k{s.k}w{s.bw}m{s.m}g{s.gamma}B{s.budget}")
+def test_the_round_log_reads_a_verify_inputs_trees_back_node_for_node(models, shape):
+    """`trees_of_verify` (the round log of a round SGLang's own draft made) inverts `build_tree`: every node's token
+    and parent, in SGLang's node order, for a batch of two requests."""
+    from pr_specforge.sglang_plugin.encoding import trees_of_verify
+
+    target, _, pr = models
+    width, n = shape.parent_width(), shape.budget + 1
+    built, expected = [], []
+    for bias, seed in ((-2.0, 0), (0.0, 1)):
+        eager_gate(pr, bias)
+        rt, root, feat = primed_runtime(pr, target)
+        tree = TensorTreeBuilder(rt, shape.tree_config()).build(root, feat, torch.Generator().manual_seed(seed))
+        parents, scores = encode_tree(tree.parents(), tree.via_recon_list, shape.k, width)
+        order = sorted(range(shape.budget), key=scores.__getitem__)
+        toks = tree.tokens()
+        built.append((toks[0], parents, [scores[i] for i in order], [toks[i + 1] for i in order], rt.length))
+        kept = [0] + [i + 1 for i in order]  # SGLang's node i is kept node kept[i]
+        at = {j: i for i, j in enumerate(kept)}
+        expected.append(([toks[j] for j in kept], [-1] + [at[tree.parents()[j]] for j in kept[1:]]))
+    bonus, parent_list, score_ids, drafts, lens = (torch.tensor(list(col)) for col in zip(*built))
+    _, _, _, first, sib, tokens = build_tree(bonus, parent_list, score_ids, drafts, lens, int(lens.sum()), 2 * shape.k,
+                                             shape.kernel_steps(), n)
+    assert trees_of_verify(tokens, first, sib, n) == expected
+
+
+def test_a_verify_input_whose_links_reach_a_node_twice_or_never_is_refused():
+    from pr_specforge.sglang_plugin.encoding import trees_of_verify
+
+    tokens = torch.arange(3)
+    with pytest.raises(ValueError, match="no link reaches"):
+        trees_of_verify(tokens, torch.tensor([1, -1, -1]), torch.tensor([-1, -1, -1]), 3)
+    with pytest.raises(ValueError, match="linked twice"):
+        trees_of_verify(tokens, torch.tensor([1, 2, -1]), torch.tensor([-1, 2, -1]), 3)
