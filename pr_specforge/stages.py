@@ -4,7 +4,11 @@
     run_stages([builder.target_stage(), builder.conversations_stage(256), ...], Path("work/x/stage_times.json"))
 
 A stage is skipped once its output exists (each writes it last), so rerunning a command
-resumes where it stopped; `run_stages` keeps each stage's wall time across interruptions.
+resumes where it stopped; `run_stages` keeps each stage's wall time across interruptions. A derived
+stage (`StageBuilder.derived_stage`: diagnose, headroom, measures, control) also records what its output was
+made from, by content (`inputs_record`: a run's newest checkpoint, features' manifest fingerprint, files'
+digests, settings) in `<output>.made_from.json`, and is skipped only while that record is what its inputs are
+now: else it runs again, saying in one line what changed (`changed_inputs`).
 
 `StageBuilder` owns the stages' argument lists over one work directory (`target/`,
 `conversations.jsonl`, `regenerated.jsonl`, `features/`, run directories): target,
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
@@ -46,11 +51,148 @@ HELDOUT_PROMPTS = ("mtbench", "gsm8k", "humaneval")
 
 
 class Stage:
-    """A pipeline stage: skipped once `done()` (by default: `output` exists; a stage writes it last)."""
+    """A pipeline stage: skipped once `done()` (by default: `output` exists; a stage writes it last).
 
-    def __init__(self, name: str, output: Path, run: Callable[[], None], done: Optional[Callable[[], bool]] = None):
-        self.name, self.output, self.run = name, output, run
-        self.done = done or output.exists
+    With `made_from` (a derived output: what it is computed from, `inputs_record`), `run` records `made_from()` as
+    it was when the stage ran in `made_from_path(output)` after the stage's own work, and `done()` also needs that
+    record to equal `made_from()` now; `stale()` says what changed, for the line `run_stages` logs."""
+
+    def __init__(self, name: str, output: Path, run: Callable[[], None], done: Optional[Callable[[], bool]] = None,
+                 made_from: Optional[Callable[[], Dict]] = None):
+        self.name, self.output, self.made_from = name, output, made_from
+        self.finished = done or output.exists
+        self.done = self.finished if made_from is None else (lambda: self.finished() and self.stale() is None)
+        self.run = run if made_from is None else (lambda: self._run_and_record(run))
+
+    def stale(self) -> Optional[str]:
+        """Why a finished output is not reused (`changed_inputs`); None when it records what it is made from now,
+        or the stage records nothing."""
+        return None if self.made_from is None else changed_inputs(self.output, _plain(self.made_from()))
+
+    def _run_and_record(self, run: Callable[[], None]) -> None:
+        from pr_specforge.data.io import atomic_write_json, own_kind
+
+        inputs = _plain(self.made_from())  # what the stage reads, before it reads it
+        run()
+        atomic_write_json(made_from_path(self.output), {**own_kind(MADE_FROM_KIND), "output": self.output.name,
+                                                        "made_from": inputs})
+
+
+#: the marker of a derived stage's record of its inputs (`Stage(made_from=...)`)
+MADE_FROM_KIND = "pr-specforge stage inputs"
+
+
+def made_from_path(output: Path) -> Path:
+    """Where a derived stage records what `output` was made from: `<output>.made_from.json` beside it."""
+    return output.with_name(output.name + ".made_from.json")
+
+
+def _plain(value):
+    """`value` as its JSON round trip (tuples as lists, paths as strings): what a record compares equal to."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def changed_inputs(output: Path, now: Dict) -> Optional[str]:
+    """None when `output`'s record (`made_from_path`) holds `now`; else one line naming what changed, with both
+    values (at most two inputs named), or saying there is no readable record (an output written before records)."""
+    from pr_specforge.data.io import DataFormatError, file_kind, read_json_object
+
+    path = made_from_path(output)
+    if not path.is_file():
+        return f"{output.name} has no record of what it was made from (written before such records were kept)"
+    try:
+        before = read_json_object(path).get("made_from") if file_kind(path) == (MADE_FROM_KIND, 1) else None
+    except DataFormatError:
+        before = None
+    if not isinstance(before, dict):
+        return f"{path.name} is not a readable record of what {output.name} was made from"
+    if before == now:
+        return None
+    keys = [k for k in sorted(set(before) | set(now)) if before.get(k, _NONE) != now.get(k, _NONE)]
+    parts = [_change(k, before.get(k, _NONE), now.get(k, _NONE)) for k in keys[:2]]
+    return "; ".join(parts) + (f" and {len(keys) - 2} more" if len(keys) > 2 else "")
+
+
+_NONE = "<none>"
+
+
+def _change(key: str, before, now) -> str:
+    """`KEY changed (FIELD A -> B, ...)`: a dict input by its fields that differ (a checkpoint's name and sha256)."""
+    if isinstance(before, dict) and isinstance(now, dict):
+        a, b = _flat(before), _flat(now)
+        fields = [k for k in sorted(set(a) | set(b)) if a.get(k, _NONE) != b.get(k, _NONE)]
+        detail = ", ".join(f"{k} {_short(a.get(k, _NONE))} -> {_short(b.get(k, _NONE))}" for k in fields[:3])
+        return f"{key} changed ({detail}{' and more' if len(fields) > 3 else ''})"
+    return f"{key} changed ({_short(before)} -> {_short(now)})"
+
+
+def _short(value) -> str:
+    """A value for a one-line message: a hash by its first 12 digits, anything else by its repr cut at 60 characters."""
+    if isinstance(value, str) and len(value) > 12 and all(c in "0123456789abcdef" for c in value):
+        return value[:12] + ".."
+    text = value if value == _NONE else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_DIGESTS: Dict[tuple, str] = {}
+
+
+def cached_digest(path: str) -> str:
+    """`data.io.file_digest`, computed once per process while the file keeps its inode, size and modification time
+    (a run's checkpoint is read by several derived stages' records)."""
+    from pr_specforge.data.io import file_digest
+
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = file_digest(path)
+    return _DIGESTS[key]
+
+
+def features_record(features: Path) -> Optional[Dict]:
+    """A feature directory by what says its content, cheaply (no feature file is read): its manifest's fingerprint
+    fields (the target's config fingerprint, the input's digest and the capture settings, the vocab map's
+    fingerprint, the counts of samples and tokens); without a manifest, the vocab map's digest and the files' count
+    and bytes. None when the directory does not exist."""
+    from pr_specforge.data.io import DataFormatError, read_json_object
+
+    features = Path(features)
+    if not features.is_dir():
+        return None
+    manifest_path = features / "manifest.json"
+    if manifest_path.is_file():
+        try:
+            manifest = read_json_object(manifest_path)
+        except DataFormatError:
+            return {"manifest.json (unreadable)": cached_digest(str(manifest_path))}
+        counts = manifest.get("counts") or {}
+        return {"target": (manifest.get("target") or {}).get("config_fingerprint"), "resume": manifest.get("resume"),
+                "status": manifest.get("status"), "vocab": manifest.get("vocab_fingerprint"),
+                "draft_vocab_size": manifest.get("draft_vocab_size"), "samples": counts.get("samples"),
+                "loss_tokens": counts.get("loss_tokens")}
+    files = [os.path.join(d, f) for d, _, names in os.walk(features) for f in names]
+    vocab = features / "vocab_mapping" / "vocab_mapping.pt"
+    return {"vocab_mapping": cached_digest(str(vocab)) if vocab.is_file() else None, "files": len(files),
+            "bytes": sum(os.path.getsize(f) for f in files)}
+
+
+def inputs_record(base: Path, runs: Sequence[Path] = (), features: Sequence[Path] = (), files: Sequence[Path] = (),
+                  settings: Optional[Dict] = None) -> Dict:
+    """What a derived output is made from, by content, each input keyed by how a change line names it (paths
+    relative to `base`): each run's newest checkpoint (`export_records.checkpoint_record`: its name and
+    `training_state.pt`'s sha256), each feature directory (`features_record`), each file's sha256 (None: missing),
+    and the `settings` as they are."""
+    from pr_specforge.export_records import checkpoint_record
+
+    def named(path: Path) -> str:
+        path, under = Path(path).resolve(), Path(base).resolve()
+        return str(path.relative_to(under)) if path.is_relative_to(under) else str(path)
+
+    record: Dict = {f"{named(r)}'s newest checkpoint": checkpoint_record(str(r), digest=cached_digest) for r in runs}
+    record.update({f"features {named(f)}": features_record(f) for f in features})
+    record.update({named(f): {"sha256": cached_digest(str(f))} if Path(f).is_file() else None for f in files})
+    record.update(settings or {})
+    return record
 
 
 def features_done(feats: Path) -> bool:
@@ -184,6 +326,8 @@ def run_stages(stages: List[Stage], times_path: Optional[Path] = None, heartbeat
             log.info("stage %-13s skipped (%s exists)", stage.name, stage.output)
             timings.setdefault(stage.name, 0.0)
             continue
+        if stage.made_from is not None and stage.finished() and (why := stage.stale()):
+            log.warning("%s: %s: recomputing %s", stage.name, why, stage.output.name)
         log.info("stage %-13s running", stage.name)
         base, t0 = timings.get(stage.name, 0.0), time.perf_counter()
         done = threading.Event()
@@ -330,11 +474,27 @@ class StageBuilder:
             return True
         return Stage(name, run_dir / "train.done", run, done=done)
 
+    def derived_stage(self, name: str, output: Path, run: Callable[[], None], runs: Sequence[Path] = (),
+                      features: Sequence[Path] = (), files: Sequence[Path] = (), **settings) -> Stage:
+        """A stage whose output is computed from `runs` (their newest checkpoints), `features`, `files` and
+        `settings`: done while its output exists and records those inputs as they are now (`inputs_record`, paths
+        named relative to the work directory); else it runs again (`run` must replace its earlier output)."""
+        return Stage(name, output, run, made_from=lambda: inputs_record(self.work, runs, features, files, settings))
+
     def diagnose(self, run_dir: Path, features: Path, out_json: Path, seed: int) -> None:
-        """`pr-specforge diagnose` of the run's newest checkpoint on held-out features."""
+        """`pr-specforge diagnose` of the run's newest checkpoint on held-out features. `--overwrite`: the file is
+        the stage's own, in its work directory, made again when what it was made from changed (`derived_stage`)."""
         from pr_specforge.training.diagnose import main
 
-        self.call("diagnose", main, [run_dir, "--features", features, "--json", out_json, "--seed", seed, "--no-progress"])
+        self.call("diagnose", main, [run_dir, "--features", features, "--json", out_json, "--seed", seed, "--no-progress",
+                                     "--overwrite"])
+
+    def diagnose_stage(self, name: str, run_dir: Path, features: Path, out_json: Path, seed: int) -> Stage:
+        """`diagnose` as a derived stage of the run's newest checkpoint, the features and the seed."""
+        def run() -> None:
+            out_json.parent.mkdir(parents=True, exist_ok=True)
+            self.diagnose(run_dir, features, out_json, seed)
+        return self.derived_stage(name, out_json, run, runs=[run_dir], features=[features], seed=seed)
 
     def export_done(self, run_dir: Path, *outs: Path) -> bool:
         """An export stage is done when each of `outs` is an export of the run's newest checkpoint

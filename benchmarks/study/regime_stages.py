@@ -3,7 +3,8 @@ regime, then per seed and drafter train, export (checked against the fingerprint
 `regime_keep`), diagnose and headroom on the regime's held-out features and the held-out measures (`regime_measures`:
 the held-out curve, and what a PR drafter's depths compute), then the screening
 and report serves (`regime_serves`). Each stage is skipped once its output exists; trainings resume
-from their newest checkpoint.
+from their newest checkpoint; an export, diagnose, headroom and the measures are made again when the checkpoint,
+features or files they were made from changed (`StageBuilder.derived_stage`).
 
 Owns: the stages' order and settings. Does not own any stage's work (the `data`, `train`, `diagnose`, `export` and
 `eval` entry points).
@@ -98,12 +99,15 @@ class Regime(ReportServes):
                 Stage(f"seed{seed} {name}: kept fingerprint", sd / "fingerprints" / f"{name}.json",
                       lambda export=export, name=name: kept_fingerprint_check(sd, name, export, sd / "fingerprints" / f"{name}.json"),
                       done=lambda export=export, name=name: fingerprint_checked(sd / "fingerprints" / f"{name}.json", export)),
-                Stage(f"seed{seed} {name}: diagnose", diag,
-                      lambda run=run, diag=diag: (diag.parent.mkdir(parents=True, exist_ok=True),
-                                                  build.diagnose(run, self.heldout, diag, seed))),
-                Stage(f"seed{seed} {name}: headroom", head, lambda run=run, name=name: self.headroom(run, sd / "headroom" / name, seed)),
-                Stage(f"seed{seed} {name}: held-out measures", sd / "measures" / f"{name}.json",
-                      lambda run=run, diag=diag, head=head, name=name: write_measures(run, diag, head, sd / "measures" / f"{name}.json")),
+                # diagnose, headroom and the measures are made again when what they were made from changed
+                build.diagnose_stage(f"seed{seed} {name}: diagnose", run, self.heldout, diag, seed),
+                build.derived_stage(f"seed{seed} {name}: headroom", head,
+                                    lambda run=run, name=name: self.headroom(run, sd / "headroom" / name, seed),
+                                    runs=[run], features=[self.heldout], seed=seed),
+                build.derived_stage(f"seed{seed} {name}: held-out measures", sd / "measures" / f"{name}.json",
+                                    lambda run=run, diag=diag, head=head, name=name: write_measures(
+                                        run, diag, head, sd / "measures" / f"{name}.json"),
+                                    runs=[run], files=[diag, head]),
             ]
         return stages
 
@@ -112,8 +116,9 @@ class Regime(ReportServes):
         from pr_specforge.eval.headroom import main
 
         prefix.parent.mkdir(parents=True, exist_ok=True)
-        # --overwrite: the stage runs when PREFIX.json (written first) is missing, so any .md or PNG beside it is this
-        # stage's own earlier output in the regime's workdir (its .json deleted to rerun the stage)
+        # --overwrite: the stage runs when PREFIX.json is missing or was made from another checkpoint or features
+        # (`derived_stage`), so PREFIX.json and any .md or PNG beside it are this stage's own earlier output in the
+        # regime's workdir
         self.build.call("headroom", main, [run, "--features", self.heldout, "--out", prefix, "--seed", seed, "--no-progress",
                                            "--overwrite"])
 

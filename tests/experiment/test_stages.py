@@ -183,7 +183,7 @@ def test_run_builds_its_stage_commands_through_the_stage_builder(tmp_path, monke
         ["eval", "--target", f"{w}/target", "--draft", f"pr={w}/export/pr-hf", "--prompts", "mtbench", "--limit", "3",
          "--budget", "24", "--temperature", "0", "--max-new-tokens", "32", "--also-one-pass", "--out-dir", f"{w}/eval",
          "--json", f"{w}/eval/summary.json"],
-        ["control", "--recipe", args.recipe, "--json", f"{w}/control.json"],  # pr.* overrides only: none here
+        ["control", "--recipe", args.recipe, "--json", f"{w}/control.json", "--overwrite"],  # pr.* overrides only: none here
     ]
     assert (tmp_path / "regenerated.done").exists() and (tmp_path / "runs" / "pr" / "train.done").exists()
 
@@ -238,7 +238,7 @@ def test_run_passes_only_pr_overrides_to_its_control_stage_and_can_leave_it_out(
                                           "pr.gate_init_bias=-1"])
     control = [s for s in pipeline.stages(args, StageBuilder(tmp_path)) if s.name == "control"]
     control[0].run()
-    assert calls == [["control", "--recipe", args.recipe, "pr.gate_init_bias=-1", "--json", f"{tmp_path}/control.json"]]
+    assert calls == [["control", "--recipe", args.recipe, "pr.gate_init_bias=-1", "--json", f"{tmp_path}/control.json", "--overwrite"]]
     args = pipeline._parser().parse_args(["--workdir", str(tmp_path), "--skip-control"])
     assert "control" not in [s.name for s in pipeline.stages(args, StageBuilder(tmp_path))]
 
