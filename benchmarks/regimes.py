@@ -174,6 +174,15 @@ def _parser() -> argparse.ArgumentParser:
     k = sub.add_parser("restore", help="copy the regenerated text and served rows `save` kept back into a (rebuilt) workdir, to resume its serves")
     k.add_argument("--from", dest="src", required=True)
     k.add_argument("--workdir", "--gsm8k", dest="workdir", required=True, help="a regime's workdir")
+    m = sub.add_parser("migrate", help="carry a kept drafter's old-style fingerprint over to a rebuild's, on rows served "
+                                       "again equal to the kept ones (study/regime_migrate.py)")
+    m.add_argument("--kept", required=True, help="a folder `save` kept (benchmarks/results/regime-*)")
+    m.add_argument("--seed", type=int, required=True, help="the seed whose folders (seedN/) are migrated")
+    m.add_argument("--drafter", required=True, help="the drafter's name in the kept folders (eagle3, pr-warm, ...)")
+    m.add_argument("--export", required=True, help="the rebuilt drafter's export (WORKDIR/seedN/export/NAME)")
+    m.add_argument("--check", required=True,
+                   help="an `eval --out-dir` where the rebuilt export served rows a kept folder holds, under the same name")
+    m.add_argument("--machine", default="", help="the machine the check ran on, for the record")
     return p
 
 
@@ -191,6 +200,8 @@ def check_outputs(args: argparse.Namespace) -> None:
         check_output_dir("--to", args.to, inputs=[args.workdir])
     elif args.regime == "restore":
         check_output_dir("--workdir", args.workdir, inputs=[args.src])
+    elif args.regime == "migrate":
+        check_output_dir("--kept", args.kept, inputs=[args.export, args.check])
     else:
         check_output_dir("--workdir", args.workdir)
 
@@ -213,11 +224,29 @@ def check_ranges(args: argparse.Namespace) -> None:
     lr = getattr(args, "lr", None)
     if lr is not None and not (math.isfinite(lr) and lr > 0):
         raise ValueError(f"--lr must be a finite number above 0, got {lr}")
+    if getattr(args, "regime", None) == "migrate" and args.seed < 0:
+        raise ValueError(f"--seed: {args.seed} is not a seed (a non-negative integer: seedN/)")
     seeds = getattr(args, "seeds", None) or []
     if bad := [s for s in seeds if s < 0]:
         raise ValueError(f"--seeds: {bad[0]} is not a seed (a non-negative integer: training.seed and seedN/)")
     if twice := sorted({s for s in seeds if seeds.count(s) > 1}):
         raise ValueError(f"--seeds: {twice[0]} is given twice (each seed is one set of trainings and serves)")
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    from study.regime_migrate import migrate
+
+    kept = Path(args.kept)
+    if not (kept / "data_settings.json").is_file():
+        raise ValueError(f"--kept {kept}: not a kept regime folder (no data_settings.json)")
+    seed_dir = kept / f"seed{args.seed}"
+    if not seed_dir.is_dir():
+        raise ValueError(f"--kept {kept}: no seed{args.seed}/ there")
+    record = migrate(seed_dir, args.drafter, Path(args.export), Path(args.check), args.machine)
+    checked = ", ".join(f"{fp} ({n} rows)" for fp, n in record["checked_by"]["rows_compared"].items())
+    print(f"regimes migrate: {args.drafter!r} of seed {args.seed} is {record['fingerprint']} in "
+          f"{', '.join(sorted(record['folders']))}; it stands for {checked}, every row equal but its timings")
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -247,6 +276,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       if args.regime == "save" else restore_rows(Path(args.src), Path(args.workdir)))
             print(f"regimes {args.regime}: {len(copied)} files copied")
             return 0
+        if args.regime == "migrate":
+            return _migrate(args)
         return (GSM8KRegime if args.regime == "gsm8k" else ShareGPTRegime)(args).run()
     except STAGE_ERRORS as e:
         print(f"regimes: {e}", file=sys.stderr)

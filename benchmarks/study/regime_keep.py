@@ -247,6 +247,7 @@ def kept_fingerprint_check(seed_dir: Path, name: str, export: Path, out: Path) -
         folder, want = next(iter(bad.items()))
         raise StageFailed(f"{export}: drafter {name!r} rebuilt with fingerprint {fp}, but {seed_dir / folder}'s kept rows "
                           f"were served by {want}: rebuild it at the thread count it was trained with "
-                          "(docs/results/regimes.md), or serve those folders again (eval --start-over)")
+                          "(docs/results/regimes.md); if its rows equal the kept ones, `regimes.py migrate` records its "
+                          "fingerprint for them; or serve those folders again (eval --start-over)")
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out, {"drafter": name, "fingerprint": fp, "kept": kept})
