@@ -7,6 +7,8 @@
     python benchmarks/regimes.py report --gsm8k W --sharegpt W2                       # benchmarks/results/regimes.{md,json}
     python benchmarks/regimes.py save --workdir W --to benchmarks/results/regime-gsm8k # keep a workdir's served rows
     python benchmarks/regimes.py restore --from benchmarks/results/regime-gsm8k --workdir W  # into a rebuilt workdir
+    python benchmarks/regimes.py migrate --kept benchmarks/results/regime-gsm8k --seed 1 --drafter eagle3 \
+        --export W/seed1/export/eagle3 --check W/seed1/recheck-eagle3   # a kept old-style fingerprint -> a rebuild's
     python benchmarks/regimes.py report --gsm8k benchmarks/results/regime-gsm8k --sharegpt benchmarks/results/regime-sharegpt
                                                                 # the committed report, from the kept rows
 
