@@ -6,7 +6,10 @@ rows by a fingerprint. Folders served before issue 63 hold `export_fingerprints`
 another directory can reproduce (the path is inside it). A migration accepts a rebuilt export for them only on
 evidence: its rows, served again into a scratch `eval --out-dir` (`--check`), equal the kept rows of the same
 (drafter, budget, temperature, set, prompt, seed) in every field both rows hold but the timings (`*_s`), in every
-folder that recorded that legacy fingerprint and holds such a row. Then, and only then:
+folder that recorded that legacy fingerprint, was served with the check's settings (`eval_config.json`'s `shared`:
+k, B_w, gamma, m, new tokens, dtype, target...) and holds such a row. A legacy fingerprint is one set of files, so
+a folder served with other settings (a B_w 9 control) under a checked fingerprint is migrated with it. Then, and
+only then:
 
 * `seedN/fingerprints/NAME.json` records the rebuild's fingerprint, the legacy ones it stands for, the folders, the
   compared rows and fields, and the commit, date and machine of the check;
@@ -89,13 +92,19 @@ def plan(seed_dir: Path, name: str, fingerprint: str, check: Path) -> Tuple[Dict
     if not served:
         raise MigrationRefused(f"--check {check}: no row of drafter {name!r} in its results.jsonl "
                                f"(serve the rebuilt export there under that name first)")
+    shared = _config(check).get("shared") if (check / "eval_config.json").is_file() else None
+    if not shared:
+        raise MigrationRefused(f"--check {check}: no eval_config.json with its settings (not an `eval --out-dir`)")
     recorded: Dict[str, str] = {}
     checked: Dict[str, int] = {}
     for cfg in sorted(seed_dir.glob("*/eval_config.json")):
-        fp = (_config(cfg.parent).get("drafters") or {}).get(name)
+        config = _config(cfg.parent)
+        fp = (config.get("drafters") or {}).get(name)
         if fp is None or fp == fingerprint:
             continue
         recorded[cfg.parent.name] = fp
+        if config.get("shared") != shared:
+            continue  # served with other settings (B_w, max_new_tokens, ...): its rows are not the check's to compare
         kept = _rows(cfg.parent / "results.jsonl", str(cfg.parent / "results.jsonl"))
         for key, row in served.items():
             if key in kept:
@@ -110,7 +119,8 @@ def plan(seed_dir: Path, name: str, fingerprint: str, check: Path) -> Tuple[Dict
                                f"{fingerprint}: nothing to migrate")
     if not checked:
         raise MigrationRefused(f"--check {check}: none of its {name!r} rows is a row a kept folder of {seed_dir} holds "
-                               f"(serve the same set, prompts, budget, temperature and seed): nothing migrated")
+                               f"with the same settings (serve the same set, prompts, budget, temperature and eval "
+                               f"settings): nothing migrated")
     return {f: fp for f, fp in recorded.items() if fp in checked}, checked, list(served.values())
 
 

@@ -50,10 +50,11 @@ def study(tmp_path_factory):
     kept = root / "kept"
     (kept / "seed1").mkdir(parents=True)
     (kept / "data_settings.json").write_text(json.dumps({"max_new_tokens": 8}))
-    for folder in ("report-b6", "screen-b6"):
+    for folder, bw in (("report-b6", "2"), ("screen-b6", "2"), ("report-bw1-b6", "1")):  # the last: other settings
         out = kept / "seed1" / folder
+        serve = [*SERVE[:SERVE.index("--bw") + 1], bw, *SERVE[SERVE.index("--bw") + 2:]]
         _cli("eval", "--target", str(root / "target"), "--draft", f"eagle3={root / 'first'}", "--prompts", str(prompts),
-             "--out-dir", str(out), *SERVE, cwd=root)
+             "--out-dir", str(out), *serve, cwd=root)
         record = json.loads((out / PROVENANCE_FILE).read_text())  # as a folder served before issue 63 recorded it
         record["drafters"]["eagle3"] = export_fingerprints(str(root / "first"))[1]
         (out / PROVENANCE_FILE).write_text(json.dumps(record))
@@ -92,12 +93,13 @@ def test_a_rebuild_elsewhere_is_refused_by_the_legacy_records_then_migrated_on_e
     assert regimes.main(argv) == 0
     record = json.loads((sd / "fingerprints" / "eagle3.json").read_text())
     assert record["fingerprint"] == new and record["stands_for"] == [legacy]
-    assert record["folders"] == {"report-b6": legacy, "screen-b6": legacy}  # report-b3's other build is left alone
+    # the B_w 1 folder: the same files, served otherwise (its rows not compared); report-b3's other build: left alone
+    assert record["folders"] == {"report-b6": legacy, "report-bw1-b6": legacy, "screen-b6": legacy}
     assert record["checked_by"]["rows_compared"] == {legacy: 4} and "accepted" in record["checked_by"]["fields"]
     assert "total_s" not in record["checked_by"]["fields"]
     rows = [json.loads(line) for line in (sd / "fingerprints" / "eagle3-recheck.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["p0", "p1"]
-    for folder in ("report-b6", "screen-b6"):
+    for folder in ("report-b6", "screen-b6", "report-bw1-b6"):
         cfg = json.loads((sd / folder / PROVENANCE_FILE).read_text())
         assert cfg["drafters"]["eagle3"] == new and cfg["drafters_migrated"]["eagle3"]["from"] == legacy
     assert json.loads((sd / "report-b3" / PROVENANCE_FILE).read_text())["drafters"]["eagle3"] == "0123456789abcdef"
