@@ -1,4 +1,5 @@
-"""`pr-specforge experiment` end to end at toy scale on the real SmolLM2 target (about 80 s here)."""
+"""`pr-specforge experiment` end to end at toy scale on the real SmolLM2 target (about 80 s on a CPU with native bf16;
+15 min on an AVX2-only AMD EPYC beside a second job, where torch emulates bf16)."""
 
 import json
 import os
@@ -14,9 +15,14 @@ TOY = ["--conversations", "10", "--max-new-tokens", "10", "--epochs", "1", "--ev
        "--benchmarks", "gsm8k", "--bootstrap", "200"]
 
 
+#: a guard against a hang, not a speed check: on a CPU without native bf16 (no avx512_bf16 / amx_bf16, an AVX2-only
+#: AMD EPYC) torch emulates the drafters' bf16 arithmetic and each toy training takes minutes, not seconds
+HANG = 2400
+
+
 def _experiment(work, report):
     proc = subprocess.run([sys.executable, "-m", "pr_specforge.cli", "experiment", "--workdir", str(work),
-                           "--report", str(report), *TOY], env=ENV, capture_output=True, text=True, timeout=900)
+                           "--report", str(report), *TOY], env=ENV, capture_output=True, text=True, timeout=HANG)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc.stdout + proc.stderr
 
