@@ -309,7 +309,7 @@ def test_eagle3_in_float32_on_bf16_features_is_refused_by_the_dry_run(tmp_path):
 
 
 def test_regime_paper_without_the_venv_on_path_stops_before_restoring(tmp_path):
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "WORK": str(tmp_path / "w")}
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "WORK": str(tmp_path / "w"), "ALLOW_EMULATED_BF16": "1"}
     probe = subprocess.run(["bash", "-c", "command -v python && python -c 'import torch, pr_specforge'"], env=env,
                            capture_output=True)
     if probe.returncode == 0:
@@ -318,3 +318,21 @@ def test_regime_paper_without_the_venv_on_path_stops_before_restoring(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "cannot import torch and pr_specforge" in proc.stderr and not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("flags, refused", [("fpu sse avx avx2 fma", True), ("fpu avx2 avx512f avx512_bf16", False)])
+def test_regime_paper_on_a_cpu_without_native_bf16_stops_before_any_work(tmp_path, flags, refused):
+    """The kept drafters trained in bf16 on CPUs with native bf16; emulated, a study training step took 56 s, not 1 s."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "WORK": str(tmp_path / "w"), "CPUINFO": str(cpuinfo)}
+    probe = subprocess.run(["bash", "-c", "command -v python && python -c 'import torch, pr_specforge'"], env=env,
+                           capture_output=True)
+    if not refused and probe.returncode == 0:
+        pytest.skip("this machine's system python imports torch and pr_specforge: past the check the sitting would run")
+    proc = subprocess.run(["bash", os.path.join(REPO, "benchmarks", "study", "regime_paper.sh"), "0", "data"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert ("no native bf16" in proc.stderr) is refused and not (tmp_path / "w").exists()
+    if not refused:  # past the bf16 check: the next one (no venv on this PATH) speaks
+        assert "cannot import torch and pr_specforge" in proc.stderr
