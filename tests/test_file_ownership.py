@@ -308,11 +308,15 @@ def test_eagle3_in_float32_on_bf16_features_is_refused_by_the_dry_run(tmp_path):
     assert "data.hidden_states_path: features are torch.bfloat16 but model.torch_dtype is float32" in lines[0], lines
 
 
+def _system_python_runs_the_study(env) -> bool:
+    """`python` on `env`'s PATH imports torch and pr_specforge: past its checks regime_paper.sh would start a sitting."""
+    return subprocess.run(["bash", "-c", "command -v python && python -c 'import torch, pr_specforge'"], env=env,
+                          capture_output=True).returncode == 0
+
+
 def test_regime_paper_without_the_venv_on_path_stops_before_restoring(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "WORK": str(tmp_path / "w"), "ALLOW_EMULATED_BF16": "1"}
-    probe = subprocess.run(["bash", "-c", "command -v python && python -c 'import torch, pr_specforge'"], env=env,
-                           capture_output=True)
-    if probe.returncode == 0:
+    if _system_python_runs_the_study(env):
         pytest.skip("this machine's system python imports torch and pr_specforge")
     proc = subprocess.run(["bash", os.path.join(REPO, "benchmarks", "study", "regime_paper.sh"), "0", "data"], env=env,
                           capture_output=True, text=True, timeout=60)
@@ -326,9 +330,7 @@ def test_regime_paper_on_a_cpu_without_native_bf16_stops_before_any_work(tmp_pat
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "WORK": str(tmp_path / "w"), "CPUINFO": str(cpuinfo)}
-    probe = subprocess.run(["bash", "-c", "command -v python && python -c 'import torch, pr_specforge'"], env=env,
-                           capture_output=True)
-    if not refused and probe.returncode == 0:
+    if not refused and _system_python_runs_the_study(env):
         pytest.skip("this machine's system python imports torch and pr_specforge: past the check the sitting would run")
     proc = subprocess.run(["bash", os.path.join(REPO, "benchmarks", "study", "regime_paper.sh"), "0", "data"], env=env,
                           capture_output=True, text=True, timeout=60)

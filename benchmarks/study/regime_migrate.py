@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import platform
-import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -42,17 +41,12 @@ class MigrationRefused(ValueError):
 
 
 def _rows(path: Path, where: str) -> Dict[Tuple, dict]:
+    """`eval`'s rows of `path` by `ROW_KEY` ({} if absent); a line that is no JSON object is `data.io`'s one line."""
+    from pr_specforge.data.io import read_jsonl_rows
+
     rows: Dict[Tuple, dict] = {}
-    if not path.is_file():
-        return rows
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise MigrationRefused(f"{where}, row {lineno}: not JSON ({e.msg})") from None
-        if not isinstance(row, dict) or any(k not in row for k in ROW_KEY):
+    for lineno, row in enumerate(read_jsonl_rows(path, repair=False), 1):
+        if any(k not in row for k in ROW_KEY):
             raise MigrationRefused(f"{where}, row {lineno}: not an eval row (it lacks one of {', '.join(ROW_KEY)})")
         rows[tuple(row[k] for k in ROW_KEY)] = row
     return rows
@@ -70,17 +64,6 @@ def first_difference(kept: dict, new: dict) -> str:
 
 def _config(folder: Path) -> dict:
     return json.loads((folder / "eval_config.json").read_text())
-
-
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=Path(__file__).parent).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                               cwd=Path(__file__).parent).stdout.strip()
-        return out + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def plan(seed_dir: Path, name: str, fingerprint: str, check: Path) -> Tuple[Dict[str, str], Dict[str, int], List[dict]]:
@@ -127,6 +110,8 @@ def plan(seed_dir: Path, name: str, fingerprint: str, check: Path) -> Tuple[Dict
 def migrate(seed_dir: Path, name: str, export: Path, check: Path, machine: str) -> dict:
     """Carry `name`'s kept legacy fingerprints in `seed_dir` over to the fingerprint of the rebuilt `export`, on the
     evidence of the rows served again into `check` (module docstring). Returns the record written."""
+    from serving_cost import commit  # benchmarks/, on the path wherever `study` imports
+
     from pr_specforge.data.io import atomic_write_json, atomic_write_text
     from pr_specforge.export import export_fingerprints
 
@@ -138,7 +123,7 @@ def migrate(seed_dir: Path, name: str, export: Path, check: Path, machine: str) 
         "drafter": name, "fingerprint": fingerprint, "stands_for": sorted(checked), "folders": folders,
         "checked_by": {"rows": f"{name}-recheck.jsonl", "rows_compared": checked,
                        "fields": compared_fields(rows[0], rows[0]), "ignored": "timings (fields ending in _s)",
-                       "commit": _git_commit(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                       "commit": commit(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                        "machine": machine or platform.machine()},
     }
     out = seed_dir / "fingerprints"
