@@ -69,6 +69,7 @@ with warnings.catch_warnings():
     from specforge.distributed import destroy_distributed, init_distributed  # noqa: F401
     from specforge.export.checkpoint_io import resolve_training_state  # noqa: F401
     from specforge.lr_scheduler import ConstantWarmupLR, CosineAnnealingWarmupLR  # noqa: F401
+    from specforge.modeling.target.target_head import TargetHead  # noqa: F401
     from specforge.modeling.draft.llama3_eagle import (  # noqa: F401
         LlamaAttention,
         LlamaForCausalLMEagle3,

@@ -6,7 +6,8 @@ fp32 is ~2.7x faster (a SmolLM2 forward of 4 x 512 tokens on an AVX-512F CPU wit
 bf16: 512 tok/s in fp32, 190 tok/s in bf16). On CUDA, bf16 where the GPU supports it.
 
 Used by `data regenerate`, `data hidden-states`, `train` (a recipe's `model.torch_dtype:
-auto`) and `run`; an explicit dtype always wins.
+auto`), `run` and `experiment`; an explicit dtype always wins. Offline features and the drafter
+that trains on them resolve alike, so `auto` features and an `auto` recipe agree on one machine.
 """
 
 from __future__ import annotations
@@ -42,16 +43,6 @@ def resolve_dtype(choice: str, device: str = "cpu") -> str:
 
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
     return "bfloat16" if cpu_has_native_bf16() else "float32"
-
-
-def offline_dtype(choice: str, device: str = "cpu") -> str:
-    """The dtype of offline features and of the drafter that trains on them.
-
-    SpecForge 0.2.0 builds the offline `TargetHead` in bf16 whatever the target's dtype, and it
-    fails on fp32 hidden states (`expected m1 and m2 to have the same dtype`), so on a CPU `auto`
-    stays bf16 here even without native bf16; `regenerate` (text out) still gets fp32 there.
-    """
-    return "bfloat16" if choice == "auto" and not str(device).startswith("cuda") else resolve_dtype(choice, device)
 
 
 def torch_dtype(choice: str, device: str = "cpu"):

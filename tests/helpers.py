@@ -88,11 +88,12 @@ def make_tiny_target(path, hidden=64, layers=4, vocab=97, seed=0, tie=False, tok
     return model
 
 
-def write_features(model, out_dir, n=8, seq=32, seed=0, draft_vocab=48, generated=False):
+def write_features(model, out_dir, n=8, seq=32, seed=0, draft_vocab=48, generated=False, dtype=torch.bfloat16):
     """SpecForge offline EAGLE-3 feature files from a real forward of `model` + vocab mapping.
 
     `generated=True`: the last 3/4 of each row (the supervised part) is `model`'s own greedy
-    continuation of a random prompt, as regenerated data is; else random tokens throughout."""
+    continuation of a random prompt, as regenerated data is; else random tokens throughout. `dtype`: the stored
+    hidden states' (bf16, as `data hidden-states` writes them on a CPU with native bf16)."""
     import os
 
     g = torch.Generator().manual_seed(seed)
@@ -113,7 +114,7 @@ def write_features(model, out_dir, n=8, seq=32, seed=0, draft_vocab=48, generate
             out = model(input_ids=ids[None], output_hidden_states=True)
         hs = out.hidden_states
         aux = torch.cat([hs[j + 1] for j in layers], dim=-1)
-        torch.save({"input_ids": ids, "loss_mask": mask, "hidden_state": hs[-1].to(torch.bfloat16), "aux_hidden_state": aux.to(torch.bfloat16)},
+        torch.save({"input_ids": ids, "loss_mask": mask, "hidden_state": hs[-1].to(dtype), "aux_hidden_state": aux.to(dtype)},
                    os.path.join(out_dir, "rows_0-2000", f"data_{i}.ckpt"))
         counts.index_add_(0, ids[mask.bool()], torch.ones(int(mask.sum())))
     top = counts.argsort(descending=True)[:draft_vocab].sort().values
@@ -126,8 +127,8 @@ def write_features(model, out_dir, n=8, seq=32, seed=0, draft_vocab=48, generate
 
 
 def write_workspace(root, strategy="pr", steps=6, nproc=1, pr_section=None, n=8, seq=32, extra=None, target=None,
-                    generated=False, draft=None):
-    """Target + features + draft config + recipe under `root`; returns the recipe path.
+                    generated=False, draft=None, feature_dtype=torch.bfloat16):
+    """Target + features (`feature_dtype`) + draft config + recipe under `root`; returns the recipe path.
 
     `target`: `make_tiny_target` keyword arguments (default: 4 layers, vocab 97, untied); `draft`: draft config keys
     that replace the defaults."""
@@ -140,7 +141,7 @@ def write_workspace(root, strategy="pr", steps=6, nproc=1, pr_section=None, n=8,
     model = make_tiny_target(target_dir, **(target or {}))
     vocab = model.config.vocab_size
     feats = os.path.join(root, "features")
-    vm = write_features(model, feats, n=n, seq=seq, generated=generated)
+    vm = write_features(model, feats, n=n, seq=seq, generated=generated, dtype=feature_dtype)
     draft_cfg = {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 64,
         "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,

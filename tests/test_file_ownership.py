@@ -326,7 +326,8 @@ def test_regime_paper_without_the_venv_on_path_stops_before_restoring(tmp_path):
 
 @pytest.mark.parametrize("flags, refused", [("fpu sse avx avx2 fma", True), ("fpu avx2 avx512f avx512_bf16", False)])
 def test_regime_paper_on_a_cpu_without_native_bf16_stops_before_any_work(tmp_path, flags, refused):
-    """The kept drafters trained in bf16 on CPUs with native bf16; emulated, a study training step took 56 s, not 1 s."""
+    """The kept drafters trained in bf16 on CPUs with native bf16; elsewhere `auto` is float32, and forced bf16 is emulated
+    (a study training step took 56 s, not 1 s)."""
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "WORK": str(tmp_path / "w"), "CPUINFO": str(cpuinfo)}

@@ -43,11 +43,11 @@ for f in ${REPORT_DIRS:-$FOLDERS}; do
   [[ " $FOLDERS " == *" $f "* ]] || { echo "regime_paper.sh: REPORT_DIRS: '$f' is not one of: $FOLDERS" >&2; exit 2; }
 done
 [[ "$THREADS" =~ ^[1-9][0-9]*$ ]] || { echo "regime_paper.sh: THREADS must be a positive integer, not '$THREADS'" >&2; exit 2; }
-# the kept drafters trained in bf16 on CPUs with native bf16; elsewhere torch emulates it: ~56 s a training step
-# against ~1 s, and sums that are not the native ones bit for bit (docs/results/regimes.md, "Rebuild on a CPU with
-# native bf16")
+# the kept drafters trained in bf16 on CPUs with native bf16; elsewhere `auto` makes features and trainings float32
+# (pr_specforge/dtypes.py), and bf16 forced there runs emulated: ~56 s a training step against ~1 s, with sums that
+# are not the native ones bit for bit (docs/results/regimes.md, "Rebuild on a CPU with native bf16")
 if ! grep -qwE 'avx512_bf16|amx_bf16' "${CPUINFO:-/proc/cpuinfo}" 2>/dev/null && [ "${ALLOW_EMULATED_BF16:-0}" != 1 ]; then
-  echo "regime_paper.sh: this CPU has no native bf16 (no avx512_bf16 or amx_bf16 in /proc/cpuinfo): the study's bf16 features and trainings would run emulated, about 50x slower, and would not rebuild the kept drafters bit for bit; run it on a CPU with native bf16, or set ALLOW_EMULATED_BF16=1 to go on anyway; nothing was written" >&2
+  echo "regime_paper.sh: this CPU has no native bf16 (no avx512_bf16 or amx_bf16 in /proc/cpuinfo): the study's features and trainings would be float32 here (auto), not the kept drafters' bf16, so they would not rebuild the kept drafters; run it on a CPU with native bf16, or set ALLOW_EMULATED_BF16=1 to go on anyway; nothing was written" >&2
   exit 2
 fi
 cd "$(dirname "$0")/../.."

@@ -190,13 +190,13 @@ def _main(argv: list[str] | None, shard) -> int:
 
         if args.command == "hidden-states":
             from pr_specforge.data.hidden_states import prepare_hidden_states
-            from pr_specforge.dtypes import offline_dtype
+            from pr_specforge.dtypes import resolve_dtype
 
             stats = prepare_hidden_states(
                 args.input, args.output, args.target, args.chat_template or _chat_template_for(args.target),
                 backend=args.backend, aux_layers=args.aux_layers, max_length=args.max_length,
                 draft_vocab_size=args.draft_vocab_size, batch_size=args.batch_size,
-                max_batch_tokens=args.max_batch_tokens, dtype=offline_dtype(args.dtype, args.device), device=args.device,
+                max_batch_tokens=args.max_batch_tokens, dtype=resolve_dtype(args.dtype, args.device), device=args.device,
                 limit=args.limit, start_over=args.start_over)
             _print(shard, json.dumps(stats.as_dict()))
             return 0

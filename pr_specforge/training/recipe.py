@@ -301,15 +301,16 @@ def load_recipe(path: str, overrides: Sequence[str] = (), part: bool = False) ->
 
 
 def _resolve_auto_dtype(spec_raw: Dict[str, Any], overrides: List[str]):
-    """`model.torch_dtype: auto` (recipe or override) -> the offline drafter's dtype (`dtypes.offline_dtype`)."""
-    from pr_specforge.dtypes import offline_dtype
+    """`model.torch_dtype: auto` (recipe or override) -> the drafter's dtype (`dtypes.resolve_dtype`: bf16 on CUDA or on a
+    CPU with native bf16, else float32; the offline head follows it, `training.target_head`)."""
+    from pr_specforge.dtypes import resolve_dtype
 
     device = "cpu"
     if (spec_raw.get("model") or {}).get("torch_dtype") == "auto" or "model.torch_dtype=auto" in overrides:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = offline_dtype("auto", device)
+    dtype = resolve_dtype("auto", device)
     model = dict(spec_raw.get("model") or {})
     if model.get("torch_dtype") == "auto":
         model["torch_dtype"] = dtype

@@ -163,9 +163,11 @@ class _Providers:
             attention_backend=config.training.attention_backend,
             pr=self.pr,
         )
+        from pr_specforge.training.target_head import with_feature_dtype_head
+
         ref = parts.model
         model = model.to(device=next(ref.parameters()).device, dtype=next(ref.parameters()).dtype)
-        return dataclasses.replace(parts, model=model)
+        return with_feature_dtype_head(dataclasses.replace(parts, model=model), config)
 
 
 def _algorithm_spec(eagle3):
@@ -214,9 +216,20 @@ def build_registration(pr: PRConfig):
     return make_registration(_algorithm_spec(eagle3), providers)
 
 
+def _eagle3_training_model(build):
+    """SpecForge's EAGLE-3 training-model provider, with the offline head scoring features in their own dtype
+    (`training.target_head`: float32 offline training)."""
+    def build_training_model(config, *args, **kwargs):
+        from pr_specforge.training.target_head import with_feature_dtype_head
+
+        return with_feature_dtype_head(build(config, *args, **kwargs), config)
+    return build_training_model
+
+
 def widen_eagle3(registration):
     """SpecForge's `eagle3` registration, also accepting the two-layer EAGLE-3 control's architecture
-    (`modeling.two_layer`: its TTT loop calls the drafter's `backbone`, which runs both layers)."""
+    (`modeling.two_layer`: its TTT loop calls the drafter's `backbone`, which runs both layers), its offline
+    head scoring features in their own dtype (`training.target_head`)."""
     import pr_specforge.modeling  # noqa: F401  (registers the draft architectures)
     from pr_specforge._specforge import AlgorithmRegistration
     from pr_specforge.modeling.two_layer import TWO_LAYER_ARCHITECTURE
@@ -228,7 +241,8 @@ def widen_eagle3(registration):
         {*(model.draft_config.compatible_architectures or {model.draft_config.architecture}), TWO_LAYER_ARCHITECTURE}))
     return AlgorithmRegistration(
         spec=dataclasses.replace(spec, draft=dataclasses.replace(spec.draft, compatible_architectures=archs)),
-        providers=dataclasses.replace(providers, model=dataclasses.replace(model, draft_config=draft_config)))
+        providers=dataclasses.replace(providers, model=dataclasses.replace(
+            model, draft_config=draft_config, build_training_model=_eagle3_training_model(model.build_training_model))))
 
 
 def build_registry(pr: Optional[PRConfig] = None):
