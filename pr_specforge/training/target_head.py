@@ -27,22 +27,22 @@ class FeatureDtypeTargetHead(TargetHead):
 
     @classmethod
     def around(cls, head: TargetHead, config) -> "FeatureDtypeTargetHead":
-        model = config.model
         wrapped = cls.__new__(cls)  # not TargetHead.__init__: it would allocate a second vocab x hidden weight
         torch.nn.Module.__init__(wrapped)
         wrapped.config, wrapped.hidden_size, wrapped.vocab_size = head.config, head.hidden_size, head.vocab_size
         wrapped.fc = head.fc  # SpecForge's frozen weight, shared, not copied
-        wrapped.model_path = getattr(head, "model_path", model.target_model_path)
-        wrapped._settings = (model.target_model_path, model.lm_head_key, model.cache_dir, model.trust_remote_code)
+        wrapped.model_path = head.model_path  # set by SpecForge's load_weights
+        wrapped._model = config.model  # where the weight is read from for other dtypes
         wrapped._weights: Dict[torch.dtype, torch.Tensor] = {}
         return wrapped.eval()
 
     def weight_in(self, dtype: torch.dtype) -> torch.Tensor:
         """The target's lm_head weight in `dtype`, read once from the target's files."""
         if dtype not in self._weights:
-            path, key, cache_dir, trust = self._settings
-            scratch = TargetHead(path, trust_remote_code=trust, cache_dir=cache_dir).to(dtype=dtype)
-            scratch.load_weights(model_path=path, lm_head_key=key, cache_dir=cache_dir)
+            m = self._model
+            scratch = TargetHead(m.target_model_path, trust_remote_code=m.trust_remote_code, cache_dir=m.cache_dir)
+            scratch = scratch.to(dtype=dtype)
+            scratch.load_weights(model_path=m.target_model_path, lm_head_key=m.lm_head_key, cache_dir=m.cache_dir)
             self._weights[dtype] = scratch.fc.weight.detach().to(self.fc.weight.device)
         return self._weights[dtype]
 

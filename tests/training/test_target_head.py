@@ -39,7 +39,7 @@ def test_bf16_features_score_as_specforge_and_float32_ones_in_float32(tmp_path):
     out = head(hidden)
     assert out.dtype == torch.float32 and torch.equal(out, torch.nn.functional.linear(hidden, weight))
     assert not torch.equal(out, specforge(hidden.bfloat16()).float())
-    with pytest.raises(RuntimeError, match="same dtype|dtype"):
+    with pytest.raises(RuntimeError, match="same dtype"):
         specforge(hidden)  # what SpecForge alone does with float32 features
 
 
