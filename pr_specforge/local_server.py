@@ -22,6 +22,16 @@ import urllib.request
 from typing import Dict, Iterator, Sequence
 
 START_TIMEOUT = 300
+#: a file (set by the test suite) where each server start is recorded, one line each: the suite counts its start-ups
+STARTS_ENV = "PR_SPECFORGE_SERVER_STARTS"
+
+
+def record_start(cmd: Sequence[str], how: str = "serve") -> None:
+    """Append one line (`how`, then the command) to the file `PR_SPECFORGE_SERVER_STARTS` names, if it is set."""
+    path = os.environ.get(STARTS_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(how + "\t" + " ".join(str(c) for c in cmd).replace("\n", " ") + "\n")
 
 
 class ServerFailed(RuntimeError):
@@ -52,6 +62,7 @@ def serving(cmd: Sequence[str], port: int, log_path, env: Dict[str, str],
             start_timeout: float = START_TIMEOUT, ready_text: str = "fired up") -> Iterator[subprocess.Popen]:
     """Run the server command `cmd` (in its own process group) until it answers on `port` and its log holds
     `ready_text` (SGLang's "fired up"; vLLM's "Application startup complete"); stop it on exit."""
+    record_start(cmd)
     log = open(log_path, "w")
     proc = subprocess.Popen(list(cmd), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

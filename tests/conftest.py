@@ -48,3 +48,74 @@ def tiny_llama_config(**overrides):
 @pytest.fixture
 def tiny_config():
     return tiny_llama_config()
+
+
+# ---- the live packages' shared session: one trained pair, one server per launch (tests/live_servers.py) ----
+
+_REGISTRY = None
+
+
+@pytest.fixture(scope="session")
+def live_run(tmp_path_factory):
+    """The session's tiny trained pair and its exports (tests/live_pair.py), built once for every live package."""
+    from tests.live_pair import build
+
+    return build(tmp_path_factory.mktemp("live_run"))
+
+
+@pytest.fixture(scope="session")
+def shared(tmp_path_factory):
+    """The session's server registry (tests/live_servers.py): `shared.get(name, key, start)`; every server it started
+    is stopped at the session's end, also on failure."""
+    global _REGISTRY
+    from tests.live_servers import Registry
+
+    _REGISTRY = Registry(tmp_path_factory.mktemp("servers"))
+    try:
+        yield _REGISTRY
+    finally:
+        _REGISTRY.close()
+        _REGISTRY = None
+
+
+def pytest_configure(config):
+    """Every server start of the session is recorded (`pr_specforge.local_server.record_start`) for its summary."""
+    import tempfile
+
+    from tests.live_servers import STARTS_ENV
+
+    if not os.environ.get(STARTS_ENV):
+        fd, path = tempfile.mkstemp(prefix="pr-specforge-server-starts-", suffix=".txt")
+        os.close(fd)
+        os.environ[STARTS_ENV] = path
+        config._pr_server_starts = path
+
+
+def pytest_runtest_setup(item):
+    if _REGISTRY is not None:
+        _REGISTRY.mark(item.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test's report carries its own lines of every shared server's log (not the whole session's)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and _REGISTRY is not None:
+        for name, text in _REGISTRY.grown(item.nodeid):
+            if report.failed:
+                report.sections.append((f"server log: {name} (this test's lines)", text))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    from tests.live_servers import STARTS_ENV, starts
+
+    path = getattr(config, "_pr_server_starts", None) or os.environ.get(STARTS_ENV)
+    lines = starts(path)
+    if lines:
+        kinds = {}
+        for line in lines:
+            how = line.split("\t", 1)[0]
+            kinds[how] = kinds.get(how, 0) + 1
+        said = ", ".join(f"{n} {how}" for how, n in sorted(kinds.items()))
+        terminalreporter.write_line(f"server start-ups this session: {len(lines)} ({said}); list: {path}")

@@ -37,10 +37,11 @@ def check_device(device: str) -> str:
 
 
 def launch_command(model: str, port: int, *args: str, dtype: str = "float32", max_total_tokens: int = 4096,
-                   device: str = "cpu", cuda_graph: bool = False, overlap: bool = False):
+                   device: str = "cpu", cuda_graph: bool = False, overlap: bool = False, python: str = ""):
     """`launch_server` for `model` on 127.0.0.1:`port` with extra `args`: on `cpu` the CPU bridge's `SERVER_FLAGS`
     (no graphs), on `cuda` `GPU_SERVER_FLAGS` and SGLang's CUDA graphs when `cuda_graph`; with `overlap`, SGLang's
-    overlap schedule (its default; both flag sets turn it off)."""
+    overlap schedule (its default; both flag sets turn it off); `python`: the interpreter whose SGLang serves (default:
+    `PR_SPECFORGE_SGLANG_PYTHON`, else this one)."""
     from pr_specforge.sglang_cpu import SERVER_FLAGS
 
     if check_device(device) == "cpu":
@@ -49,7 +50,7 @@ def launch_command(model: str, port: int, *args: str, dtype: str = "float32", ma
         flags = GPU_SERVER_FLAGS + (() if cuda_graph else ("--disable-cuda-graph",))
     if overlap:
         flags = tuple(f for f in flags if f != OVERLAP_OFF)
-    python = os.environ.get(SGLANG_PYTHON_ENV) or sys.executable  # e.g. .venv-serve/bin/python: SGLang 0.5.23's servers
+    python = python or os.environ.get(SGLANG_PYTHON_ENV) or sys.executable  # e.g. .venv-serve/bin/python: SGLang 0.5.23's servers
     return [python, "-m", "sglang.launch_server", "--model-path", model, "--dtype", dtype, *flags,
             "--host", "127.0.0.1", "--port", str(port), "--max-total-tokens", str(max_total_tokens), *args]
 

@@ -1,13 +1,13 @@
-"""A live SGLang 0.5.14 server on this CPU (through `pr_specforge.sglang_cpu`) and what it serves.
+"""Live SGLang servers on this CPU (through `pr_specforge.sglang_cpu`) and what they serve.
 
-* `live_run`: a SmolLM2-shaped tiny target (Llama, tied embeddings, 8 layers so the three captured
-  layers 1, 3, 4 are distinct, a byte-level BPE tokenizer with SmolLM2's chat template) and a PR
-  drafter trained on the target's own greedy continuations (48 steps: it accepts most of what the
-  target says on prompts of that distribution), exported `--to sglang` (PR), as EAGLE-3 (the PR
-  tensors dropped) and `--to hf` (for our evaluator).
-* `sglang_server(...)`: `python -m sglang.launch_server`, bound to 127.0.0.1 on a
-  free port, stopped (its whole process group) when the context exits, also on failure
-  (`pr_specforge.sglang_cpu.server`, which benchmarks/serving_cost.py uses too).
+* `live_run` (tests/conftest.py, tests/live_pair.py): the session's tiny target and trained PR drafter, with its
+  `--to sglang` (PR), EAGLE-3 (the PR tensors dropped) and `--to hf` (our evaluator) exports.
+* `sglang_server(...)`: `python -m sglang.launch_server`, bound to 127.0.0.1 on a free port, stopped (its whole
+  process group) when the context exits, also on failure (`pr_specforge.sglang_cpu.server`, which
+  benchmarks/serving_cost.py uses too).
+* `shared_sglang(shared, name, model, *args, ...)`: the session's one server of that launch (tests/live_servers.py):
+  started by the first module that asks for it, shared by every module that asks for the same launch, stopped at the
+  end of the live packages. A test that checks a fresh start (a refusal, a fault) starts its own.
 """
 
 from __future__ import annotations
@@ -23,15 +23,16 @@ import sys
 import pytest
 import torch
 
+from pr_specforge.local_server import record_start
 from pr_specforge.sglang_cpu.server import ServerFailed, free_port, launch_command, post, serving  # noqa: F401
-from tests.export.conftest import ENV, train_workspace
-
-STEPS = 48
+from tests.export.conftest import ENV
+from tests.live_pair import STEPS  # noqa: F401 (the live modules read it from here)
 
 
 def refused_launch(cmd, env) -> str:
     """Run a server launch that must be refused before it starts: its process group is killed after it (also on
     failure); it must exit non-zero and print no traceback. Returns its last non-empty line, the refusal."""
+    record_start(cmd, "refused")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -60,16 +61,43 @@ LIVE_CUDA_GRAPH = os.environ.get("PR_SPECFORGE_LIVE_CUDA_GRAPH") == "1"
 
 
 @contextlib.contextmanager
-def sglang_server(model: str, log_path, *args: str, dtype: str = "float32", env=None, overlap: bool = False):
+def sglang_server(model: str, log_path, *args: str, dtype: str = "float32", env=None, overlap: bool = False,
+                  python: str = ""):
     """Yield the port of a live `launch_server` for `model` (extra CLI `args`, extra environment `env`; SGLang's
-    overlap schedule with `overlap`) on `LIVE_DEVICE`; stop it on exit."""
+    overlap schedule with `overlap`; `python`: the interpreter whose SGLang serves, default this one) on
+    `LIVE_DEVICE`; stop it on exit."""
     from pr_specforge.sglang_cpu.server import server_env
 
     port = free_port()
     cmd = launch_command(model, port, *args, dtype=dtype, device=LIVE_DEVICE, cuda_graph=LIVE_CUDA_GRAPH,
-                         overlap=overlap)
+                         overlap=overlap, python=python)
     with serving(cmd, port, log_path, server_env(LIVE_DEVICE, dict(ENV, HF_HUB_OFFLINE="1", **(env or {})))):
         yield port
+
+
+def shared_sglang(shared, name: str, model: str, *args: str, env=None, overlap: bool = False, python: str = "",
+                  files=()):
+    """The session's server of this launch (`sglang_server`'s arguments), started by the first caller. `files`: names
+    of environment variables that hold a path of the server's own (its round log, its round times): each is set to a
+    file beside the server's log (`<log>.<VAR>`), so every caller of the same launch reads the same files."""
+    from pr_specforge.sglang_cpu.server import SGLANG_PYTHON_ENV
+
+    python = python or os.environ.get(SGLANG_PYTHON_ENV) or sys.executable
+    key = {"engine": "sglang", "python": python, "model": model, "args": args, "env": env or {}, "overlap": overlap,
+           "files": sorted(files), "device": LIVE_DEVICE, "graph": LIVE_CUDA_GRAPH}
+
+    def start(log):
+        paths = {var: str(log) + "." + var for var in files}
+        return sglang_server(model, log, *args, env={**(env or {}), **paths}, overlap=overlap, python=python)
+
+    return shared.get(name, key, start)
+
+
+def server_file(server, var: str):
+    """The path `shared_sglang` gave the server's environment variable `var`."""
+    import pathlib
+
+    return pathlib.Path(str(server.log) + "." + var)
 
 
 def extra_rounds(overlap: bool) -> tuple:
@@ -118,53 +146,44 @@ def edit_export(src, dst, edit):
     return str(dst)
 
 
-@pytest.fixture(scope="package")
-def live_run(tmp_path_factory):
-    from pr_specforge.export import export_checkpoint
-    from tests.data.conftest import build_tokenizer
-
-    root = tmp_path_factory.mktemp("live_run")
-    tok = build_tokenizer()
-    train_workspace(root, strategy="pr", steps=STEPS, n=8, seq=48, generated=True, pr_section={"max_depth": 2},
-                    extra={"training": {"num_epochs": 6}}, target=dict(layers=8, vocab=len(tok), tie=True, tokenizer=tok))
-    (root / "target" / "pr_specforge_target.json").write_text(json.dumps({"chat_template_name": "smollm2"}))
-    ckpt = str(root / "out" / f"specforge-run-step{STEPS}")
-    export_checkpoint(ckpt, str(root / "pr-sglang"), "sglang")
-    export_checkpoint(ckpt, str(root / "hf"), "hf", target=str(root / "target"))
-    eagle3 = root / "eagle3-ckpt" / f"specforge-run-step{STEPS}"  # the same run as an eagle3 checkpoint
-    shutil.copytree(ckpt, eagle3)
-    state = torch.load(eagle3 / "training_state.pt", weights_only=False)
-    state["strategy"] = "eagle3"
-    state["draft_state_dict"] = {k: v for k, v in state["draft_state_dict"].items() if not k.startswith("pr_")}
-    torch.save(state, eagle3 / "training_state.pt")
-    export_checkpoint(str(eagle3), str(root / "eagle3-sglang"), "sglang", draft_config=str(root / "draft.json"))
-    prompts = [torch.load(root / "features" / "rows_0-2000" / f"data_{i}.ckpt")["input_ids"][:12].tolist()
-               for i in range(3)]
-    g = torch.Generator().manual_seed(7)
-    prompts.append(torch.randint(3, len(tok), (10,), generator=g).tolist())  # off the training distribution
-    return {"root": root, "target": str(root / "target"), "pr": str(root / "pr-sglang"),
-            "eagle3": str(root / "eagle3-sglang"), "hf": str(root / "hf"), "prompts": prompts}
-
-
 PLAIN_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "sglang_cpu_serve_plain.sh")
 
 
-@pytest.fixture(scope="package")
-def plain_server(live_run, tmp_path_factory):
-    """The port of SGLang serving the target alone (plain greedy; with its tokenizer and chat template). Package-scoped:
-    one start-up for every live module (its scheduler sleeps on idle, `--sleep-on-idle`). On a CPU it is the
-    documented plain reference server, `scripts/sglang_cpu_serve_plain.sh`."""
-    log = tmp_path_factory.mktemp("log") / "plain.log"
+@pytest.fixture(autouse=True, scope="package")
+def _stop_this_packages_servers(shared):
+    """The live SGLang servers live as long as this package's tests: none outlives it into the rest of the suite."""
+    yield
+    shared.close()
+
+
+def plain_sglang(shared, live_run) -> int:
+    """The port of SGLang 0.5.14 serving the target alone (plain greedy; with its tokenizer and chat template): one
+    start-up for the session (its scheduler sleeps on idle, `--sleep-on-idle`). On a CPU it is the documented plain
+    reference server, `scripts/sglang_cpu_serve_plain.sh`."""
     if LIVE_DEVICE != "cpu":
-        with sglang_server(live_run["target"], log) as port:
-            yield port
-        return
+        return shared_sglang(shared, "plain", live_run["target"]).port
     from pr_specforge.sglang_cpu import child_env
 
-    port = free_port()
-    env = child_env(dict(ENV, HF_HUB_OFFLINE="1", PYTHON=sys.executable))
-    with serving(["bash", PLAIN_SCRIPT, live_run["target"], str(port)], port, log, env):
+    def start(log):
+        port = free_port()
+        env = child_env(dict(ENV, HF_HUB_OFFLINE="1", PYTHON=sys.executable))
+        return _yielding_port(serving(["bash", PLAIN_SCRIPT, live_run["target"], str(port)], port, log, env), port)
+
+    key = {"engine": "sglang", "script": "sglang_cpu_serve_plain.sh", "python": sys.executable,
+           "model": live_run["target"]}
+    return shared.get("plain-0.5.14", key, start).port
+
+
+@contextlib.contextmanager
+def _yielding_port(ctx, port: int):
+    with ctx:
         yield port
+
+
+@pytest.fixture
+def plain_server(shared, live_run):
+    """`plain_sglang`'s port (asked for per test, so the registry sees it in use)."""
+    return plain_sglang(shared, live_run)
 
 
 @pytest.fixture(scope="package")
@@ -185,9 +204,10 @@ def our_decoder(live_run):
     return decode
 
 
-@pytest.fixture(scope="package")
-def plain(live_run, plain_server):
+@pytest.fixture(scope="session")
+def plain(live_run, shared):
     """Plain greedy serving's output ids for each live prompt."""
     from tests.sglang_live.eagle3 import MAX_NEW
 
-    return [greedy(plain_server, p, MAX_NEW)["output_ids"] for p in live_run["prompts"]]
+    port = plain_sglang(shared, live_run)
+    return [greedy(port, p, MAX_NEW)["output_ids"] for p in live_run["prompts"]]

@@ -11,13 +11,15 @@ drafter from the `--to hf` export of the same run) with the same (k, B_w, m, gam
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, List
 
 import torch
 
-from tests.sglang_live.conftest import extra_rounds, post, sglang_server
+from tests.sglang_live.conftest import extra_rounds, post, server_file, sglang_server, shared_sglang
 
 MAX_NEW = 24
 
@@ -52,6 +54,23 @@ def pr_server(live_run, log_dir, shape: Shape, times=None, env=None, args=(), ov
                          env=env, overlap=overlap), rounds
 
 
+def shared_pr(shared, live_run, shape: Shape, times: bool = False, env=None, args=(), overlap: bool = False,
+              rounds: bool = True, python: str = "", name: str = ""):
+    """The session's PR server of this launch (`pr_server`'s settings; `rounds`: with its round log; `python`: the
+    interpreter whose SGLang serves): `(server, round log path or None, round times path or None)`. Modules that ask for
+    the same launch share one server; the per-request settings (m, B_w, seeds) go through their requests."""
+    files = (["PR_EAGLE3_ROUND_LOG"] if rounds else []) + (["PR_EAGLE3_ROUND_TIMES"] if times else [])
+    base = {"PR_EAGLE3_BW": str(shape.bw), "PR_EAGLE3_M": str(shape.m), "PR_EAGLE3_CHECK_HOST_READS": "on"}
+    if not rounds:
+        base["PR_EAGLE3_ROUND_LOG"] = ""
+    env = {**base, **(env or {})}
+    name = name or f"pr-k{shape.k}-g{shape.gamma}-b{shape.budget}"
+    server = shared_sglang(shared, name, live_run["target"], *pr_args(live_run["pr"], shape), *args, env=env,
+                           overlap=overlap, python=python, files=files)
+    return (server, server_file(server, "PR_EAGLE3_ROUND_LOG") if rounds else None,
+            server_file(server, "PR_EAGLE3_ROUND_TIMES") if times else None)
+
+
 def generate(port: int, ids, bw=None, m=None, seed=None) -> dict:
     """A greedy request (`seed`: its `sampling_seed`, which seeds the PR tree as our decoder's `seed` does)."""
     params = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
@@ -64,6 +83,8 @@ def generate(port: int, ids, bw=None, m=None, seed=None) -> dict:
 
 def round_log(path) -> Dict[str, List[dict]]:
     by_rid = collections.defaultdict(list)
+    if not path.exists():
+        return by_rid
     for line in path.read_text().splitlines():
         row = json.loads(line)
         by_rid[row["rid"]].append(row)
@@ -126,3 +147,59 @@ def assert_same(served: List[dict], reference: List[dict]) -> None:
         assert len(got["trees"]) == got["rounds"], f"prompt {i}: the worker drafted {len(got['trees'])} trees"
         for r, (a, b) in enumerate(zip(got["trees"], ref["trees"])):
             assert a == b, f"prompt {i}, round {r}: served tree {a} vs ours {b}"
+
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+#: the 0.5.23 PR server's shape: small enough that SGLang's warm-up request in Triton's interpreter starts in CI's budget
+SCRIPT_SHAPE = Shape(k=2, bw=2, m=1, gamma=3, budget=6)
+
+
+def targeted_export(live_run, name: str, target: str) -> str:
+    """The live run's checkpoint exported the way `make run` does (`export CKPT OUT --to sglang --target TARGET`), once
+    per session (under the run's root)."""
+    from pr_specforge.export import main as export_main
+    from tests.live_pair import STEPS
+
+    out = Path(live_run["root"]) / name
+    if not out.exists():
+        ckpt = str(Path(live_run["root"]) / "out" / f"specforge-run-step{STEPS}")
+        assert export_main([ckpt, str(out), "--to", "sglang", "--target", target]) == 0
+    return str(out)
+
+
+def shared_pr_script_0523(shared, live_run):
+    """The session's `PR_EAGLE3` server on SGLang 0.5.23: `scripts/sglang_cpu_serve_pr.sh` run by `.venv-serve`'s
+    interpreter (SGLang's own environment with only the serving install, no SpecForge), with no test environment of
+    ours but the plugin's per-server settings (B_w, m, its round log, the host-read check): no PYTHONPATH, no bridge
+    environment (the script sets what it needs; its preflight gives the draft, and PR's rows, SGLang's Triton attention
+    in Triton's interpreter). The export is made as `make run` makes it; the shape (k 2, gamma 3, B 6) follows PORT
+    (later flags override the script's k 6, gamma 8, B 48). `(server, round log)`."""
+    from pr_specforge.local_server import free_port, serving
+    from tests.export.conftest import ENV
+    from tests.serve_contract import serve_python
+
+    python = serve_python()
+    export = targeted_export(live_run, "pr-sglang-targeted", live_run["target"])
+    shape = SCRIPT_SHAPE
+    flags = ("--speculative-eagle-topk", str(shape.k), "--speculative-num-steps", str(shape.gamma),
+             "--speculative-num-draft-tokens", str(shape.budget + 1))
+    settings = {"PR_EAGLE3_BW": str(shape.bw), "PR_EAGLE3_M": str(shape.m), "PR_EAGLE3_CHECK_HOST_READS": "on"}
+    key = {"engine": "sglang", "script": "sglang_cpu_serve_pr.sh", "python": python, "model": live_run["target"],
+           "draft": export, "args": flags, "env": settings}
+
+    def start(log):
+        env = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}
+        env.update(settings, HF_HUB_OFFLINE="1", PYTHON=python, PR_EAGLE3_ROUND_LOG=str(log) + ".rounds")
+        port = free_port()
+        cmd = ["bash", str(SCRIPTS / "sglang_cpu_serve_pr.sh"), live_run["target"], export, str(port), *flags]
+        # its start-up includes SGLang's warm-up request, minutes in Triton's interpreter on a small CPU
+        return _port_of(serving(cmd, port, log, env, start_timeout=1200), port)
+
+    server = shared.get("pr-script-0.5.23", key, start)
+    return server, Path(str(server.log) + ".rounds")
+
+
+@contextlib.contextmanager
+def _port_of(ctx, port: int):
+    with ctx:
+        yield port

@@ -23,7 +23,7 @@ from tests.export.conftest import ENV
 from tests.helpers import load_benchmark
 from tests.sglang_live.conftest import (LIVE_CUDA_GRAPH, LIVE_DEVICE, _free_port, assert_round_times, greedy,
                                         refused_launch)
-from tests.sglang_live.pr_eagle3 import MAX_NEW, Ours, Shape, assert_same, generate, pr_server, round_log, served_counts
+from tests.sglang_live.pr_eagle3 import MAX_NEW, Ours, Shape, assert_same, generate, round_log, served_counts, shared_pr
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,17 +36,22 @@ def ours(live_run):
     return Ours(live_run)
 
 
-@pytest.fixture(scope="module")
-def server(live_run, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("pr_eagle3")
-    ctx, rounds = pr_server(live_run, log_dir, SHAPE, times=log_dir / "round_times.jsonl", overlap=OVERLAP)
-    with ctx as port:
-        yield port, rounds
+@pytest.fixture
+def server(live_run, shared):
+    """The session's PR server at SHAPE under the overlap schedule, with its round log and round times: (port, round
+    log); `server_of` has the rest."""
+    srv, rounds, _ = _shared(live_run, shared)
+    return srv.port, rounds
+
+
+def _shared(live_run, shared):
+    return shared_pr(shared, live_run, SHAPE, times=True, overlap=OVERLAP, name="pr-k2-overlap")
 
 
 @pytest.fixture(scope="module")
-def sequential(live_run, server):
-    port, rounds = server
+def sequential(live_run, shared):
+    srv, rounds, _ = _shared(live_run, shared)
+    port = srv.port
     outs = [generate(port, p) for p in live_run["prompts"]]
     log = round_log(rounds)
     return [served_counts(o, log, OVERLAP) for o in outs]
@@ -91,10 +96,9 @@ def test_sampling_seed_seeds_the_tree_as_the_evaluators_seed_and_meta_info_carri
     assert (m0["bw"], m0["m"], m0["recon_rows"], m0["recon_kept"]) == (SHAPE.bw, 0, 0, 0)
 
 
-def test_the_rounds_are_timed_for_m0_and_m1_and_reconsideration_rows_are_draft_compute(live_run, server):
-    port, rounds = server
-    outs = [generate(port, live_run["prompts"][1], m=m) for m in (0, 1)]
-    times = rounds.parent / "round_times.jsonl"
+def test_the_rounds_are_timed_for_m0_and_m1_and_reconsideration_rows_are_draft_compute(live_run, shared):
+    srv, _, times = _shared(live_run, shared)
+    outs = [generate(srv.port, live_run["prompts"][1], m=m) for m in (0, 1)]
     assert_round_times(times, outs, OVERLAP)
     lines = [json.loads(x) for x in open(times) if x.strip()]
     for m, out in zip((0, 1), outs):  # our drafter's readouts run in the draft phase only, and only in PR's round
@@ -120,10 +124,10 @@ def test_four_concurrent_requests_give_what_four_sequential_ones_gave(live_run, 
     assert max(r["batch"] for r in mine) == 4
 
 
-def test_the_benchmark_reads_the_servers_start_up_line(server):
+def test_the_benchmark_reads_the_servers_start_up_line(live_run, shared):
     """What benchmarks/serving_cost.py reads of a PR server's start-up, read from this server's own log."""
-    _, rounds = server
-    said = load_benchmark("serving_cost").served_readouts(str(rounds.parent / "server.log"))
+    srv, _, _ = _shared(live_run, shared)
+    said = load_benchmark("serving_cost").served_readouts(str(srv.log))
     on_cuda = LIVE_DEVICE == "cuda"
     assert isinstance(said.pop("row_invariant"), bool)
     assert said == {"mode": "batched", "attention": "triton" if on_cuda else "torch_native",

@@ -1,11 +1,12 @@
 """`PR_EAGLE3` live on SGLang 0.5.23 on this CPU: `.venv-serve` (SGLang's own pins, `pip install ./serving`, no
-SpecForge) behind the CPU bridge's stand-in `sgl_kernel` (`sglang_cpu.kernels`), the target and the PR rows on
-SGLang's own Triton attention in Triton's interpreter (`--attention-backend triton`, `PR_EAGLE3_ROW_ATTENTION=triton`;
-0.5.23's torch_native has no EAGLE draft backend). fp32, greedy, 127.0.0.1. At (k 2, B_w 2, m 1, gamma 3, B 6), as
-test_live_pr_eagle3.py on 0.5.14, tolerance zero: four concurrent requests and the same four one by one each equal
-our decoder (outputs = plain greedy serving, verify rounds, accepted drafts, counters, every round's tree); a
-request's m = 0 equals our m = 0; a repeated prompt hits the radix cache and gives the same. (The one-line refusal
-through a real 0.5.23 launch: test_live_sglang_0523.py.)"""
+SpecForge) behind the CPU bridge's stand-in `sgl_kernel` (`sglang_cpu.kernels`), the PR rows and the draft on SGLang's
+own Triton attention in Triton's interpreter (0.5.23's torch_native has no EAGLE draft backend). The server is the
+session's one 0.5.23 PR server: `scripts/sglang_cpu_serve_pr.sh` in that environment with only the serving install
+(`shared_pr_script_0523`; test_serve_script.py checks what the script itself starts). fp32, greedy, 127.0.0.1. At
+(k 2, B_w 2, m 1, gamma 3, B 6), as test_live_pr_eagle3.py on 0.5.14, tolerance zero: four concurrent requests and
+the same four one by one each equal our decoder (outputs = plain greedy serving, verify rounds, accepted drafts,
+counters, every round's tree); a request's m = 0 equals our m = 0; a repeated prompt hits the radix cache and gives
+the same. (The one-line refusal through a real 0.5.23 launch: test_live_sglang_0523.py.)"""
 
 from __future__ import annotations
 
@@ -13,29 +14,24 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pr_specforge.sglang_cpu.server import SGLANG_PYTHON_ENV
-from tests.serve_contract import serve_python
-from tests.sglang_live.pr_eagle3 import Ours, Shape, assert_same, generate, pr_server, round_log, served_counts
+from tests.sglang_live.pr_eagle3 import (SCRIPT_SHAPE, Ours, Shape, assert_same, generate, round_log, served_counts,
+                                         shared_pr_script_0523)
 
-SHAPE = Shape(k=2, bw=2, m=1, gamma=3, budget=6)
+SHAPE = SCRIPT_SHAPE
 
 
 @pytest.fixture(scope="module")
-def served(live_run, tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(SGLANG_PYTHON_ENV, serve_python())
-        ctx, rounds = pr_server(live_run, tmp_path_factory.mktemp("pr_eagle3_0523"), SHAPE,
-                                env={"PR_EAGLE3_ROW_ATTENTION": "triton"},
-                                args=("--speculative-draft-attention-backend", "triton"))
-        with ctx as port:
-            with ThreadPoolExecutor(4) as pool:
-                concurrent = list(pool.map(lambda p: generate(port, p), live_run["prompts"]))
-            sequential = [generate(port, p) for p in live_run["prompts"]]
-            alone = generate(port, live_run["prompts"][1], m=0)
+def served(live_run, shared):
+    server, rounds = shared_pr_script_0523(shared, live_run)
+    port = server.port
+    with ThreadPoolExecutor(4) as pool:
+        concurrent = list(pool.map(lambda p: generate(port, p), live_run["prompts"]))
+    sequential = [generate(port, p) for p in live_run["prompts"]]
+    alone = generate(port, live_run["prompts"][1], m=0)
     log = round_log(rounds)
+    mine = [r for o in concurrent + sequential for r in log[alone_id(o)]]  # this module's rounds at m = 1
     return ([served_counts(o, log) for o in concurrent], [served_counts(o, log) for o in sequential],
-            served_counts(alone, log), sequential, [r for rid, rs in log.items() for r in rs if rid != alone_id(alone)],
-            log[alone_id(alone)])
+            served_counts(alone, log), sequential, mine, log[alone_id(alone)])
 
 
 def alone_id(out) -> str:

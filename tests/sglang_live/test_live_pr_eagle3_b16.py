@@ -7,16 +7,15 @@ from __future__ import annotations
 import pytest
 
 from tests.sglang_live.conftest import greedy
-from tests.sglang_live.pr_eagle3 import MAX_NEW, Ours, Shape, assert_same, generate, pr_server, round_log, served_counts
+from tests.sglang_live.pr_eagle3 import MAX_NEW, Ours, Shape, assert_same, generate, round_log, served_counts, shared_pr
 
 SHAPE = Shape(k=4, bw=4, m=2, gamma=4, budget=16)
 
 
 @pytest.fixture(scope="module")
-def served(live_run, tmp_path_factory):
-    ctx, rounds = pr_server(live_run, tmp_path_factory.mktemp("pr_eagle3_b16"), SHAPE)
-    with ctx as port:
-        outs = [generate(port, p) for p in live_run["prompts"]]
+def served(live_run, shared):
+    srv, rounds, _ = shared_pr(shared, live_run, SHAPE)
+    outs = [generate(srv.port, p) for p in live_run["prompts"]]
     log = round_log(rounds)
     return [served_counts(o, log) for o in outs]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.sglang_live.conftest import greedy
-from tests.sglang_live.pr_eagle3 import MAX_NEW, Ours, Shape, assert_same, generate, pr_server, round_log, served_counts
+from tests.sglang_live.pr_eagle3 import MAX_NEW, Ours, Shape, assert_same, generate, round_log, served_counts, shared_pr
 
 
 def _prompts(live_run):
@@ -19,11 +19,10 @@ SHAPE = Shape(k=6, bw=6, m=3, gamma=8, budget=48)
 
 
 @pytest.fixture(scope="module")
-def served(live_run, tmp_path_factory):
-    ctx, rounds = pr_server(live_run, tmp_path_factory.mktemp("pr_eagle3_b48"), SHAPE)
-    with ctx as port:
-        outs = [generate(port, p) for p in _prompts(live_run)]
-        alone = generate(port, _prompts(live_run)[0], m=0)
+def served(live_run, shared):
+    srv, rounds, _ = shared_pr(shared, live_run, SHAPE)
+    outs = [generate(srv.port, p) for p in _prompts(live_run)]
+    alone = generate(srv.port, _prompts(live_run)[0], m=0)
     log = round_log(rounds)
     return [served_counts(o, log) for o in outs], served_counts(alone, log), log[alone["meta_info"]["id"]]
 

@@ -28,7 +28,7 @@ import pytest
 
 from pr_specforge.sglang_plugin.admission import UNREPORTED_LINE
 from tests.sglang_live.conftest import LIVE_DEVICE, greedy, post
-from tests.sglang_live.pr_eagle3 import Shape, pr_server
+from tests.sglang_live.pr_eagle3 import Shape, shared_pr
 
 SHAPE = Shape(k=2, bw=2, m=1, gamma=3, budget=6)
 POOL, CONTEXT, NEW = 256, 128, 96
@@ -52,14 +52,13 @@ if LIVE_DEVICE == "cpu":  # on a GPU SGLang's sampling verify serves it (test_li
                                       "verifies greedily only"))
 
 
-@pytest.fixture(scope="module")
-def server(live_run, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("pr_eagle3_faults")
-    env = {"PR_EAGLE3_ROUND_LOG": "", "PR_EAGLE3_CHECK_HOST_READS": "off", "SGLANG_INIT_NEW_TOKEN_RATIO": OPTIMISM}
-    ctx, _ = pr_server(live_run, log_dir, SHAPE, env=env,
-                       args=("--max-total-tokens", str(POOL), "--context-length", str(CONTEXT)))
-    with ctx as port:
-        yield port, log_dir / "server.log"
+@pytest.fixture
+def server(live_run, shared):
+    """The session's PR server of this launch: (port, its log)."""
+    env = {"PR_EAGLE3_CHECK_HOST_READS": "off", "SGLANG_INIT_NEW_TOKEN_RATIO": OPTIMISM}
+    srv, _, _ = shared_pr(shared, live_run, SHAPE, env=env, rounds=False, name="pr-k2-faults",
+                          args=("--max-total-tokens", str(POOL), "--context-length", str(CONTEXT)))
+    return srv.port, srv.log
 
 
 def _body(ids, new=NEW, bad=None, m=None, stream=False):

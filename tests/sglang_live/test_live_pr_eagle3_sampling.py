@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.sglang_live.conftest import LIVE_DEVICE, post
-from tests.sglang_live.pr_eagle3 import Shape, pr_server
+from tests.sglang_live.pr_eagle3 import Shape, shared_pr
 
 pytestmark = pytest.mark.skipif(LIVE_DEVICE != "cuda", reason="sampling verify needs SGLang's CUDA kernels")
 
@@ -54,14 +54,15 @@ def _homogeneous(a, b) -> float:
     return float(chi2_contingency(rows)[1])
 
 
-def test_sampling_through_a_pr_tree_matches_plain_sampling_at_each_position(live_run, plain_server, tmp_path):
+def test_sampling_through_a_pr_tree_matches_plain_sampling_at_each_position(live_run, plain_server, shared):
     pytest.importorskip("scipy.stats")
     prompt = live_run["prompts"][0]
-    ctx, _ = pr_server(live_run, tmp_path, SHAPE, env={"PR_EAGLE3_ROUND_LOG": "", "PR_EAGLE3_CHECK_HOST_READS": "off"})
-    with ctx as port:
-        served = _samples(port, prompt)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
-            assert r.status == 200
+    srv, _, _ = shared_pr(shared, live_run, SHAPE, env={"PR_EAGLE3_CHECK_HOST_READS": "off"}, rounds=False,
+                          name="pr-k2-sampling")
+    port = srv.port
+    served = _samples(port, prompt)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
+        assert r.status == 200
     plain = _samples(plain_server, prompt)
     for pos in range(1, NEW):
         p = _homogeneous([s[pos] for s in served], [s[pos] for s in plain])

