@@ -18,7 +18,7 @@ kernel's) called from outside any other operator, that works on its tensors' dev
     more: a sort, a boolean-mask index; so the count is a lower bound of a GPU's launches, the same bound for both
     algorithms; inside a CUDA graph the same ops are the graph's nodes);
   * an operator that only views or allocates, itself and all it calls (`NO_KERNEL`: views, reshapes of contiguous
-    tensors, `empty`, a `to` that has nothing to do), launches nothing and is not counted;
+    tensors, `empty`, `new_empty`, a `to` that has nothing to do), launches nothing and is not counted;
   * a host read (`aten::item`) is counted: on a GPU it is a device-to-host copy;
   * a CPU bridge's stand-in of one sgl-kernel kernel (`pr_specforge.op_parts.stand_in`: SGLang's tree build and greedy
     tree verify, its cache-location kernels, which loop over the requests in torch ops here) is one op,
@@ -54,7 +54,7 @@ ENV = "PR_EAGLE3_OP_COUNTS"
 PHASES = ("draft", "verify", "extend")
 #: operators that launch no device work: views, reshapes, allocations, aliasing, metadata
 NO_KERNEL = frozenset("aten::" + n for n in (
-    "empty", "empty_strided", "empty_like", "view", "_unsafe_view", "reshape", "as_strided", "slice", "select",
+    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "view", "_unsafe_view", "reshape", "as_strided", "slice", "select",
     "expand", "expand_as", "unsqueeze", "squeeze", "t", "transpose", "permute", "narrow", "detach", "detach_",
     "alias", "lift_fresh", "resolve_conj", "resolve_neg", "_reshape_alias", "unflatten", "flatten", "view_as",
     "split", "split_with_sizes", "chunk", "unbind", "unfold", "numpy_T", "_to_dense", "contiguous", "to",

@@ -62,6 +62,7 @@ def test_each_outermost_working_op_counts_once_under_its_innermost_part_and_its_
                 x.to(torch.float32)  # nothing to do: no op
                 x[:, 1:].reshape(-1)  # a slice is a view; the reshape of a non-contiguous view copies: one op
                 x.view(-1)  # a view: no op
+                x.new_empty(3), torch.empty_like(x)  # allocations alone: no op
                 with op_parts.part("pool"):
                     torch.topk(x, 2, dim=-1)
                     x.sum().item()  # the sum, and the host read (a device-to-host copy on a GPU)
