@@ -54,7 +54,8 @@ ENV = "PR_EAGLE3_OP_COUNTS"
 PHASES = ("draft", "verify", "extend")
 #: operators that launch no device work: views, reshapes, allocations, aliasing, metadata
 NO_KERNEL = frozenset("aten::" + n for n in (
-    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "view", "_unsafe_view", "reshape", "as_strided", "slice", "select",
+    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "view", "_unsafe_view", "reshape",
+    "as_strided", "slice", "select",
     "expand", "expand_as", "unsqueeze", "squeeze", "t", "transpose", "permute", "narrow", "detach", "detach_",
     "alias", "lift_fresh", "resolve_conj", "resolve_neg", "_reshape_alias", "unflatten", "flatten", "view_as",
     "split", "split_with_sizes", "chunk", "unbind", "unfold", "numpy_T", "_to_dense", "contiguous", "to",
