@@ -36,16 +36,17 @@ is projected (the README and docs/serving.md quote the grid's range, not one cel
                        costs "t_step + epsilon for a negligible epsilon". An assumption, not a measurement.
 
 Projection, per (shape, requests) cell, way, round time and per-op cost: round = round_ms + (way's draft ops -
-eagle3's draft ops) x per-op cost (+ coforward_us for m > 0). Only the draft phase differs: verify and draft-extend are SGLang's in both servers,
-and the script checks that each way's verify, extend and other ops equal eagle3's in every cell (refused in one
-line otherwise). Two op counts per way: as counted (the shape's gamma) and scaled to the paper's gamma
-(`--paper-gamma 8`, Sec. 6.1): the added ops per draft step x 8. Where the counted shape has gamma < 8 the first
-under-counts (the paper's round has more steps) and the second over-counts (the per-round parts, cut, pack,
-encoding, are scaled too); a count of the paper shape makes them one. Ratios: PR's projected round over EAGLE3's
-(round_ms), beside the paper's measured 1.015-1.022x (`--paper-ratios`); `grid` gathers them at the paper's gamma
-(the cells whose shape has it, as counted) per round time and per-op cost, and their range. Break-even: the extra
-ops per round the paper's budget (ratio - 1) x round_ms allows at each round time and per-op cost. Not included: the co-forwarded rows' compute
-(assumed 0), memory-bound effects of wider batches, and any op a GPU runs that a CPU count does not see.
+eagle3's draft ops) x per-op cost (+ coforward_us for m > 0). Only the draft phase differs: verify and draft-extend
+are SGLang's in both servers, and the script checks that each way's verify, extend and other ops equal eagle3's in
+every cell (refused in one line otherwise). Two op counts per way: as counted (the shape's gamma) and scaled to the
+paper's gamma (`--paper-gamma 8`, Sec. 6.1): the added ops per draft step x 8. Where the counted shape has gamma < 8
+the first under-counts (the paper's round has more steps) and the second over-counts (the per-round parts, cut,
+pack, encoding, are scaled too); a count of the paper shape makes them one. Ratios: PR's projected round over
+EAGLE3's (round_ms), beside the paper's measured 1.015-1.022x (`--paper-ratios`); `grid` gathers them at the paper's
+gamma (the cells whose shape has it, as counted) per round time and per-op cost, and their range. Break-even: the
+extra ops per round the paper's budget (ratio - 1) x round_ms allows at each round time and per-op cost. Not
+included: the co-forwarded rows' compute (assumed 0), memory-bound effects of wider batches, and any op a GPU runs
+that a CPU count does not see.
 Every input is labelled `measured` (the ops file, its content hash and the commit it was counted at) or `assumed`
 (with its source); the outputs carry no date, so a rerun on the same inputs writes the same files.
 """
@@ -357,8 +358,8 @@ def render(r: dict) -> str:
     lines += [""] + [f"Range over the grid, {way}: **{_span(*g['range'])}** EAGLE3's round (paper {paper_cell}x)."
                      for way, g in grid["ways"].items()]
     pairs = [(k, c) for k in rounds for c in costs]
-    lines += ["", f"Every cell, each ratio as counted (the shape's gamma) / scaled to gamma {gamma} (added ops per draft "
-                  f"step x {gamma}):", "",
+    lines += ["", f"Every cell, each ratio as counted (the shape's gamma) / scaled to gamma {gamma} (added ops per "
+                  f"draft step x {gamma}):", "",
               "| shape (gamma) | requests | way | draft ops: eagle3 -> way | added | added at gamma "
               f"{gamma} | " + " | ".join(f"{k} ms, {c} us/op" for k, c in pairs) + " |",
               "|---|---|---|---|---|---|" + "---|" * len(pairs)]
