@@ -49,7 +49,7 @@ import torch
 
 from pr_specforge.serving.drafter_runtime import DrafterRuntime
 from pr_specforge.serving.host_reads import to_device
-from pr_specforge.op_parts import part
+from pr_specforge.op_parts import part, step as row_step
 from pr_specforge.serving.tensor_tree import (
     NEG,
     TensorDraftTree,
@@ -244,7 +244,8 @@ class BatchedTreeBuilder(TreeShape):
             x.reset()
             self._root(x)
             for st in self.steps:
-                self._step(x, st)
+                with row_step():  # the counter's row-step scope (a no-op unless counting)
+                    self._step(x, st)
         with part("cut"):
             kept, ok, where = self._cut(x)
         with part("pack"):
