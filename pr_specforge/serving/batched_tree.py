@@ -59,8 +59,8 @@ from pr_specforge.serving.tensor_tree import (
     batch_root_readout,
     batch_step_readouts,
     forward_step_rows,
-    shift_terms,
     root_readout,
+    shift_terms,
     step_row_features,
     unpack_round,
 )

@@ -446,7 +446,7 @@ class TensorTreeBuilder(TreeShape):
         new = self.score[v][:, None] + log_mix
         delta = torch.where(halt[:, None], new - self.score[kids].view(-1, self.k), 0.0)
         terms = shift_terms(self.anc.index_select(1, kids), delta)  # [N, m]
-        for i in range(terms.shape[-1]):  # m adds, however many requests: the reconsidered-row order
+        for i in range(terms.shape[-1]):  # m adds, in reconsidered-row order
             self.score += terms[..., i]
         self.shifted.index_add_(0, kids, delta.view(-1).abs())  # > 0 where the edge moved
 
