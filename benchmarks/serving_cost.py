@@ -39,10 +39,12 @@ floor's own ratio (target, as we read "within 0.05x of the compute floor": m3_ov
 `--ops also|only`: each shape's device ops per round as well (also) or alone (only): one more pair of servers
 with `PR_EAGLE3_OP_COUNTS` (`pr_specforge.sglang_plugin.op_counts`: each decode round under the torch profiler,
 its outermost working torch operators counted, the kernel launches a GPU would make), each way asked once per
-number of requests; per cell and way the ops of the round and of each phase (draft, verify, extend), and per draft
-step (the draft phase's ops over gamma) EAGLE3's, each PR way's, what it adds to EAGLE3's, and its draft by part
-(`pr_specforge.op_parts`: load, tree, frontier, bids, row_inputs, rows, readouts, pool, repricing, cut,
-pack, encoding, verify_input; `model`: the draft model's forwards). Counts do not depend on the machine's load.
+number of requests; per cell and way the ops of the round and of each phase (draft, verify, extend), what each PR
+way adds to EAGLE3's draft per round, its draft per row step and once a round (the row steps its round labels,
+`pr_specforge.op_parts.step`: dividing a round's ops by gamma would hide the per-round ones; SGLang's own draft
+labels none), and its draft by part (`pr_specforge.op_parts`: load, tree, frontier, bids, row_inputs, rows,
+readouts, pool, repricing, cut, pack, encoding, verify_input; `model`: the draft model's forwards). Counts do not
+depend on the machine's load.
 `--untimed`: no round timing (its wrappers synchronise the device after each phase), so only tau and tokens per
 second, with their ratios pooled and per server pair; `--overlap` (implies it): SGLang's overlap schedule on both
 servers, whose gain a synchronising timer would hide. On a CPU nothing overlaps; the pair is for a GPU
@@ -64,7 +66,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -169,8 +171,9 @@ def markdown(result: dict) -> str:
 
 
 def ops_markdown(result: dict, header: bool = False) -> str:
-    """The op counts (`--ops`): each way's device ops per round by phase, and per draft step what PR adds to EAGLE3's
-    and by part ("" where the run counted none)."""
+    """The op counts (`--ops`): each way's device ops per round by phase, what PR adds to EAGLE3's draft per round,
+    PR's draft per row step and once a round where its rounds label their row steps, and by part ("" where the run
+    counted none)."""
     blocks = [(key, block) for key, block in result["cells"].items() if "ops" in block]
     if not blocks:
         return ""
@@ -181,31 +184,49 @@ def ops_markdown(result: dict, header: bool = False) -> str:
                   "", f"Commit {result['commit']}, {result['date']}, {result['cpu']}{device_note(result)}; target "
                   f"{result['target_name']}, drafter {result['draft_name']}; {result['max_new']} new tokens a request; "
                   f"PR_EAGLE3's readouts: {result['readouts']}. {m0_note(result)}", ""]
-    lines += [OPS_NOTE, "", "| shape | requests | way | round ops | draft | verify | extend | other "
-              "| draft ops per step | added per draft step vs eagle3 | rounds counted |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [OPS_NOTE, "", SPLIT_NOTE, "", "| shape | requests | way | round ops | draft | verify | extend | other "
+              "| added to eagle3's draft per round | draft per row step (row steps) | draft once a round "
+              "| rounds counted |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, block in blocks:
         shape, n = key.split("/")
         r = block["ops_ratios"]
         for w in WAYS:
-            c = block["ops"][w]
-            added = "-" if w == "eagle3" else f"{r[f'{w}_added_ops_per_step']:.1f}"
+            c, split = block["ops"][w], r.get(f"{w}_row_split")
+            added = "-" if w == "eagle3" else _signed(c["draft"] - block["ops"]["eagle3"]["draft"])
+            per_step = f"{split['ops_per_row_step']:.1f} ({split['row_steps']:g})" if split else "-"
+            once = f"{split['ops_per_round']:.0f}" if split else "-"
             lines.append(f"| {shape} | {n} | {w} | {c['round']:.0f} | {c['draft']:.0f} | {c['verify']:.0f} "
-                         f"| {c['extend']:.0f} | {c['other']:.0f} | {r[f'{w}_draft_ops_per_step']:.1f} | {added} "
+                         f"| {c['extend']:.0f} | {c['other']:.0f} | {added} | {per_step} | {once} "
                          f"| {c['rounds_counted']} |")
     parts = sorted({p for _, block in blocks for w in WAYS[1:] for p in block["ops"][w]["draft_parts"]},
                    key=lambda p: (PART_ORDER.index(p) if p in PART_ORDER else len(PART_ORDER), p))
-    lines += ["", "PR_EAGLE3's draft phase per draft step (its ops over gamma), by part (`model`: the draft model's "
-              "forwards, as in EAGLE3; the rest is PR's round logic; `other`: the draft phase's unlabelled ops):", "",
+    lines += ["", "PR_EAGLE3's draft phase by part, per round; where the rounds label their row steps, as ops per row "
+              "step + ops once a round (`model`: the draft model's forwards, as in EAGLE3; the rest is PR's round "
+              "logic; `other`: the draft phase's unlabelled ops):", "",
               "| shape | requests | way | " + " | ".join(parts) + " |", "|---|---|---|" + "---|" * len(parts)]
     for key, block in blocks:
         shape, n = key.split("/")
         for w in WAYS[1:]:
-            per = block["ops_ratios"][f"{w}_parts_per_step"]
-            lines.append(f"| {shape} | {n} | {w} | " + " | ".join(f"{per.get(p, 0):.1f}" for p in parts) + " |")
+            c, split = block["ops"][w], block["ops_ratios"].get(f"{w}_row_split")
+            if split:
+                cells = [f"{split['parts'][p]['per_row_step']:.1f} + {split['parts'][p]['per_round']:g}"
+                         if p in split["parts"] else "0" for p in parts]
+            else:
+                cells = [f"{c['draft_parts'].get(p, 0):g}" for p in parts]
+            lines.append(f"| {shape} | {n} | {w} | " + " | ".join(cells) + " |")
     if header:
         lines += ["", f"Command: `{result['command']}`"]
     return "\n".join(lines + [""])
 
+
+def _signed(x: float) -> str:
+    return f"{x:+.0f}" if x else "0"
+
+
+SPLIT_NOTE = ("Per round, not per draft step: a round's ops over gamma would spread the ops made once a round (load, "
+              "root, cut, pack, encoding) over its steps. Where the counted rounds label their row steps "
+              "(`pr_specforge.op_parts.step`, PR's round), its draft splits into ops per row step and ops once a "
+              "round; SGLang's own EAGLE-3 draft labels no step (\"-\").")
 
 OPS_NOTE = ("Device ops: each outermost torch operator of a decode round's profile that works on its device (not a "
             "view or an allocation alone), the kernel launch it is on a GPU (`pr_specforge.sglang_plugin.op_counts`); "
@@ -461,6 +482,13 @@ def cell_ops(asks: List[dict], rounds: List[dict], n: int) -> dict:
     parts = sorted({p for r in full for p in r["ops"].get("draft", {})})
     out["draft_parts"] = {p: statistics.median(r["ops"].get("draft", {}).get(p, 0) for r in full) for p in parts}
     out["draft_names"] = full[len(full) // 2]["names"].get("draft", {})
+    steps = [r.get("steps", {}).get("draft") for r in full]
+    if all(steps):  # rounds that label their row steps (`op_parts.step`: PR's round, counted since 2026-12-08)
+        out["draft_row_steps"] = statistics.median(st["steps"] for st in steps)
+        out["draft_in_row_steps"] = statistics.median(st["ops"] for st in steps)
+        in_parts = sorted({p for st in steps for p in st["parts"]})
+        out["draft_parts_in_row_steps"] = {p: statistics.median(st["parts"].get(p, 0) for st in steps)
+                                           for p in in_parts}
     out["rounds_counted"] = len(full)
     return out
 
@@ -474,17 +502,40 @@ PART_ORDER = ("model", "load", "tree", "frontier", "bids", "row_inputs", "rows",
 
 
 def ops_ratios(ops: Dict[str, dict], gamma: int) -> dict:
-    """Per draft step (the draft phase's ops over its gamma steps): EAGLE3's, each PR way's, the ops each PR way adds
-    to EAGLE3's, and each PR way's ops by part (the parts' labels, `pr_specforge.op_parts`)."""
+    """Per round, what each PR way adds to EAGLE3's draft ops; where the counted rounds label their row steps
+    (`row_split`), each way's draft ops per row step (the ops inside the steps over the steps) and per round (the
+    rest: load, root, cut, pack, encoding), by part too. Also, as before, the draft phase's ops over its gamma steps
+    (`*_per_step`: an average that spreads the per-round ops over the steps, kept for comparison with older
+    results; the reports print the split instead)."""
     e = ops["eagle3"]
     r = {"eagle3_draft_ops_per_step": e["draft"] / gamma}
     for w in WAYS[1:]:
         c = ops[w]
         r[f"{w}_draft_ops_per_step"] = c["draft"] / gamma
         r[f"{w}_added_ops_per_step"] = (c["draft"] - e["draft"]) / gamma
+        r[f"{w}_added_ops_per_round"] = c["draft"] - e["draft"]
         r[f"{w}_round_ops_over_eagle3"] = c["round"] / e["round"]
         r[f"{w}_parts_per_step"] = {p: v / gamma for p, v in c["draft_parts"].items()}
+    for w in WAYS:
+        split = row_split(ops[w])
+        if split is not None:
+            r[f"{w}_row_split"] = split
     return r
+
+
+def row_split(c: dict) -> Optional[dict]:
+    """One way's draft ops split into its row steps' and its round's own, from a cell's counts whose rounds label
+    their row steps (None otherwise, or where the draft ran no labelled step: SGLang's own EAGLE-3 draft labels
+    none): `row_steps`, `ops_per_row_step`, `ops_per_round` (outside the steps), and by part each part's ops per
+    row step and per round."""
+    steps = c.get("draft_row_steps")
+    if not steps:
+        return None
+    inside = c["draft_parts_in_row_steps"]
+    parts = {p: {"per_row_step": inside.get(p, 0) / steps, "per_round": v - inside.get(p, 0)}
+             for p, v in c["draft_parts"].items()}
+    return {"row_steps": steps, "ops_per_row_step": c["draft_in_row_steps"] / steps,
+            "ops_per_round": c["draft"] - c["draft_in_row_steps"], "parts": parts}
 
 
 def pair_ratios(by_way: Dict[str, tuple], n: int, gpu: bool) -> dict:

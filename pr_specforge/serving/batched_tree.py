@@ -31,9 +31,9 @@ readouts are row-invariant, as on this project's CPU): the layout is the same
 (`tensor_tree.TreeShape`), selections are stable sorts and top-k along the last dimension,
 elementwise operations do not depend on their neighbours, integer and 0/1 products are exact, and
 the sums whose order matters only in a comparison with 0 (`repriced`) are of non-negative
-terms. The one float64 reduction whose rounding depends on its kernel, Eq. 9's propagation
-`anc @ delta`, runs as the per-request builder's `torch.mv`, once per request: a loop of device
-operations, no host read.
+terms. Eq. 9's propagation has a fixed order in both builders (`tensor_tree.shift_terms`: one
+exact term per reconsidered row and node, added in reconsidered-row order), so it is one set of
+operations for the whole batch, with no loop over the requests.
 
 Does not own: the tree's layout and the one-request builder (`tensor_tree`), the reference
 algorithm (`tree`), the runtime (`drafter_runtime`).
@@ -49,7 +49,7 @@ import torch
 
 from pr_specforge.serving.drafter_runtime import DrafterRuntime
 from pr_specforge.serving.host_reads import to_device
-from pr_specforge.op_parts import part
+from pr_specforge.op_parts import part, step as row_step
 from pr_specforge.serving.tensor_tree import (
     NEG,
     TensorDraftTree,
@@ -60,6 +60,7 @@ from pr_specforge.serving.tensor_tree import (
     batch_step_readouts,
     forward_step_rows,
     root_readout,
+    shift_terms,
     step_row_features,
     unpack_round,
 )
@@ -243,7 +244,8 @@ class BatchedTreeBuilder(TreeShape):
             x.reset()
             self._root(x)
             for st in self.steps:
-                self._step(x, st)
+                with row_step():  # the counter's row-step scope (a no-op unless counting)
+                    self._step(x, st)
         with part("cut"):
             kept, ok, where = self._cut(x)
         with part("pack"):
@@ -355,13 +357,15 @@ class BatchedTreeBuilder(TreeShape):
         return log_mix[..., k:]
 
     def _shift_existing(self, x: _Batch, v, halt, kids, log_mix) -> None:
-        """Eq. 9 on the existing children, the same delta to every descendant."""
+        """Eq. 9 on the existing children, the same delta to every descendant: `TensorTreeBuilder._shift_existing`
+        for the whole batch, each node's m terms (`shift_terms`) added in reconsidered-row order (the same bits)."""
         new = x.score.gather(1, v)[:, :, None] + log_mix
-        delta = torch.where(halt[:, :, None], new - x.score.gather(1, kids).view_as(new), 0.0).view(x.size, -1)
-        cols = x.anc.gather(2, kids[:, None, :].expand(-1, x.anc.shape[1], -1)).double()  # [b, N, m k]
-        for b in range(x.size):  # the per-request builder's fp64 `torch.mv`: a batched product sums in another order
-            x.score[b] += torch.mv(cols[b], delta[b])
-        x.shifted.scatter_add_(1, kids, delta.abs())
+        delta = torch.where(halt[:, :, None], new - x.score.gather(1, kids).view_as(new), 0.0)  # [b, m, k]
+        below = x.anc.gather(2, kids[:, None, :].expand(-1, x.anc.shape[1], -1))  # [b, N, m k]
+        terms = shift_terms(below, delta)  # [b, N, m]
+        for i in range(terms.shape[-1]):  # m adds for the whole batch: no loop over the requests
+            x.score += terms[..., i]
+        x.shifted.scatter_add_(1, kids, delta.view(x.size, -1).abs())
 
     # ------------------------------------------------------------------ cut
     def _cut(self, x: _Batch):

@@ -34,8 +34,9 @@ after the context; the additive tree-attention mask is allocated once per round 
 step writes its own rows), top-k children (written straight into per-row buffers), pool
 admission and halting against uniforms drawn once per round, then for the halted rows
 Eq. 9 as batched index operations: edge deltas of the existing children, propagated to
-every descendant through the ancestor matrix (`anc @ delta`), and the top-k of pi_mix not
-yet children as new children.
+every descendant through the ancestor matrix (`shift_terms`: each reconsidered row's one
+delta per node, added in reconsidered-row order), and the top-k of pi_mix not yet children
+as new children.
 
 Random draws: the round draws `1 + (gamma - 1)(B_w + m)` uniforms at its start, one per
 row in row order (the root's admission, then per step the frontier rows' and the
@@ -145,6 +146,17 @@ class _Step:
         self.ok_fr, self.pooled, self.bid_base, self.survive = tb.row_ok[fr], tb.pooled[fr], tb.bid_base[fr], tb.survive[fr]
         self.u_fr, self.u_rec = tb.u[fr], tb.u[self.r0 + bw : self.r0 + p]
         self.rows_fr, self.rows_rec = self.rows[:bw], self.rows[bw:]
+
+
+def shift_terms(below: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """Eq. 9's shift of every node by each reconsidered row, `[..., N, m]` from `below [..., N, m k]` (whether child
+    j of a row is an ancestor-or-self of the node) and the children's deltas `delta [..., m, k]`: per row the one
+    delta of the child the node lies under, else 0. Exact in any kernel: a node lies under at most one child of a
+    row, so each sum over the k children has at most one nonzero term (and a masked, not multiplied, zero: an
+    infinite delta elsewhere gives no NaN)."""
+    m, k = delta.shape[-2:]
+    mask = below.view(*below.shape[:-1], m, k)
+    return torch.where(mask, delta.unsqueeze(-3), 0.0).sum(-1)
 
 
 class TreeShape:
@@ -426,11 +438,17 @@ class TensorTreeBuilder(TreeShape):
         return log_mix[:, self.k :]
 
     def _shift_existing(self, v, halt, kids, log_mix) -> None:
-        """Eq. 9 on the existing children: `s(c) = s(v) + log pi_mix(c|v)`, the same delta to every descendant."""
+        """Eq. 9 on the existing children: `s(c) = s(v) + log pi_mix(c|v)`, the same delta to every descendant.
+
+        `shift_terms`: a node lies under at most one child of each reconsidered row, so each row gives it one
+        term, exactly; the m terms are added to its score one by one in reconsidered-row order, as the object
+        tree shifts subtree after subtree. The batched builder adds them in the same order: the same bits."""
         new = self.score[v][:, None] + log_mix
-        delta = torch.where(halt[:, None], new - self.score[kids].view(-1, self.k), 0.0).view(-1)
-        self.score += torch.mv(self.anc.index_select(1, kids).double(), delta)
-        self.shifted.index_add_(0, kids, delta.abs())  # > 0 where the edge moved
+        delta = torch.where(halt[:, None], new - self.score[kids].view(-1, self.k), 0.0)
+        terms = shift_terms(self.anc.index_select(1, kids), delta)  # [N, m]
+        for i in range(terms.shape[-1]):  # m adds, in reconsidered-row order
+            self.score += terms[..., i]
+        self.shifted.index_add_(0, kids, delta.view(-1).abs())  # > 0 where the edge moved
 
     # ------------------------------------------------------------------ cut
     def _cut(self):

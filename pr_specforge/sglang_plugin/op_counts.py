@@ -18,7 +18,7 @@ kernel's) called from outside any other operator, that works on its tensors' dev
     more: a sort, a boolean-mask index; so the count is a lower bound of a GPU's launches, the same bound for both
     algorithms; inside a CUDA graph the same ops are the graph's nodes);
   * an operator that only views or allocates, itself and all it calls (`NO_KERNEL`: views, reshapes of contiguous
-    tensors, `empty`, a `to` that has nothing to do), launches nothing and is not counted;
+    tensors, `empty`, `new_empty`, a `to` that has nothing to do), launches nothing and is not counted;
   * a host read (`aten::item`) is counted: on a GPU it is a device-to-host copy;
   * a CPU bridge's stand-in of one sgl-kernel kernel (`pr_specforge.op_parts.stand_in`: SGLang's tree build and greedy
     tree verify, its cache-location kernels, which loop over the requests in torch ops here) is one op,
@@ -32,7 +32,10 @@ a GPU's kernels do not: counting the innermost operators would count those inste
 
 Each counted round appends one JSON line to FILE: the batch size, the request ids, and `ops[phase][part]` (phase:
 draft, verify, extend, or `other` for the round's ops outside them; part: the innermost label around the op, or
-`other`), and `names[phase][part]`: the ops counted by operator name. Profiling costs host time per op: a counted
+`other`), `names[phase][part]`: the ops counted by operator name, and `steps[phase]`: the row steps the phase ran
+(`op_parts.step` scopes, PR's round only) and the ops inside them, in all and by part; the phase's other ops are
+made once a round (so ops per row step and per round are reported apart: a round's ops over gamma would hide the
+per-round ones). Profiling costs host time per op: a counted
 server is slow, and its times are not the round's (`timing` and this are for separate runs).
 """
 
@@ -48,13 +51,14 @@ from typing import Callable, Dict, Optional
 import torch
 
 from pr_specforge import op_parts
-from pr_specforge.op_parts import KERNEL, PART, PHASE, stand_in
+from pr_specforge.op_parts import KERNEL, PART, PHASE, STEP, stand_in
 
 ENV = "PR_EAGLE3_OP_COUNTS"
 PHASES = ("draft", "verify", "extend")
 #: operators that launch no device work: views, reshapes, allocations, aliasing, metadata
 NO_KERNEL = frozenset("aten::" + n for n in (
-    "empty", "empty_strided", "empty_like", "view", "_unsafe_view", "reshape", "as_strided", "slice", "select",
+    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "view", "_unsafe_view", "reshape",
+    "as_strided", "slice", "select",
     "expand", "expand_as", "unsqueeze", "squeeze", "t", "transpose", "permute", "narrow", "detach", "detach_",
     "alias", "lift_fresh", "resolve_conj", "resolve_neg", "_reshape_alias", "unflatten", "flatten", "view_as",
     "split", "split_with_sizes", "chunk", "unbind", "unfold", "numpy_T", "_to_dense", "contiguous", "to",
@@ -75,35 +79,67 @@ def _works(ev) -> bool:
     return ev.name not in NO_KERNEL or any(_works(c) for c in ev.cpu_children)
 
 
+def _walk(events):
+    """Each device op of a profile as `(phase, part, name, in_step)`, and each row-step scope (`op_parts.step`) as
+    `(phase, None, None, True)`: what `count_ops` and `count_steps` count (see the module doc)."""
+    stack = [(ev, "other", "other", False) for ev in events if ev.cpu_parent is None]
+    while stack:
+        ev, phase, where, in_step = stack.pop()
+        if ev.name.startswith(KERNEL):  # a host stand-in of one device kernel: one op, whatever it runs inside
+            yield phase, where, ev.name[len(op_parts.PREFIX):], in_step
+            continue
+        if _is_op(ev.name):
+            if _works(ev):
+                yield phase, where, ev.name, in_step
+            continue  # its callees are its own work, not ops of their own
+        if ev.name.startswith(PHASE):
+            phase, where = ev.name[len(PHASE):], "other"
+        elif ev.name.startswith(PART):
+            where = ev.name[len(PART):]
+        elif ev.name == STEP:
+            in_step = True
+            yield phase, None, None, True
+        stack.extend((c, phase, where, in_step) for c in ev.cpu_children)
+
+
 def count_ops(events) -> Dict[str, Dict[str, collections.Counter]]:
     """The device ops of a profile (`events`: the profiler's function events, parents and children linked), as
     `{phase: {part: Counter(op name)}}` (see the module doc for what counts): each outermost operator that works
     once, under the innermost part label and the phase label around it."""
     out: Dict[str, Dict[str, collections.Counter]] = collections.defaultdict(lambda: collections.defaultdict(
         collections.Counter))
-    stack = [(ev, "other", "other") for ev in events if ev.cpu_parent is None]
-    while stack:
-        ev, phase, where = stack.pop()
-        if ev.name.startswith(KERNEL):  # a host stand-in of one device kernel: one op, whatever it runs inside
-            out[phase][where][ev.name[len(op_parts.PREFIX):]] += 1
-            continue
-        if _is_op(ev.name):
-            if _works(ev):
-                out[phase][where][ev.name] += 1
-            continue  # its callees are its own work, not ops of their own
-        if ev.name.startswith(PHASE):
-            phase, where = ev.name[len(PHASE):], "other"
-        elif ev.name.startswith(PART):
-            where = ev.name[len(PART):]
-        stack.extend((c, phase, where) for c in ev.cpu_children)
+    for phase, where, name, _ in _walk(events):
+        if name is not None:
+            out[phase][where][name] += 1
     return out
 
 
-def summarise(found: Dict[str, Dict[str, collections.Counter]]) -> dict:
-    """`count_ops`' result as a round line's `ops` (totals per phase and part) and `names`."""
+def count_steps(events) -> Dict[str, dict]:
+    """The row steps of a profile (`op_parts.step` scopes) per phase: `{phase: {"steps": scopes, "ops": device ops
+    inside them, "parts": {part: ops inside them}}}`; the phase's other ops are made once a round. A phase with no
+    step scope (SGLang's own EAGLE-3 draft labels none) is left out."""
+    out: Dict[str, dict] = {}
+    for phase, where, name, in_step in _walk(events):
+        if not in_step:
+            continue
+        at = out.setdefault(phase, {"steps": 0, "ops": 0, "parts": collections.Counter()})
+        if name is None:
+            at["steps"] += 1
+        else:
+            at["ops"] += 1
+            at["parts"][where] += 1
+    return {ph: dict(at, parts=dict(at["parts"])) for ph, at in out.items()}
+
+
+def summarise(found: Dict[str, Dict[str, collections.Counter]], steps: Optional[Dict[str, dict]] = None) -> dict:
+    """`count_ops`' result as a round line's `ops` (totals per phase and part) and `names`, and `count_steps`' as
+    its `steps` where given."""
     ops = {ph: {p: sum(c.values()) for p, c in parts.items()} for ph, parts in found.items()}
     names = {ph: {p: dict(c) for p, c in parts.items()} for ph, parts in found.items()}
-    return {"ops": ops, "names": names}
+    out = {"ops": ops, "names": names}
+    if steps is not None:
+        out["steps"] = steps
+    return out
 
 
 def _labelled(label: str, fn: Callable) -> Callable:
@@ -141,7 +177,9 @@ def _counted_round(fn: Callable, path: str) -> Callable:
         finally:
             prof.stop()
             _state.prof = None
-            line = {"pid": os.getpid(), "batch": len(rids), "rids": rids, **summarise(count_ops(prof.events()))}
+            events = prof.events()
+            line = {"pid": os.getpid(), "batch": len(rids), "rids": rids,
+                    **summarise(count_ops(events), count_steps(events))}
             with open(path, "a") as f:
                 f.write(json.dumps(line) + "\n")
 

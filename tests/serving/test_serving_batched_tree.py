@@ -142,6 +142,38 @@ def test_one_host_read_per_round_for_the_whole_batch(models, monkeypatch):
         assert builder.host_reads == rnd and all(t.recon_rows > 0 for t in trees)
 
 
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_counted_round_labels_each_of_its_row_steps(models, n):
+    """Under the op counter (`op_parts` on, the torch profiler), a round runs gamma - 1 row-step scopes, one per step
+    after the root, and every draft op is inside one or is the round's own (load, root, cut, pack)."""
+    from pr_specforge import op_parts
+    from pr_specforge.sglang_plugin.op_counts import count_ops, count_steps
+
+    target, _, pr = models
+    eager_gate(pr, -2.0)
+    cfg = SHAPES[1]
+    reqs = requests(pr, target, PROMPTS[:n])
+    builder = BatchedTreeBuilder(reqs[0][0], cfg)
+    op_parts.enable()
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with torch.profiler.record_function(op_parts.PHASE + "draft"):
+                builder.build_packed([BatchRequest(rt, root, feat, torch.Generator().manual_seed(s))
+                                      for rt, root, feat, s in reqs])
+    finally:
+        op_parts.enable(False)
+    events = prof.events()
+    steps = count_steps(events)["draft"]
+    parts = {p: sum(c.values()) for p, c in count_ops(events)["draft"].items()}
+    assert steps["steps"] == cfg.gamma - 1
+    assert 0 < steps["ops"] < sum(parts.values())  # the rest: once a round
+    assert all(steps["parts"].get(p, 0) <= parts[p] for p in steps["parts"])
+    for p in ("load", "cut", "pack"):  # made once a round, outside every step
+        assert parts[p] > 0 and p not in steps["parts"]
+    for p in ("frontier", "bids", "repricing"):  # made in every row step
+        assert steps["parts"][p] == parts[p] and parts[p] % (cfg.gamma - 1) == 0
+
+
 def test_bad_batches(models):
     target, eagle, pr = models
     rt, root, feat = primed_runtime(pr, target)

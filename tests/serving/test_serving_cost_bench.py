@@ -172,33 +172,53 @@ def test_the_gpu_check_script_stops_in_one_line_without_a_gpu(tmp_path):
                                                "a GPU machine"]
 
 
-def _counted(rids, draft_parts, verify=100, extend=20):
+def _counted(rids, draft_parts, verify=100, extend=20, in_steps=None, steps=0):
+    """One counted round's line; `in_steps` (part -> ops inside the row steps) and `steps`: a round that labels its
+    `steps` row steps, as PR's does."""
     ops = {"draft": draft_parts, "verify": {"model": verify}, "extend": {"model": extend}}
-    return {"batch": len(rids), "rids": rids, "ops": ops, "names": {"draft": {p: {"aten::add": v} for p, v in
+    line = {"batch": len(rids), "rids": rids, "ops": ops, "names": {"draft": {p: {"aten::add": v} for p, v in
                                                                               draft_parts.items()}}}
+    if in_steps is not None:
+        line["steps"] = {"draft": {"steps": steps, "ops": sum(in_steps.values()), "parts": in_steps}}
+    return line
 
 
-def test_op_counts_per_cell_per_draft_step_and_by_part(bench):
-    """`--ops`: a cell's op counts from its full-batch rounds only; per draft step, what PR adds to EAGLE3's draft;
+def test_op_counts_per_cell_per_round_and_per_row_step_and_by_part(bench):
+    """`--ops`: a cell's op counts from its full-batch rounds only; per round, what PR adds to EAGLE3's draft; where
+    the rounds label their row steps, the draft split into ops per row step and ops once a round, by part too;
     the tables."""
     asks = [{"rids": ["a", "b"]}]
     eagle3 = [_counted(["a", "b"], {"model": 30, "other": 15}), _counted(["a"], {"model": 99})]
     m0 = [_counted(["a", "b"], {"model": 30, "readouts": 9, "encoding": 12})]
-    m3 = [_counted(["a", "b"], {"model": 36, "readouts": 9, "encoding": 12, "bids": 6, "repricing": 24})]
+    m3_parts = {"model": 36, "readouts": 9, "encoding": 12, "bids": 6, "repricing": 24}
+    m3_in_steps = {"model": 24, "readouts": 6, "bids": 6, "repricing": 24}  # two row steps; the rest once a round
+    m3 = [_counted(["a", "b"], m3_parts, in_steps=m3_in_steps, steps=2)]
     ops = {w: bench.cell_ops(asks, rounds, 2) for w, rounds in zip(bench.WAYS, (eagle3, m0, m3))}
     assert ops["eagle3"] == {"round": 165, "draft": 45, "verify": 100, "extend": 20, "other": 0,
                              "draft_parts": {"model": 30, "other": 15}, "rounds_counted": 1,
                              "draft_names": {"model": {"aten::add": 30}, "other": {"aten::add": 15}}}
+    assert ops["pr_m3"]["draft_row_steps"] == 2 and ops["pr_m3"]["draft_in_row_steps"] == sum(m3_in_steps.values())
     r = bench.ops_ratios(ops, gamma=3)
-    assert r["eagle3_draft_ops_per_step"] == 15 and r["pr_m0_added_ops_per_step"] == pytest.approx(2)
-    assert r["pr_m3_added_ops_per_step"] == pytest.approx(14) and r["pr_m3_parts_per_step"]["repricing"] == 8
+    draft = {w: ops[w]["draft"] for w in bench.WAYS}
+    assert r["pr_m3_added_ops_per_round"] == draft["pr_m3"] - draft["eagle3"]
+    assert r["pr_m3_added_ops_per_step"] == pytest.approx((draft["pr_m3"] - draft["eagle3"]) / 3)  # kept, not printed
+    split = r["pr_m3_row_split"]
+    assert split["ops_per_row_step"] == sum(m3_in_steps.values()) / 2
+    assert split["ops_per_round"] == draft["pr_m3"] - sum(m3_in_steps.values())
+    assert split["parts"]["repricing"] == {"per_row_step": m3_in_steps["repricing"] / 2, "per_round": 0}
+    assert split["parts"]["encoding"] == {"per_row_step": 0, "per_round": m3_parts["encoding"]}
+    assert "eagle3_row_split" not in r and "pr_m0_row_split" not in r  # rounds that label no step: no split
     with pytest.raises(RuntimeError, match="no counted round"):
         bench.cell_ops(asks, eagle3[1:], 2)
     result = {"machine": "m", "dtype": "float32", "commit": "abc", "date": "d", "cpu": "c", "target_name": "t",
               "draft_name": "p", "max_new": 8, "readouts": "batched", "ops": "only", "command": "cmd",
               "cells": {"small/2": {"ops": ops, "ops_ratios": r}}}
     table = bench.markdown(result)
-    assert "| small | 2 | pr_m3 | 207 | 87 | 100 | 20 | 0 | 29.0 | 14.0 | 1 |" in table
+    once = draft["pr_m3"] - sum(m3_in_steps.values())
+    assert (f"| small | 2 | pr_m3 | 207 | {draft['pr_m3']} | 100 | 20 | 0 | +{draft['pr_m3'] - draft['eagle3']} "
+            f"| {sum(m3_in_steps.values()) / 2:.1f} (2) | {once} | 1 |") in table
+    assert "| small | 2 | eagle3 | 165 | 45 | 100 | 20 | 0 | - | - | - | 1 |" in table
     assert "| model | bids | readouts | repricing | encoding |" in table  # the round's order, then any other
-    assert "| small | 2 | pr_m3 | 12.0 | 2.0 | 3.0 | 8.0 | 4.0 |" in table
-    assert "| small | 2 | pr_m0 | 10.0 | 0.0 |" in table
+    assert "| small | 2 | pr_m3 | 12.0 + 12 | 3.0 + 0 | 3.0 + 3 | 12.0 + 0 | 0.0 + 12 |" in table
+    assert "| small | 2 | pr_m0 | 30 | 0 | 9 | 0 | 12 |" in table  # per round, unsplit
+    assert "over gamma would spread" in table

@@ -190,3 +190,45 @@ def test_a_head_sharp_enough_to_underflow_pi_mix_gives_no_nan(models):
     assert (got.recon_rows, got.halt_depths, got.recon_kept) == (ref.recon_rows, ref.halt_depths, ref.recon_kept)
     finite = [(a, b) for a, b in zip(got.scores, (ref.nodes[i].score for i in ref.kept)) if b > float("-inf")]
     assert finite and all(a == pytest.approx(b, rel=1e-3, abs=1e-4) for a, b in finite)  # fp32 GEMMs, a 3e3x head
+
+
+def _kary_ancestors(k: int, depth: int) -> torch.Tensor:
+    """`anc[x, c]`: node c is an ancestor-or-self of node x, in the full k-ary tree of `depth` levels below the root
+    (nodes numbered level by level)."""
+    n = sum(k**d for d in range(depth + 1))
+    parent = [-1] + [(i - 1) // k for i in range(1, n)]
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    for x in range(n):
+        c = x
+        while c >= 0:
+            anc[x, c] = True
+            c = parent[c]
+    return anc
+
+
+def test_shift_terms_give_each_node_the_one_delta_of_each_row_it_lies_under():
+    """Eq. 9's propagation (`tensor_tree.shift_terms`): per reconsidered row, a node gets the delta of the one child
+    it lies under, else 0, exactly; nested rows (a row under another's child) each give their own term; an
+    infinite delta reaches its own subtree only (masked, not multiplied: no NaN elsewhere); and a batch of trees
+    gives each tree's terms."""
+    from pr_specforge.serving.tensor_tree import shift_terms
+
+    k, gen = 2, torch.Generator().manual_seed(0)
+    anc = _kary_ancestors(k, 4)
+    rows = [0, 1, 4]  # nested: node 1 is a child of 0, node 4 a child of 1
+    kids = torch.tensor([[k * v + 1 + j for j in range(k)] for v in rows])
+    delta = torch.randn(len(rows), k, dtype=torch.float64, generator=gen)
+    delta[2, 1] = float("-inf")
+    got = shift_terms(anc.index_select(1, kids.view(-1)), delta)
+    want = torch.zeros(anc.shape[0], len(rows), dtype=torch.float64)
+    for x in range(anc.shape[0]):
+        for i in range(len(rows)):
+            for j in range(k):
+                if anc[x, kids[i, j]]:
+                    want[x, i] = delta[i, j]
+    assert torch.equal(got, want) and not got.isnan().any()
+    assert (got != 0).sum(1).max() == len(rows)  # some node lies under all three rows: three terms, in row order
+    other = torch.randn(len(rows), k, dtype=torch.float64, generator=gen)
+    below = anc.index_select(1, kids.view(-1))
+    both = shift_terms(torch.stack([below, below]), torch.stack([delta, other]))
+    assert torch.equal(both[0], got) and torch.equal(both[1], shift_terms(below, other))

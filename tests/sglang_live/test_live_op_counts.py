@@ -51,5 +51,12 @@ def test_the_op_counter_counts_each_phases_ops_and_splits_prs_draft_by_part(live
         assert m3["draft"] > m0["draft"], key
         r = block["ops_ratios"]
         assert r["pr_m0_added_ops_per_step"] == (m0["draft"] - e["draft"]) / 3
+        assert r["pr_m3_added_ops_per_round"] == m3["draft"] - e["draft"]
+        # PR's round labels its row steps (gamma - 1 of them after the root): its draft splits into ops per row step
+        # and ops once a round; SGLang's own draft (EAGLE3's, m = 0's) labels none
+        split = r["pr_m3_row_split"]
+        assert split["row_steps"] == 2 and split["ops_per_row_step"] * 2 + split["ops_per_round"] == m3["draft"], key
+        assert split["parts"]["load"]["per_row_step"] == 0 and split["parts"]["repricing"]["per_round"] == 0, key
+        assert "eagle3_row_split" not in r and "pr_m0_row_split" not in r, key
     table = (tmp_path / "ops.md").read_text()
-    assert "| small | 2 | pr_m3 |" in table and "added per draft step vs eagle3" in table
+    assert "| small | 2 | pr_m3 |" in table and "added to eagle3's draft per round" in table
