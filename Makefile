@@ -6,7 +6,7 @@ export TORCHDYNAMO_DISABLE ?= 1
 export WANDB_MODE ?= disabled
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup setup-serve setup-vllm run test bench
+.PHONY: setup setup-serve setup-vllm setup-all run test bench
 
 setup:
 	bash scripts/setup.sh
@@ -17,13 +17,17 @@ setup-serve:
 setup-vllm:
 	bash scripts/setup_vllm.sh
 
+# the three environments side by side (scripts/setup_all.sh: each writes its own folder; logs and times in .setup-logs/)
+setup-all:
+	bash scripts/setup_all.sh
+
 # The main job on the embedded default: SmolLM2-135M on CPU, prepare -> train -> export -> evaluate.
 run: setup
 	.venv/bin/pr-specforge run $(ARGS)
 
 # The test suite (CPU, tiny random models, serial; both SGLang lines and vLLM: 29 min of tests on 2 quiet Intel cores at d515ad7;
 # .venv-serve adds ~4.5 min of install once, .venv-vllm ~2 min).
-test: setup setup-serve setup-vllm
+test: setup-all
 	PR_SERVE_VENV_REQUIRED=1 .venv/bin/python -m pytest -q tests $(ARGS)
 
 bench: setup

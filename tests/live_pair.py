@@ -23,6 +23,11 @@ import torch
 
 STEPS = 48
 VLLM_GAMMA = 3
+#: the training seed: a drafter some of whose reconsidered nodes survive the cut at k 2 and B 6 (the live PR modules
+#: assert that some do, to show the served cut keeps them). With this target (2 heads) seeds 0, 1 and 3 give drafters
+#: whose reconsidered nodes all lose the cut at that shape on these prompts; seed 2's keep 2 (our evaluator, float32,
+#: the same on a CPU with AVX-512 and one limited to AVX2).
+SEED = 2
 
 
 def build(root) -> dict:
@@ -33,7 +38,7 @@ def build(root) -> dict:
 
     tok = build_tokenizer()
     train_workspace(root, strategy="pr", steps=STEPS, n=8, seq=48, generated=True, pr_section={"max_depth": 2},
-                    extra={"training": {"num_epochs": 6}},
+                    extra={"training": {"num_epochs": 6, "seed": SEED}},
                     target=dict(layers=8, vocab=len(tok), tie=True, tokenizer=tok, heads=2),
                     draft={"num_attention_heads": 2, "num_key_value_heads": 1})
     (root / "target" / "pr_specforge_target.json").write_text(json.dumps({"chat_template_name": "smollm2"}))

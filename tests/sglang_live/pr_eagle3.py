@@ -81,6 +81,22 @@ def generate(port: int, ids, bw=None, m=None, seed=None) -> dict:
     return post(port, "/generate", {"input_ids": list(ids), "sampling_params": params})
 
 
+def generate_together(port: int, prompts, **kw) -> List[dict]:
+    """`generate` of every prompt at once: one thread each, released together by a barrier (a thread the OS starts
+    late on a busy CPU would otherwise post after the others began decoding), so the server batches them."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    barrier = threading.Barrier(len(prompts))
+
+    def one(ids):
+        barrier.wait(timeout=120)
+        return generate(port, ids, **kw)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
 def round_log(path) -> Dict[str, List[dict]]:
     by_rid = collections.defaultdict(list)
     if not path.exists():

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -23,7 +22,8 @@ from tests.export.conftest import ENV
 from tests.helpers import load_benchmark
 from tests.sglang_live.conftest import (LIVE_CUDA_GRAPH, LIVE_DEVICE, _free_port, assert_round_times, greedy,
                                         refused_launch)
-from tests.sglang_live.pr_eagle3 import MAX_NEW, Ours, Shape, assert_same, generate, round_log, served_counts, shared_pr
+from tests.sglang_live.pr_eagle3 import (MAX_NEW, Ours, Shape, assert_same, generate, generate_together, round_log,
+                                         served_counts, shared_pr)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -112,8 +112,7 @@ def test_the_rounds_are_timed_for_m0_and_m1_and_reconsideration_rows_are_draft_c
 
 def test_four_concurrent_requests_give_what_four_sequential_ones_gave(live_run, server, sequential):
     port, rounds = server
-    with ThreadPoolExecutor(4) as pool:
-        outs = list(pool.map(lambda p: generate(port, p), live_run["prompts"]))
+    outs = generate_together(port, live_run["prompts"])
     log = round_log(rounds)
     concurrent = [served_counts(o, log, OVERLAP) for o in outs]
     assert len(concurrent) == 4

@@ -10,12 +10,11 @@ the same. (The one-line refusal through a real 0.5.23 launch: test_live_sglang_0
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.sglang_live.pr_eagle3 import (SCRIPT_SHAPE, Ours, Shape, assert_same, generate, round_log, served_counts,
-                                         shared_pr_script_0523)
+from tests.sglang_live.pr_eagle3 import (SCRIPT_SHAPE, Ours, Shape, assert_same, generate, generate_together, round_log,
+                                         served_counts, shared_pr_script_0523)
 
 SHAPE = SCRIPT_SHAPE
 
@@ -24,8 +23,7 @@ SHAPE = SCRIPT_SHAPE
 def served(live_run, shared):
     server, rounds = shared_pr_script_0523(shared, live_run)
     port = server.port
-    with ThreadPoolExecutor(4) as pool:
-        concurrent = list(pool.map(lambda p: generate(port, p), live_run["prompts"]))
+    concurrent = generate_together(port, live_run["prompts"])
     sequential = [generate(port, p) for p in live_run["prompts"]]
     alone = generate(port, live_run["prompts"][1], m=0)
     log = round_log(rounds)

@@ -9,13 +9,13 @@ which change no tree (the request alone, at m = 0, runs every round padded to 2)
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from pr_specforge.sglang_plugin.round_graph import padded_size
 from tests.sglang_live.conftest import LIVE_CUDA_GRAPH, LIVE_DEVICE
-from tests.sglang_live.pr_eagle3 import Ours, Shape, assert_same, generate, pr_server, round_log, served_counts
+from tests.sglang_live.pr_eagle3 import (Ours, Shape, assert_same, generate, generate_together, pr_server, round_log,
+                                         served_counts)
 
 SHAPE = Shape(k=2, bw=2, m=1, gamma=3, budget=6)
 GRAPH = "replay" if LIVE_DEVICE == "cuda" else "guard"  # PR_EAGLE3_ROUND_GRAPH=on: captured on CUDA, checked here
@@ -31,8 +31,7 @@ def served(live_run, tmp_path_factory):
                                  "PR_EAGLE3_M0_DRAFT": "pr"},
                             args=("--triton-attention-num-kv-splits", "2", "--cuda-graph-bs-decode", *map(str, SIZES)))
     with ctx as port:
-        with ThreadPoolExecutor(4) as pool:
-            outs = list(pool.map(lambda p: generate(port, p), live_run["prompts"]))
+        outs = generate_together(port, live_run["prompts"])
         alone = generate(port, live_run["prompts"][1], m=0)
     log = round_log(rounds)
     return [served_counts(o, log) for o in outs], served_counts(alone, log), [r for rs in log.values() for r in rs]
