@@ -508,16 +508,19 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`--to sglang|hf` (`pr-specforge export` enters at `export_vllm.main`, which hands these here)."""
+    from pr_specforge.lock import OutputBusy, output_lock
+
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         if args.to == "vllm":
             raise ExportError("--to vllm is pr_specforge.export_vllm.main's (the `pr-specforge export` command)")
         if args.num_speculative_tokens is not None or args.verifier is not None:
             raise ExportError("--num-speculative-tokens / --verifier go with --to vllm")
-        out = export_checkpoint(args.checkpoint, args.out_dir, args.to, draft_config=args.draft_config,
-                                vocab_mapping=args.vocab_mapping, target=args.target, dtype=args.dtype,
-                                overwrite=args.overwrite, bw=args.bw, m=args.m)
-    except ExportError as e:
+        with output_lock(args.out_dir, "OUT_DIR"):  # one writer per export directory (`pr_specforge.lock`)
+            out = export_checkpoint(args.checkpoint, args.out_dir, args.to, draft_config=args.draft_config,
+                                    vocab_mapping=args.vocab_mapping, target=args.target, dtype=args.dtype,
+                                    overwrite=args.overwrite, bw=args.bw, m=args.m)
+    except (ExportError, OutputBusy) as e:
         print(f"pr-specforge export: {e}", file=sys.stderr)
         return 2
     print(out)

@@ -296,6 +296,7 @@ def summary_line(s: Dict[str, Any]) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`pr-specforge export`: `--to vllm` here, `--to sglang|hf` by `export.main` (one parser for all three)."""
     from pr_specforge import export
+    from pr_specforge.lock import OutputBusy, output_lock
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
@@ -305,10 +306,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.bw is not None or args.m is not None:
             raise ExportError("--bw / --m are PR_EAGLE3's serving defaults: they go with --to sglang")
         tokens = DEFAULT_SPECULATIVE_TOKENS if args.num_speculative_tokens is None else args.num_speculative_tokens
-        summary = export_vllm(args.checkpoint, args.out_dir, target=args.target, verifier=args.verifier,
-                              tokens=tokens, dtype=args.dtype, overwrite=args.overwrite,
-                              draft_config=args.draft_config, vocab_mapping=args.vocab_mapping)
-    except ExportError as e:
+        with output_lock(args.out_dir, "OUT_DIR"):  # one writer per export directory (`pr_specforge.lock`)
+            summary = export_vllm(args.checkpoint, args.out_dir, target=args.target, verifier=args.verifier,
+                                  tokens=tokens, dtype=args.dtype, overwrite=args.overwrite,
+                                  draft_config=args.draft_config, vocab_mapping=args.vocab_mapping)
+    except (ExportError, OutputBusy) as e:
         print(f"pr-specforge export: {e}", file=sys.stderr)
         return 2
     print(summary_line(summary))

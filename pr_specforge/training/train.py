@@ -41,6 +41,23 @@ def _in_torchrun() -> bool:
 
 def run_train(recipe_path: str, overrides: Sequence[str], dry_run: bool = False, start_over: bool = False) -> int:
     recipe = load_recipe(recipe_path, overrides)
+    if dry_run or not _takes_the_lock():
+        return _run_train(recipe, recipe_path, overrides, dry_run, start_over)
+    from pr_specforge.lock import output_lock
+
+    with output_lock(recipe.config.output_dir, "output_dir"):  # one writer per run directory (`pr_specforge.lock`)
+        return _run_train(recipe, recipe_path, overrides, dry_run, start_over)
+
+
+def _takes_the_lock() -> bool:
+    """The process that holds a run directory's one-writer lock: the command itself, or rank 0 of a torchrun the
+    user started (the ranks `train` launches itself run under its lock)."""
+    if os.environ.get(SELF_LAUNCHED_ENV) == "1":
+        return False
+    return not _in_torchrun() or os.environ.get("RANK") == "0"
+
+
+def _run_train(recipe: Recipe, recipe_path: str, overrides: Sequence[str], dry_run: bool, start_over: bool) -> int:
     resume = check_run(recipe, start_over=start_over, dry_run=dry_run)  # every pre-flight check, one pass
     if dry_run:
         return 0
