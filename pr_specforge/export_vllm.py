@@ -163,6 +163,28 @@ def check_tensors(source: str, cfg: Dict[str, Any], names: List[str], layer_coun
                           "re-export it from the run")
 
 
+def check_shapes_and_values(source: str, cfg: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> None:
+    """Before converting: every EAGLE-3 tensor has the shape `cfg` gives it (the serving drafter's, `eagle3_tensors`:
+    a truncated `fc.weight`, a `d2t` of another length, a config whose vocab disagrees with the tensors), the vocab
+    map is consistent, and every floating tensor (`pr_*` too) is finite. One line naming the file and the tensor."""
+    from pr_specforge.core.eagle3 import ServingDrafterError, eagle3_tensors
+    from pr_specforge.core.export_format import check_tensors as check_against
+
+    where = f"{source}/{SAFETENSORS_NAME}"
+    try:
+        expected = eagle3_tensors(cfg)
+        check_against(expected, {k: v for k, v in tensors.items() if k in expected}, cfg, EAGLE3_ARCHITECTURE)
+    except (ExportError, ServingDrafterError, TypeError, ValueError, KeyError) as e:
+        said = " ".join(str(e).split()).replace("checkpoint does not match the draft config: ", "")
+        raise ExportError(f"{where}: does not match its config.json: {said}; re-export it from the run") from None
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ExportError(f"{where}: {name} holds {bad} non-finite value(s) (NaN or inf) of {t.numel()}; a "
+                              "drafter with them drafts garbage: re-export it from a finite checkpoint")
+
+
 def speculators_config(cfg: Dict[str, Any], layer_ids: List[int], verifier: str, verifier_arch: List[str],
                        tokens: int, dtype: str, source_kind: str, specforge_ids: List[int]) -> Dict[str, Any]:
     """The speculators-format config.json of an SGLang export's config `cfg`."""
@@ -223,6 +245,7 @@ def convert_sglang_export(src: str, out_dir: str, *, target: Optional[str], veri
         specforge_ids = eagle_capture_layers(cfg, target_layer_count(layers))
     layer_ids = vllm_layer_ids(specforge_ids, layers)
     check_tensors(src, cfg, list(tensors), len(layer_ids))
+    check_shapes_and_values(src, cfg, tensors)
     pr_names = sorted(n for n in tensors if n.startswith(PR_PARAM_PREFIXES))
     kept = {("layers.0." + n[len("midlayer."):] if n.startswith("midlayer.") else n): t
             for n, t in tensors.items() if not n.startswith(PR_PARAM_PREFIXES)}

@@ -123,6 +123,11 @@ REFUSALS = {
     "renamed tensor": dict(tensors=lambda t: t.__setitem__("fc_proj.weight", t.pop("fc.weight"))),
     "dropped tensor": dict(tensors=lambda t: t.pop("fc_norm.1.weight")),
     "ids past the target": dict(config=lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 4])),
+    # issue 73: shapes against the config and finiteness, checked at the door
+    "truncated fc.weight": dict(tensors=lambda t: t.__setitem__("fc.weight", t["fc.weight"][:, :-8].contiguous())),
+    "a 10-long d2t": dict(tensors=lambda t: t.__setitem__("d2t", t["d2t"][:10].contiguous())),
+    "a config vocab the tensors disagree with": dict(config=lambda c: c.update(draft_vocab_size=c["draft_vocab_size"] + 1)),
+    "NaN weights": dict(tensors=lambda t: t["midlayer.mlp.up_proj.weight"].view(-1)[:3].fill_(float("nan"))),
 }
 EXPECTED = {
     "two decoder layers": "two decoder layers",
@@ -130,6 +135,10 @@ EXPECTED = {
     "renamed tensor": "unknown ['fc_proj.weight']",
     "dropped tensor": "missing ['fc_norm.1.weight']",
     "ids past the target": "do not fit a target of 4 layers",
+    "truncated fc.weight": "does not match its config.json: fc.weight: shape",
+    "a 10-long d2t": "d2t: shape (10,) in the checkpoint",
+    "a config vocab the tensors disagree with": "lm_head.weight: shape",
+    "NaN weights": "midlayer.mlp.up_proj.weight holds 3 non-finite value(s)",
 }
 
 
