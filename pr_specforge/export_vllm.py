@@ -137,6 +137,20 @@ def check_servable(source: str, cfg: Dict[str, Any], names: List[str], target_cf
     return None if layers is None else int(layers)
 
 
+def check_recorded_target(source: str, cfg: Dict[str, Any], target: Optional[str]) -> None:
+    """`--target` is the target the SGLang export records (`TARGET_RECORD_KEY`'s content `fingerprint`, what `export`
+    wrote from the target it read): a target of the same shape and other weights is refused in one line."""
+    from pr_specforge.data.io import dir_fingerprint
+
+    recorded = (cfg.get(TARGET_RECORD_KEY) or {}).get("fingerprint")
+    if target is None or not recorded or not os.path.isdir(target):
+        return
+    found = dir_fingerprint(target)
+    if found != recorded:
+        raise ExportError(f"--target {target}: not the target {source} was exported with (its fingerprint is {found}, "
+                          f"the export records {recorded}): name the target it was trained on")
+
+
 #: the one decoder layer's tensors (SpecForge's / SGLang's names)
 MIDLAYER_TENSORS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                     "mlp.up_proj", "mlp.down_proj", "input_layernorm", "hidden_norm", "post_attention_layernorm")
@@ -233,6 +247,7 @@ def convert_sglang_export(src: str, out_dir: str, *, target: Optional[str], veri
         raise ExportError(f"{src}/{SAFETENSORS_NAME}: does not load ({type(e).__name__}); re-export it") from None
     target_cfg = _target_config(target)
     layers = check_servable(src, cfg, list(tensors), target_cfg)
+    check_recorded_target(src, cfg, target)
     if verifier is None and target is None:
         raise ExportError("no verifier: pass --target TARGET_DIR (its path is written as the verifier) or --verifier "
                           "NAME_OR_PATH (a hub id, to share the export)")

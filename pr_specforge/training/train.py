@@ -300,6 +300,16 @@ def _watch_sigint(seen: List[bool]):
         signal.signal(signal.SIGINT, previous)
 
 
+def target_state(target_path: str):
+    """What every checkpoint records of its target (`TARGET_STATE_KEY`): its directory's name and its weights by
+    content (`target_weights_digest`), which `export` compares its `--target` with; None for a hub id."""
+    if not (target_path and os.path.isdir(target_path)):
+        return None
+    from pr_specforge.data.hidden_states import target_weights_digest
+
+    return {"name": os.path.basename(os.path.abspath(target_path)), "weights": target_weights_digest(target_path)}
+
+
 def install_training_runtime(recipe: Recipe, payload: dict) -> None:
     """Every runtime patch training needs, in one place (nothing is patched at import time):
     SpecForge's loss on CPU, the stop at a non-finite loss, the check of every feature sample the loader reads
@@ -315,7 +325,7 @@ def install_training_runtime(recipe: Recipe, payload: dict) -> None:
     install_cpu_loss()
     wrap_train_step(check_finite_step)
     install_feature_file_errors(recipe_sample_check(recipe))
-    install_checkpoint_manager(payload)
+    install_checkpoint_manager(payload, target_state(recipe.config.model.target_model_path))
     install_metrics_sink()
     install_eval_simulator()
     if recipe.backend.name == "deepspeed":
