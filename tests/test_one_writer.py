@@ -54,7 +54,7 @@ def test_a_second_data_command_is_refused_and_the_first_writes_what_a_lone_run_w
     src, out = _source(tmp_path), tmp_path / "convs.jsonl"
     argv = ["data", "conversations", "--source", src, "--output", out]
     first = subprocess.Popen([sys.executable, "-m", "pr_specforge.cli", *map(str, argv)],
-                             env=dict(ENV, **{HOLD_ENV: "15"}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             env=dict(ENV, **{HOLD_ENV: "5"}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_holder(first, out)
         rc, text = run_cli(*argv, cwd=tmp_path)
