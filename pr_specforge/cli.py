@@ -143,6 +143,7 @@ def _main(argv: List[str]) -> int:
     if args.command == "train":
         from pr_specforge.config import ConfigError
         from pr_specforge.data.io import DataFormatError
+        from pr_specforge.lock import OutputBusy
         from pr_specforge.training.errors import NonFiniteTraining, RankFailed, TrainingInterrupted
         from pr_specforge.training.train import hand_to_launcher, run_train
 
@@ -153,7 +154,7 @@ def _main(argv: List[str]) -> int:
 
         try:
             return run_train(args.config, args.overrides, dry_run=args.dry_run, start_over=args.start_over)
-        except (ConfigError, DataFormatError) as e:  # a recipe value, or a row of the data it names
+        except (ConfigError, DataFormatError, OutputBusy) as e:  # a recipe value, a row of its data, a second writer
             return say(e, 2)
         except NonFiniteTraining as e:
             return say(e, 1)

@@ -87,6 +87,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
+def check_benchmarks(benchmarks: Sequence[str]) -> None:
+    """`--benchmarks`: known prompt sets or prompt files, checked before any stage (one line, exit 2)."""
+    from pr_specforge.config import ConfigError
+    from pr_specforge.data.prompts import prompt_source_problem
+
+    for source in benchmarks:
+        problem = prompt_source_problem(source)
+        if problem:
+            raise ConfigError(f"--benchmarks: {problem}")
+
+
 class Experiment:
     """The experiment's stages over one workdir: shared data stages, then one seed's trainings,
     diagnosis, export and evaluation (each stage skipped when its output exists)."""
@@ -107,8 +118,17 @@ class Experiment:
         return Path(self.args.report) if self.args.report else default
 
     def run(self) -> Dict:
-        args, work = self.args, self.work
+        from pr_specforge.data.io import check_output_dir
+        from pr_specforge.lock import output_lock
+
         check_report_prefix(self.report_prefix())  # before any stage: a --report naming a user's file is refused
+        check_benchmarks(self.args.benchmarks)
+        check_output_dir("--workdir", self.args.workdir)
+        with output_lock(self.work, "--workdir"):  # one `experiment` per workdir (`pr_specforge.lock`)
+            return self._run()
+
+    def _run(self) -> Dict:
+        args, work = self.args, self.work
         work.mkdir(parents=True, exist_ok=True)
         # data settings are shared by every seed; seeds and reports may differ between invocations
         check_settings(work / "data_settings.json", {k: getattr(args, k) for k in (

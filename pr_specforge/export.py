@@ -63,6 +63,7 @@ from pr_specforge.core.export_format import (  # noqa: F401
 )
 from pr_specforge.data.io import DataFormatError, honour_umask_tree, read_json_file
 from pr_specforge.training.backends.checkpoint import RECIPE_STATE_KEY  # the resolved recipe inside a checkpoint
+from pr_specforge.training.backends.checkpoint import TARGET_STATE_KEY  # the target it trained on, by content
 from pr_specforge.modeling.drafter import (
     EAGLE3_ARCHITECTURE,
     PR_ARCHITECTURE,
@@ -283,6 +284,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, to: str, *, draft_config: O
         raise ExportError(f"draft config {e}") from None
     if target is None and model_section.get("target_model_path") and os.path.isdir(model_section["target_model_path"]):
         target = model_section["target_model_path"]
+    check_trained_target(state, target)
     weights = {k: v for k, v in state["draft_state_dict"].items() if not _is_embedding(k)}
     mapping_path = vocab_mapping or (None if {"t2d", "d2t"} <= set(weights) else model_section.get("vocab_mapping_path"))
     if mapping_path:
@@ -386,6 +388,22 @@ def check_target(target: Optional[str]) -> None:
                           "the target model's directory")
     if not os.path.isfile(os.path.join(target, "config.json")):
         raise ExportError(f"--target {target}: no config.json; name the target model's directory")
+
+
+def check_trained_target(state: Dict[str, Any], target: Optional[str]) -> None:
+    """The target an export reads (its embedding, context and record) is the one the run trained on, by content: its
+    weights digest equals the checkpoint's `TARGET_STATE_KEY` record (a checkpoint of an older version records none:
+    not checked). One line naming both."""
+    recorded = state.get(TARGET_STATE_KEY)
+    if not (target and isinstance(recorded, dict) and recorded.get("weights")):
+        return
+    from pr_specforge.data.hidden_states import target_weights_digest
+
+    found = target_weights_digest(target)
+    if found != recorded["weights"]:
+        raise ExportError(f"--target {target}: not the target this run trained on (its weights' digest is {found}; the "
+                          f"run trained on {recorded.get('name')!r}, digest {recorded['weights']}): name the target it "
+                          "was trained on")
 
 
 def _target_record(target: Optional[str], capture_layers: Optional[List[int]]) -> Optional[Dict[str, Any]]:
@@ -508,16 +526,19 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`--to sglang|hf` (`pr-specforge export` enters at `export_vllm.main`, which hands these here)."""
+    from pr_specforge.lock import OutputBusy, output_lock
+
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         if args.to == "vllm":
             raise ExportError("--to vllm is pr_specforge.export_vllm.main's (the `pr-specforge export` command)")
         if args.num_speculative_tokens is not None or args.verifier is not None:
             raise ExportError("--num-speculative-tokens / --verifier go with --to vllm")
-        out = export_checkpoint(args.checkpoint, args.out_dir, args.to, draft_config=args.draft_config,
-                                vocab_mapping=args.vocab_mapping, target=args.target, dtype=args.dtype,
-                                overwrite=args.overwrite, bw=args.bw, m=args.m)
-    except ExportError as e:
+        with output_lock(args.out_dir, "OUT_DIR"):  # one writer per export directory (`pr_specforge.lock`)
+            out = export_checkpoint(args.checkpoint, args.out_dir, args.to, draft_config=args.draft_config,
+                                    vocab_mapping=args.vocab_mapping, target=args.target, dtype=args.dtype,
+                                    overwrite=args.overwrite, bw=args.bw, m=args.m)
+    except (ExportError, OutputBusy) as e:
         print(f"pr-specforge export: {e}", file=sys.stderr)
         return 2
     print(out)

@@ -22,6 +22,12 @@ RUN_RECORD_KEY = "pr_specforge_run"
 PROVENANCE_KEYS = (TARGET_RECORD_KEY, RUN_RECORD_KEY)
 
 
+#: `pr` settings of how a run started, not of what its drafter computes: `pr.init_from` names a file on the machine that
+#: trained it (an absolute path, which an export must not carry), `pr.freeze_one_pass` needs it; a rebuild
+#: (`diagnose`, `headroom`) trains nothing, so `run_record` keeps neither, only that the run was warm-started
+WARM_START_KEYS = ("init_from", "freeze_one_pass")
+
+
 def checkpoint_record(checkpoint: str, digest: Optional[Callable[[str], str]] = None) -> Optional[Dict[str, str]]:
     """The checkpoint an export was made from: its directory's name and its `training_state.pt`'s content hash
     (`run`'s export stage compares it with the run's newest checkpoint: an export of earlier weights is redone;
@@ -41,7 +47,8 @@ def run_record(recipe: Optional[Dict[str, Any]], strategy: str, checkpoint: Opti
     """The run's settings that `diagnose` / `headroom` rebuild an export's objective with, so that they measure the
     run's numbers with default flags: the TTT length, sequence length, batch size, attention backend, the compute
     dtype the run trained in, and (a PR run) its whole `pr` section (the objective's settings, not only the
-    drafter's `pr_config`). Settings the stored recipe lacks are left out (the rebuild then uses its defaults).
+    drafter's `pr_config`, less `WARM_START_KEYS`). Settings the stored recipe lacks are left out (the rebuild then
+    uses its defaults).
     With `checkpoint`, also which checkpoint it is (`checkpoint_record`)."""
     recipe = recipe or {}
     sections = {name: recipe.get(name) or {} for name in ("model", "data", "training")}
@@ -50,7 +57,9 @@ def run_record(recipe: Optional[Dict[str, Any]], strategy: str, checkpoint: Opti
     record: Dict[str, Any] = {"strategy": strategy}
     record.update({key: sections[section][key] for section, key in fields if sections[section].get(key) is not None})
     if strategy == "pr" and isinstance(recipe.get("pr"), dict):
-        record["pr"] = dict(recipe["pr"])
+        record["pr"] = {k: v for k, v in recipe["pr"].items() if k not in WARM_START_KEYS}
+        if recipe["pr"].get("init_from"):  # that it was warm-started, never the path (a machine's file, not a setting)
+            record["warm_start"] = {"freeze_one_pass": bool(recipe["pr"].get("freeze_one_pass"))}
     if checkpoint and (ckpt := checkpoint_record(checkpoint)):
         record["checkpoint"] = ckpt
     return record

@@ -137,6 +137,20 @@ def check_servable(source: str, cfg: Dict[str, Any], names: List[str], target_cf
     return None if layers is None else int(layers)
 
 
+def check_recorded_target(source: str, cfg: Dict[str, Any], target: Optional[str]) -> None:
+    """`--target` is the target the SGLang export records (`TARGET_RECORD_KEY`'s content `fingerprint`, what `export`
+    wrote from the target it read): a target of the same shape and other weights is refused in one line."""
+    from pr_specforge.data.io import dir_fingerprint
+
+    recorded = (cfg.get(TARGET_RECORD_KEY) or {}).get("fingerprint")
+    if target is None or not recorded or not os.path.isdir(target):
+        return
+    found = dir_fingerprint(target)
+    if found != recorded:
+        raise ExportError(f"--target {target}: not the target {source} was exported with (its fingerprint is {found}, "
+                          f"the export records {recorded}): name the target it was trained on")
+
+
 #: the one decoder layer's tensors (SpecForge's / SGLang's names)
 MIDLAYER_TENSORS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                     "mlp.up_proj", "mlp.down_proj", "input_layernorm", "hidden_norm", "post_attention_layernorm")
@@ -161,6 +175,28 @@ def check_tensors(source: str, cfg: Dict[str, Any], names: List[str], layer_coun
         parts = ([f"missing {missing}"] if missing else []) + ([f"unknown {unknown}"] if unknown else [])
         raise ExportError(f"{source}/{SAFETENSORS_NAME}: not the tensors of an EAGLE-3 drafter ({'; '.join(parts)}); "
                           "re-export it from the run")
+
+
+def check_shapes_and_values(source: str, cfg: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> None:
+    """Before converting: every EAGLE-3 tensor has the shape `cfg` gives it (the serving drafter's, `eagle3_tensors`:
+    a truncated `fc.weight`, a `d2t` of another length, a config whose vocab disagrees with the tensors), the vocab
+    map is consistent, and every floating tensor (`pr_*` too) is finite. One line naming the file and the tensor."""
+    from pr_specforge.core.eagle3 import ServingDrafterError, eagle3_tensors
+    from pr_specforge.core.export_format import check_tensors as check_against
+
+    where = f"{source}/{SAFETENSORS_NAME}"
+    try:
+        expected = eagle3_tensors(cfg)
+        check_against(expected, {k: v for k, v in tensors.items() if k in expected}, cfg, EAGLE3_ARCHITECTURE)
+    except (ExportError, ServingDrafterError, TypeError, ValueError, KeyError) as e:
+        said = " ".join(str(e).split()).replace("checkpoint does not match the draft config: ", "")
+        raise ExportError(f"{where}: does not match its config.json: {said}; re-export it from the run") from None
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ExportError(f"{where}: {name} holds {bad} non-finite value(s) (NaN or inf) of {t.numel()}; a "
+                              "drafter with them drafts garbage: re-export it from a finite checkpoint")
 
 
 def speculators_config(cfg: Dict[str, Any], layer_ids: List[int], verifier: str, verifier_arch: List[str],
@@ -211,6 +247,7 @@ def convert_sglang_export(src: str, out_dir: str, *, target: Optional[str], veri
         raise ExportError(f"{src}/{SAFETENSORS_NAME}: does not load ({type(e).__name__}); re-export it") from None
     target_cfg = _target_config(target)
     layers = check_servable(src, cfg, list(tensors), target_cfg)
+    check_recorded_target(src, cfg, target)
     if verifier is None and target is None:
         raise ExportError("no verifier: pass --target TARGET_DIR (its path is written as the verifier) or --verifier "
                           "NAME_OR_PATH (a hub id, to share the export)")
@@ -223,6 +260,7 @@ def convert_sglang_export(src: str, out_dir: str, *, target: Optional[str], veri
         specforge_ids = eagle_capture_layers(cfg, target_layer_count(layers))
     layer_ids = vllm_layer_ids(specforge_ids, layers)
     check_tensors(src, cfg, list(tensors), len(layer_ids))
+    check_shapes_and_values(src, cfg, tensors)
     pr_names = sorted(n for n in tensors if n.startswith(PR_PARAM_PREFIXES))
     kept = {("layers.0." + n[len("midlayer."):] if n.startswith("midlayer.") else n): t
             for n, t in tensors.items() if not n.startswith(PR_PARAM_PREFIXES)}
@@ -296,6 +334,7 @@ def summary_line(s: Dict[str, Any]) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`pr-specforge export`: `--to vllm` here, `--to sglang|hf` by `export.main` (one parser for all three)."""
     from pr_specforge import export
+    from pr_specforge.lock import OutputBusy, output_lock
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
@@ -305,10 +344,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.bw is not None or args.m is not None:
             raise ExportError("--bw / --m are PR_EAGLE3's serving defaults: they go with --to sglang")
         tokens = DEFAULT_SPECULATIVE_TOKENS if args.num_speculative_tokens is None else args.num_speculative_tokens
-        summary = export_vllm(args.checkpoint, args.out_dir, target=args.target, verifier=args.verifier,
-                              tokens=tokens, dtype=args.dtype, overwrite=args.overwrite,
-                              draft_config=args.draft_config, vocab_mapping=args.vocab_mapping)
-    except ExportError as e:
+        with output_lock(args.out_dir, "OUT_DIR"):  # one writer per export directory (`pr_specforge.lock`)
+            summary = export_vllm(args.checkpoint, args.out_dir, target=args.target, verifier=args.verifier,
+                                  tokens=tokens, dtype=args.dtype, overwrite=args.overwrite,
+                                  draft_config=args.draft_config, vocab_mapping=args.vocab_mapping)
+    except (ExportError, OutputBusy) as e:
         print(f"pr-specforge export: {e}", file=sys.stderr)
         return 2
     print(summary_line(summary))

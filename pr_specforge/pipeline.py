@@ -129,6 +129,15 @@ def run(args: argparse.Namespace) -> str:
     summary."""
     work = Path(args.workdir).resolve()
     check_args(args, StageBuilder(work))
+    check_workdir(args)
+    from pr_specforge.lock import output_lock
+
+    with output_lock(work, "--workdir"):  # one `run` per workdir (`pr_specforge.lock`)
+        return _run_in(args, work)
+
+
+def _run_in(args: argparse.Namespace, work: Path) -> str:
+    """`run`'s stages in `work`, under its lock."""
     work.mkdir(parents=True, exist_ok=True)
     check_run_settings(args, work)
     build = StageBuilder(work)
@@ -140,6 +149,17 @@ def run(args: argparse.Namespace) -> str:
         except Exception as e:  # a plot must never hide a finished run
             log.warning("plot failed: %s", e)
     return summary(work, run_dir, work / "export" / "pr-sglang", work / "export" / "pr-hf", work / "eval", timings)
+
+
+def check_workdir(args: argparse.Namespace) -> None:
+    """`--workdir` under the ownership rule every command's output follows (`data.io.check_output_dir`): a directory
+    (or a new path) that is writable, not under a file, and none of `run`'s inputs (the recipe, prompt files)."""
+    import os
+
+    from pr_specforge.data.io import check_output_dir
+
+    check_output_dir("--workdir", args.workdir,
+                     inputs=[args.recipe, *(p for p in args.eval_prompts if os.path.isfile(p))])
 
 
 def check_run_settings(args: argparse.Namespace, work: Path) -> None:

@@ -187,3 +187,16 @@ class PRServingDrafter(PRRows, nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden) if self.norm_output else hidden)
+
+
+def eagle3_tensors(cfg: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """The EAGLE-3 tensors (not `pr_*`) an SGLang export of `cfg` must hold, as meta tensors of their shapes: the
+    serving drafter's, whose names are the export's. Built with what changes no tensor's shape (RoPE, activation,
+    the PR settings) left at its defaults, so only the shapes can refuse. `export --to vllm` checks an SGLang export
+    with it before converting, and the SGLang bridge's preflight before serving."""
+    from pr_specforge.core.parts import PR_PARAM_PREFIXES
+
+    shaped = {k: v for k, v in cfg.items() if k not in (PR_CONFIG_KEY, "rope_scaling", "rope_parameters", "hidden_act")}
+    with torch.device("meta"):
+        model = PRServingDrafter.from_export_config(shaped)
+    return {k: v for k, v in model.state_dict().items() if not k.startswith(PR_PARAM_PREFIXES)}

@@ -133,6 +133,66 @@ def _chat_template_for(target: str) -> str:
     raise SystemExit(f"error: pass --chat-template (SpecForge template name); {meta} does not name one")
 
 
+def _existing_files(paths) -> list:
+    return [p for p in paths if p and os.path.isfile(p)]
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """The ownership rule (`data.io`: the checks `eval` and `export` apply), for every data command's output, before
+    any work (`run`'s data stages call these commands, so the same): never one of the command's inputs (a file it
+    reads, the target directory, a file inside it), never a read-only or non-directory path where it writes, never an
+    output of another kind (a JSONL this command did not write, a directory that is not a features directory), and
+    `--start-over` deletes only what the command itself wrote. One `DataFormatError` line."""
+    from pr_specforge.data.io import check_not_input, check_output_dir
+
+    if args.command == "conversations":
+        inputs = [*args.source, *args.exclude_ids, *_existing_files(args.holdout_prompts)]
+        _check_jsonl_output(args, inputs)
+    elif args.command == "regenerate":
+        _check_jsonl_output(args, [args.input, args.target])
+    elif args.command == "hidden-states":
+        inputs = [args.input, args.target]
+        check_not_input("--output", args.output, inputs)
+        check_output_dir("--output", args.output, inputs=inputs)
+        _check_features_dir(args.output)
+    elif args.command == "smollm2-target":
+        check_not_input("--output", args.output, [args.gguf])
+
+
+def _check_jsonl_output(args: argparse.Namespace, inputs: list) -> None:
+    """A resumable JSONL `--output`: a writable file that is none of `inputs`; with `--start-over`, one that this
+    command wrote (its fingerprint record `<output>.resume.json` beside it), or empty: a file of rows the user made
+    some other way is never deleted."""
+    from pr_specforge.data.io import DataFormatError, check_writable_file, resume_record_path
+
+    check_writable_file("--output", args.output, inputs=inputs)
+    output = args.output
+    if args.start_over and os.path.isfile(output) and os.path.getsize(output) > 0 \
+            and not resume_record_path(output).exists():
+        raise DataFormatError(f"--output {output}: holds rows this command did not write (no "
+                              f"{resume_record_path(output).name} beside it); --start-over discards only its own "
+                              "output: name a new --output, or move this file")
+
+
+#: what `data hidden-states` writes into its directory (anything else there makes it a directory of another kind)
+_FEATURE_ENTRIES = ("manifest.json", "vocab_mapping")
+
+
+def _check_features_dir(output: str) -> None:
+    """`hidden-states --output`: a new or empty directory, or a features directory (its manifest, feature groups,
+    vocab map); never a directory of another kind (a model, a run), `--start-over` or not."""
+    from pr_specforge.data.io import DataFormatError
+
+    if not os.path.isdir(output):
+        return
+    foreign = sorted(name for name in os.listdir(output)
+                     if name not in _FEATURE_ENTRIES and not name.startswith(("rows_", ".")))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise DataFormatError(f"--output {output}: is not a features directory (it holds {shown}); hidden-states "
+                              "writes only into a new, empty or features directory: name another one")
+
+
 def main(argv: list[str] | None = None) -> int:
     from pr_specforge.data.sharding import close, current_shard
 
@@ -155,69 +215,9 @@ def _main(argv: list[str] | None, shard) -> int:
     from pr_specforge.data.io import DataFormatError
 
     try:
-        if args.command == "conversations":
-            from pr_specforge.data.conversations import prepare_conversations
-            from pr_specforge.data.prompts import load_prompts
-
-            holdout = [t for src in args.holdout_prompts for p in load_prompts(src, turns="first") for t in p.turns]
-            from pr_specforge.data.io import read_done_ids
-
-            for f in args.exclude_ids:
-                if not os.path.exists(f):
-                    raise DataFormatError(f"--exclude-ids {f}: no such file")
-            excluded = set().union(*(read_done_ids(f) for f in args.exclude_ids)) if args.exclude_ids else set()
-            stats = prepare_conversations(args.source, args.output, limit=args.limit, max_turns=args.max_turns,
-                                          holdout_prompts=holdout, strict=args.strict, split=args.split,
-                                          exclude_ids=excluded, start_over=args.start_over)
-            print(json.dumps(stats.as_dict()))
-            return 0
-
-        if args.command == "regenerate":
-            from pr_specforge.data.regenerate import (
-                OpenAIChatBackend, SamplingConfig, TransformersBackend, regenerate_conversations)
-
-            if args.server:
-                backend = OpenAIChatBackend(args.server, args.model, timeout=args.timeout,
-                                            max_retries=args.max_retries, concurrency=args.concurrency)
-            else:
-                backend = TransformersBackend.from_pretrained(args.target, dtype=args.dtype, device=shard.device(args.device))
-            sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens)
-            stats = regenerate_conversations(args.input, args.output, backend, turns=args.turns, sampling=sampling,
-                                             batch_size=args.batch_size, limit=args.limit,
-                                             max_prompt_chars=args.max_prompt_chars, start_over=args.start_over)
-            _print(shard, json.dumps(stats.as_dict()))
-            return 0 if not stats.skipped.get("failed") else 3
-
-        if args.command == "hidden-states":
-            from pr_specforge.data.hidden_states import prepare_hidden_states
-            from pr_specforge.dtypes import resolve_dtype
-
-            stats = prepare_hidden_states(
-                args.input, args.output, args.target, args.chat_template or _chat_template_for(args.target),
-                backend=args.backend, aux_layers=args.aux_layers, max_length=args.max_length,
-                draft_vocab_size=args.draft_vocab_size, batch_size=args.batch_size,
-                max_batch_tokens=args.max_batch_tokens, dtype=resolve_dtype(args.dtype, args.device), device=args.device,
-                limit=args.limit, start_over=args.start_over)
-            _print(shard, json.dumps(stats.as_dict()))
-            return 0
-
-        if args.command == "smollm2-target":
-            from pr_specforge.data.smollm2 import convert_smollm2_gguf
-
-            out = convert_smollm2_gguf(args.output, gguf_path=args.gguf, dtype=args.dtype, overwrite=args.overwrite)
-            print(out)
-            return 0
-
-        if args.command == "validate":
-            from pr_specforge.data.validate import validate_features
-
-            report = validate_features(args.features, target_path=args.target, max_files=args.max_files)
-            for path, reason in sorted(report.bad.items()):
-                print(f"BAD {path}: {reason}")
-            for problem in report.problems:
-                print(f"BAD {problem}")
-            print(f"{report.files} files checked, {len(report.bad)} bad, {len(report.problems)} directory problems")
-            return 0 if report.ok else 1
+        check_outputs(args)
+        with _writer_lock(args, shard):
+            return _run_command(args, shard)
     except (DataFormatError, FileNotFoundError, FileExistsError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -225,6 +225,86 @@ def _main(argv: list[str] | None, shard) -> int:
         print(f"pr-specforge data {args.command}: interrupted; {_KEPT.get(args.command, 'nothing was kept')}",
               file=sys.stderr)
         return 130
+
+
+def _writer_lock(args: argparse.Namespace, shard):
+    """The one-writer lock of the command's `--output` (`pr_specforge.lock`; rank 0 takes it under torchrun),
+    taken after `check_outputs`, before any work; `validate` writes nothing and takes none."""
+    import contextlib
+
+    from pr_specforge.lock import output_lock
+
+    if args.command == "validate" or not shard.is_main:
+        return contextlib.nullcontext()
+    return output_lock(args.output)
+
+
+def _run_command(args: argparse.Namespace, shard) -> int:
+    from pr_specforge.data.io import DataFormatError
+
+    if args.command == "conversations":
+        from pr_specforge.data.conversations import prepare_conversations
+        from pr_specforge.data.prompts import load_prompts
+
+        holdout = [t for src in args.holdout_prompts for p in load_prompts(src, turns="first") for t in p.turns]
+        from pr_specforge.data.io import read_done_ids
+
+        for f in args.exclude_ids:
+            if not os.path.exists(f):
+                raise DataFormatError(f"--exclude-ids {f}: no such file")
+        excluded = set().union(*(read_done_ids(f) for f in args.exclude_ids)) if args.exclude_ids else set()
+        stats = prepare_conversations(args.source, args.output, limit=args.limit, max_turns=args.max_turns,
+                                      holdout_prompts=holdout, strict=args.strict, split=args.split,
+                                      exclude_ids=excluded, start_over=args.start_over)
+        print(json.dumps(stats.as_dict()))
+        return 0
+
+    if args.command == "regenerate":
+        from pr_specforge.data.regenerate import (
+            OpenAIChatBackend, SamplingConfig, TransformersBackend, regenerate_conversations)
+
+        if args.server:
+            backend = OpenAIChatBackend(args.server, args.model, timeout=args.timeout,
+                                        max_retries=args.max_retries, concurrency=args.concurrency)
+        else:
+            backend = TransformersBackend.from_pretrained(args.target, dtype=args.dtype, device=shard.device(args.device))
+        sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens)
+        stats = regenerate_conversations(args.input, args.output, backend, turns=args.turns, sampling=sampling,
+                                         batch_size=args.batch_size, limit=args.limit,
+                                         max_prompt_chars=args.max_prompt_chars, start_over=args.start_over)
+        _print(shard, json.dumps(stats.as_dict()))
+        return 0 if not stats.skipped.get("failed") else 3
+
+    if args.command == "hidden-states":
+        from pr_specforge.data.hidden_states import prepare_hidden_states
+        from pr_specforge.dtypes import resolve_dtype
+
+        stats = prepare_hidden_states(
+            args.input, args.output, args.target, args.chat_template or _chat_template_for(args.target),
+            backend=args.backend, aux_layers=args.aux_layers, max_length=args.max_length,
+            draft_vocab_size=args.draft_vocab_size, batch_size=args.batch_size,
+            max_batch_tokens=args.max_batch_tokens, dtype=resolve_dtype(args.dtype, args.device), device=args.device,
+            limit=args.limit, start_over=args.start_over)
+        _print(shard, json.dumps(stats.as_dict()))
+        return 0
+
+    if args.command == "smollm2-target":
+        from pr_specforge.data.smollm2 import convert_smollm2_gguf
+
+        out = convert_smollm2_gguf(args.output, gguf_path=args.gguf, dtype=args.dtype, overwrite=args.overwrite)
+        print(out)
+        return 0
+
+    if args.command == "validate":
+        from pr_specforge.data.validate import validate_features
+
+        report = validate_features(args.features, target_path=args.target, max_files=args.max_files)
+        for path, reason in sorted(report.bad.items()):
+            print(f"BAD {path}: {reason}")
+        for problem in report.problems:
+            print(f"BAD {problem}")
+        print(f"{report.files} files checked, {len(report.bad)} bad, {len(report.problems)} directory problems")
+        return 0 if report.ok else 1
     return 2
 
 

@@ -88,6 +88,27 @@ def target_fingerprint(config, aux_layers: list[int], target_path: str) -> dict:
 
 #: the key under which an export's config.json records its target (`target_record`)
 TARGET_RECORD_KEY = "pr_specforge_target"
+#: bytes of each weight file `target_weights_digest` reads at its start, middle and end
+WEIGHT_SAMPLE_BYTES = 1 << 20
+
+
+def target_weights_digest(target_path: str) -> str:
+    """The identity of a target's weights by content, read cheaply: each weight file's name and size and 1 MiB at
+    its start, middle and end (the whole file when smaller), so a target of the same shape and other weights
+    differs, and an 8B target costs a few MiB, not 16 GB. `train` records it in every checkpoint; `export` compares
+    its `--target` with it."""
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(target_path)):
+        full = os.path.join(target_path, name)
+        if not (os.path.isfile(full) and name.endswith((".safetensors", ".bin", ".pt", ".pth"))):
+            continue
+        size = os.path.getsize(full)
+        h.update(f"{name}:{size}".encode())
+        with open(full, "rb") as f:
+            for start in sorted({0, max(0, size // 2 - WEIGHT_SAMPLE_BYTES // 2), max(0, size - WEIGHT_SAMPLE_BYTES)}):
+                f.seek(start)
+                h.update(f.read(WEIGHT_SAMPLE_BYTES))
+    return h.hexdigest()[:16]
 
 
 def target_record(target_path: str, aux_layers: list[int] | None = None) -> dict:

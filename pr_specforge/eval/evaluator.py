@@ -57,8 +57,8 @@ class EvalSettings:
         for b in self.budgets:
             self.tree(b)
         check_beam_width(self.shape.bw, self.budgets)
-        if any(t < 0 for t in self.temperatures) or not self.temperatures:
-            raise ValueError(f"temperatures must be >= 0, got {list(self.temperatures)}")
+        if not self.temperatures or not all(t >= 0 and t != float("inf") for t in self.temperatures):  # nan >= 0 is False
+            raise ValueError(f"temperatures must be >= 0 and finite, got {list(self.temperatures)}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.turns not in ("first", "all"):

@@ -24,7 +24,6 @@ import socket
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from pr_specforge.config import PR_CONFIG_KEY
 from pr_specforge.data.io import DataFormatError, read_json_file
 from pr_specforge.sglang_cpu import draft_attention
 
@@ -95,26 +94,11 @@ def _header_tensors(path: str) -> Dict[str, Any]:
         raise PreflightError(f"{path}: not a readable safetensors file ({e})") from None
 
 
-def eagle3_tensors(cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """The EAGLE-3 tensors (not `pr_*`) an export of `cfg` must hold, as meta tensors of their shapes: the serving
-    drafter's (`core.eagle3`, plain torch: no SpecForge), whose names are the export's. Built with what changes no
-    tensor's shape (RoPE, activation, the PR settings) left at its defaults, so only the shapes can refuse."""
-    import torch
-
-    from pr_specforge.core.eagle3 import PRServingDrafter
-    from pr_specforge.core.parts import PR_PARAM_PREFIXES
-
-    shaped = {k: v for k, v in cfg.items() if k not in (PR_CONFIG_KEY, "rope_scaling", "rope_parameters", "hidden_act")}
-    with torch.device("meta"):
-        model = PRServingDrafter.from_export_config(shaped)
-    return {k: v for k, v in model.state_dict().items() if not k.startswith(PR_PARAM_PREFIXES)}
-
-
 def check_draft_tensors(draft: str, cfg: Dict[str, Any]) -> None:
     """Every EAGLE-3 tensor the draft config asks for, with its shape, and a consistent vocab map (the exporter's
     own check, `core.export_format.check_tensors`). The `pr_*` tensors, which SGLang's EAGLE-3 loader skips, are
     `PR_EAGLE3`'s to check (`check_pr_drafter`)."""
-    from pr_specforge.core.eagle3 import ServingDrafterError
+    from pr_specforge.core.eagle3 import ServingDrafterError, eagle3_tensors
     from pr_specforge.core.export_format import SAFETENSORS_NAME, ExportError, check_tensors
     from pr_specforge.core.parts import PR_PARAM_PREFIXES
 

@@ -8,7 +8,8 @@ SmolLM2 drafter's step 56 s instead of about 1 s, docs/pipeline.md).
 `FeatureDtypeTargetHead` wraps the head SpecForge built (the same module, the same bf16 weight) and
 scores a stored final hidden state in that state's own dtype: bf16 features exactly as SpecForge does (its
 forward, bit for bit), features of another dtype with the target's lm_head read from the target's files
-straight into that dtype (nothing passes through bf16; SpecForge's public `TargetHead.load_weights`).
+straight into that dtype (nothing passes through bf16; SpecForge's public `TargetHead.load_weights`). That read
+draws nothing from the training's RNG stream (`weight_in`), so a resume is exact in either dtype.
 """
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ class FeatureDtypeTargetHead(TargetHead):
         """The target's lm_head weight in `dtype`, read once from the target's files."""
         if dtype not in self._weights:
             m = self._model
-            scratch = TargetHead(m.target_model_path, trust_remote_code=m.trust_remote_code, cache_dir=m.cache_dir)
+            # The scratch head's `nn.Linear` is initialised at random before the target's weight replaces it: a draw
+            # from the global RNG at the first step with these features, i.e. after a resume restored the
+            # checkpoint's RNG state (which the uninterrupted run drew at its step 1, not here). Drawn from a fork,
+            # the training's RNG stream never sees it, so a killed and resumed run is bitwise the uninterrupted one.
+            with torch.random.fork_rng(devices=[]):
+                scratch = TargetHead(m.target_model_path, trust_remote_code=m.trust_remote_code, cache_dir=m.cache_dir)
             scratch = scratch.to(dtype=dtype)
             scratch.load_weights(model_path=m.target_model_path, lm_head_key=m.lm_head_key, cache_dir=m.cache_dir)
             self._weights[dtype] = scratch.fc.weight.detach().to(self.fc.weight.device)

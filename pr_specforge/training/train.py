@@ -41,6 +41,23 @@ def _in_torchrun() -> bool:
 
 def run_train(recipe_path: str, overrides: Sequence[str], dry_run: bool = False, start_over: bool = False) -> int:
     recipe = load_recipe(recipe_path, overrides)
+    if dry_run or not _takes_the_lock():
+        return _run_train(recipe, recipe_path, overrides, dry_run, start_over)
+    from pr_specforge.lock import output_lock
+
+    with output_lock(recipe.config.output_dir, "output_dir"):  # one writer per run directory (`pr_specforge.lock`)
+        return _run_train(recipe, recipe_path, overrides, dry_run, start_over)
+
+
+def _takes_the_lock() -> bool:
+    """The process that holds a run directory's one-writer lock: the command itself, or rank 0 of a torchrun the
+    user started (the ranks `train` launches itself run under its lock)."""
+    if os.environ.get(SELF_LAUNCHED_ENV) == "1":
+        return False
+    return not _in_torchrun() or os.environ.get("RANK") == "0"
+
+
+def _run_train(recipe: Recipe, recipe_path: str, overrides: Sequence[str], dry_run: bool, start_over: bool) -> int:
     resume = check_run(recipe, start_over=start_over, dry_run=dry_run)  # every pre-flight check, one pass
     if dry_run:
         return 0
@@ -283,6 +300,16 @@ def _watch_sigint(seen: List[bool]):
         signal.signal(signal.SIGINT, previous)
 
 
+def target_state(target_path: str):
+    """What every checkpoint records of its target (`TARGET_STATE_KEY`): its directory's name and its weights by
+    content (`target_weights_digest`), which `export` compares its `--target` with; None for a hub id."""
+    if not (target_path and os.path.isdir(target_path)):
+        return None
+    from pr_specforge.data.hidden_states import target_weights_digest
+
+    return {"name": os.path.basename(os.path.abspath(target_path)), "weights": target_weights_digest(target_path)}
+
+
 def install_training_runtime(recipe: Recipe, payload: dict) -> None:
     """Every runtime patch training needs, in one place (nothing is patched at import time):
     SpecForge's loss on CPU, the stop at a non-finite loss, the check of every feature sample the loader reads
@@ -298,7 +325,7 @@ def install_training_runtime(recipe: Recipe, payload: dict) -> None:
     install_cpu_loss()
     wrap_train_step(check_finite_step)
     install_feature_file_errors(recipe_sample_check(recipe))
-    install_checkpoint_manager(payload)
+    install_checkpoint_manager(payload, target_state(recipe.config.model.target_model_path))
     install_metrics_sink()
     install_eval_simulator()
     if recipe.backend.name == "deepspeed":

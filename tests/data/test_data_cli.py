@@ -145,6 +145,47 @@ def _target_of_another_dtype(tmp_path, tiny_target):
     return ["smollm2-target", "--output", str(tmp_path / "t32")]
 
 
+def _own_input(command, start_over=True):
+    """`command` with --output naming one of its own inputs (`--start-over` would delete it)."""
+    def edit(tmp_path, tiny_target):
+        src = str(write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS[:2]))
+        flag = ["--start-over"] if start_over else []
+        return {"conversations": ["conversations", "--source", src, "--output", src, *flag],
+                "regenerate": ["regenerate", "--input", src, "--output", src, "--server", "http://127.0.0.1:9", *flag],
+                "hidden-states": ["hidden-states", "--input", src, "--output", src, "--target", str(tiny_target),
+                                  "--draft-vocab-size", "16", *flag],
+                "hidden-states --output the target": ["hidden-states", "--input", src, "--output", str(tiny_target),
+                                                      "--target", str(tiny_target), "--draft-vocab-size", "16", *flag],
+                "hidden-states --output in the target": ["hidden-states", "--input", src, "--output",
+                                                         str(tiny_target / "config.json"), "--target",
+                                                         str(tiny_target), "--draft-vocab-size", "16"],
+                }[command]
+    return edit
+
+
+def _rows_of_someone_else(tmp_path, tiny_target):
+    """A JSONL of rows `conversations` did not write (no .resume.json beside it), named as --output --start-over."""
+    src = write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS[:2])
+    theirs = write_jsonl(tmp_path / "theirs.jsonl", CONVERSATIONS[2:4])
+    return ["conversations", "--source", str(src), "--output", str(theirs), "--start-over"]
+
+
+def _foreign_dir(tmp_path, tiny_target):
+    """hidden-states into a directory that holds something else (here a run's notes), --start-over or not."""
+    src = write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS[:2])
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    return ["hidden-states", "--input", str(src), "--output", str(tmp_path / "mine"), "--target", str(tiny_target),
+            "--draft-vocab-size", "16", "--start-over"]
+
+
+def _read_only_dir(tmp_path, tiny_target):
+    src = write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS[:2])
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro").chmod(0o555)
+    return ["conversations", "--source", str(src), "--output", str(tmp_path / "ro" / "c.jsonl")]
+
+
 #: every class of bad `data` input: (argv builder, exit code, what the error says); nothing half-made is left behind
 BAD_INPUTS = {
     "conversations --limit -3": (lambda t, tt: ["conversations", "--source", "x.jsonl", "--output", "o", "--limit", "-3"],
@@ -172,6 +213,21 @@ BAD_INPUTS = {
     "conversations over rows of another source": (_conversations_of_another_source, 2, "field 'sources'"),
     "validate a vocab map the features were not made with": (_manifest_edit(vocab_fingerprint="0123456789abcdef"), 1,
                                                               "not the map these features were made with"),
+    # issue 73: one ownership rule (data.io, as eval and export): an input is never an output, --start-over or not
+    "conversations --start-over into its own --source": (_own_input("conversations"), 2,
+                                                         "is an input of this command (itself)"),
+    "regenerate --start-over into its own --input": (_own_input("regenerate"), 2, "is an input of this command (itself)"),
+    "hidden-states into its own --input": (_own_input("hidden-states", start_over=False), 2,
+                                           "is an input of this command (itself)"),
+    "hidden-states --start-over into the target directory": (_own_input("hidden-states --output the target"), 2,
+                                                             "is an input of this command (itself)"),
+    "hidden-states into a file of the target": (_own_input("hidden-states --output in the target"), 2,
+                                                "is an input of this command (a file of the input"),
+    "hidden-states --start-over into a non-features directory": (_foreign_dir, 2, "is not a features directory "
+                                                                                  "(it holds notes.txt)"),
+    "conversations --start-over over rows it did not write": (_rows_of_someone_else, 2,
+                                                              "holds rows this command did not write"),
+    "conversations into a read-only directory": (_read_only_dir, 2, "is not writable"),
 }
 
 
@@ -180,6 +236,7 @@ def test_bad_input_is_refused_in_one_line(tmp_path, tiny_target, capsys, monkeyp
     build, code, needle = BAD_INPUTS[case]
     monkeypatch.chdir(tmp_path)
     argv = build(tmp_path, tiny_target)
+    before = _snapshot(tmp_path, tiny_target)
     capsys.readouterr()
     try:
         rc = main(argv)
@@ -193,6 +250,12 @@ def test_bad_input_is_refused_in_one_line(tmp_path, tiny_target, capsys, monkeyp
     assert not (tmp_path / "out").exists()  # an empty output would read as a finished stage
     if "non-" in case:
         assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    assert _snapshot(tmp_path, tiny_target) == before  # refused before any work: nothing deleted, nothing written
+
+
+def _snapshot(*roots):
+    """Every file under `roots` and its bytes."""
+    return {str(p): p.read_bytes() for root in roots for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def test_ctrl_c_in_hidden_states_keeps_the_files_and_says_how_to_resume(tmp_path, tiny_target, capsys, monkeypatch):

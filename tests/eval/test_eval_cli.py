@@ -143,6 +143,8 @@ BAD_INPUTS = {
     "k above the draft vocab": (["--k", "1000"], None, "draft_vocab_size"),
     "limit 0": (["--limit", "0"], None, "--limit must be >= 1"),
     "negative temperature": (["--temperature", "-1"], None, "temperatures must be >= 0"),
+    "temperature nan": (["--temperature", "0", "nan"], None, "temperatures must be >= 0 and finite, got [0.0, nan]"),
+    "temperature inf": (["--temperature", "inf"], None, "temperatures must be >= 0 and finite, got [inf]"),
     "drafter spec without NAME=": (["--draft", "nameless"], None, "NAME=DIR"),
     "drafter of another target vocab": ([], _edit_other_vocab_drafter, "vocab_size"),
     "target directory without config.json": ([], _edit_target_without_config, "no config.json"),

@@ -47,6 +47,38 @@ def test_bad_input_is_one_line_before_any_stage(tmp_path, capsys, case, recipe_w
     assert not work.exists()  # no stage ran, no settings recorded: the corrected command runs in the same workdir
 
 
+def _workdir_file(tmp_path):
+    (tmp_path / "notes.txt").write_text("keep me")
+    return tmp_path / "notes.txt"
+
+
+def _read_only_workdir(tmp_path):
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro").chmod(0o555)
+    return tmp_path / "ro" / "work"
+
+
+#: issue 73: `--workdir` under the ownership rule of every output (data.io.check_output_dir) -> what its line says
+BAD_WORKDIRS = {
+    "a file": (_workdir_file, "notes.txt: is a file, not a directory"),
+    "under a file": (lambda t: _workdir_file(t) / "work", "notes.txt is a file, not a directory"),
+    "in a read-only directory": (_read_only_workdir, "is not writable"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_WORKDIRS))
+def test_a_workdir_run_may_not_write_is_one_line_before_any_stage(tmp_path, capsys, case):
+    build, needle = BAD_WORKDIRS[case]
+    work = build(tmp_path)
+    capsys.readouterr()
+    assert main(["--workdir", str(work)]) == 2
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("pr-specforge run: --workdir")]
+    assert "Traceback" not in err and len(lines) == 1 and needle in lines[0], err[-3000:]
+    assert (tmp_path / "ro").exists() or (tmp_path / "notes.txt").read_text() == "keep me"
+    assert not (tmp_path / "ro" / "work").exists()
+
+
 def test_the_suggested_pr_recipe_names_a_file_from_any_working_directory(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["--workdir", str(tmp_path / "w"), "--recipe", str(REPO_ROOT / "recipes" / "smollm2-135m-cpu-eagle3.yaml")]) == 2
@@ -76,3 +108,18 @@ def test_the_default_settings_pass_every_check(tmp_path):
     args = parse_args(["--workdir", str(tmp_path / "w")])
     check_args(args, StageBuilder(tmp_path / "w"))
     assert not (tmp_path / "w").exists()
+
+
+def test_experiment_refuses_an_unknown_benchmark_before_any_stage(tmp_path, capsys):
+    """Issue 73: `experiment --benchmarks nosuchset` is one line, exit 2, before any stage (no workdir made)."""
+    from pr_specforge.experiment import main as experiment
+
+    work = tmp_path / "work"
+    capsys.readouterr()
+    assert experiment(["--workdir", str(work), "--report", str(tmp_path / "r"), "--benchmarks", "mtbench",
+                       "nosuchset"]) == 2
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("pr-specforge experiment:")]
+    assert "Traceback" not in err and len(lines) == 1, err[-3000:]
+    assert "--benchmarks: prompt source 'nosuchset' is neither" in lines[0], lines[0]
+    assert not work.exists()

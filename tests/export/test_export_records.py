@@ -177,3 +177,17 @@ def test_an_eval_stage_is_done_only_when_its_rows_were_served_by_these_exports(p
     assert not stage.done()  # served by other weights: run again (eval refuses those rows in one line)
     (out / "eval_config.json").write_text(json.dumps({"drafters": {"pr": export_fingerprints(str(pr_bf16 / "hf"))[1]}}))
     assert stage.done()  # a legacy record of this export is its own
+
+
+def test_a_warm_started_runs_record_keeps_its_settings_and_not_the_path_it_started_from():
+    """Issue 73: `pr.init_from=/abs/path` never reaches an export's config.json; the rebuild of the objective from the
+    record (`diagnose`, `headroom`) still validates, with `freeze_one_pass` (which needs init_from) left out too."""
+    from pr_specforge.config import PRConfig
+    from pr_specforge.export_records import run_record
+
+    recipe = {"pr": {"max_depth": 2, "init_from": "/abs/machine/path/eagle3-step3", "freeze_one_pass": True}}
+    record = run_record(recipe, "pr")
+    assert "/abs/machine" not in json.dumps(record)
+    assert record["pr"] == {"max_depth": 2} and record["warm_start"] == {"freeze_one_pass": True}
+    assert PRConfig.from_mapping(record["pr"], where="record").max_depth == 2
+    assert "warm_start" not in run_record({"pr": {"max_depth": 2}}, "pr")

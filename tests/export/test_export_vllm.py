@@ -123,6 +123,11 @@ REFUSALS = {
     "renamed tensor": dict(tensors=lambda t: t.__setitem__("fc_proj.weight", t.pop("fc.weight"))),
     "dropped tensor": dict(tensors=lambda t: t.pop("fc_norm.1.weight")),
     "ids past the target": dict(config=lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 4])),
+    # issue 73: shapes against the config and finiteness, checked at the door
+    "truncated fc.weight": dict(tensors=lambda t: t.__setitem__("fc.weight", t["fc.weight"][:, :-8].contiguous())),
+    "a 10-long d2t": dict(tensors=lambda t: t.__setitem__("d2t", t["d2t"][:10].contiguous())),
+    "a config vocab the tensors disagree with": dict(config=lambda c: c.update(draft_vocab_size=c["draft_vocab_size"] + 1)),
+    "NaN weights": dict(tensors=lambda t: t["midlayer.mlp.up_proj.weight"].view(-1)[:3].fill_(float("nan"))),
 }
 EXPECTED = {
     "two decoder layers": "two decoder layers",
@@ -130,6 +135,10 @@ EXPECTED = {
     "renamed tensor": "unknown ['fc_proj.weight']",
     "dropped tensor": "missing ['fc_norm.1.weight']",
     "ids past the target": "do not fit a target of 4 layers",
+    "truncated fc.weight": "does not match its config.json: fc.weight: shape",
+    "a 10-long d2t": "d2t: shape (10,) in the checkpoint",
+    "a config vocab the tensors disagree with": "lm_head.weight: shape",
+    "NaN weights": "midlayer.mlp.up_proj.weight holds 3 non-finite value(s)",
 }
 
 
@@ -179,3 +188,21 @@ def test_an_eagle3_run_exports_the_same_chain_as_its_pr_twin(trained_pr_run, tmp
     e, p = (json.load(open(tmp_path / d / "config.json")) for d in ("e", "p"))
     assert e["eagle_aux_hidden_state_layer_ids"] == p["eagle_aux_hidden_state_layer_ids"]
     assert e["pr_specforge_vllm_export"]["drafter"] == "eagle3" and p["pr_specforge_vllm_export"]["drafter"] == "pr"
+
+
+def test_a_target_of_the_same_shape_and_other_weights_is_refused_in_every_format(trained_pr_run, tmp_path, capsys):
+    """Issue 73: every checkpoint records its target's weights by content; `export --target` of the same shape and
+    other weights is one line in all three formats (the HF export would copy its embedding), and `--to vllm` from an
+    SGLang export compares the target that export records."""
+    from tests.helpers import make_tiny_target
+
+    other = tmp_path / "other-target"
+    make_tiny_target(other, seed=1)  # the workspace's target's shape (make_tiny_target's defaults), other weights
+    run = str(trained_pr_run / "out")
+    for to in ("sglang", "hf", "vllm"):
+        last = _refused(capsys, run, str(tmp_path / to), "--to", to, "--target", str(other))
+        assert "not the target this run trained on" in last and "'target'" in last, last
+        assert not (tmp_path / to).exists() and not [p for p in os.listdir(tmp_path) if p.startswith(f".{to}")]
+    sglang = _edited_sglang(trained_pr_run, tmp_path, "src")
+    last = _refused(capsys, sglang, str(tmp_path / "v"), "--to", "vllm", "--target", str(other))
+    assert f"not the target {sglang} was exported with" in last, last

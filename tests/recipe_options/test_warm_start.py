@@ -55,6 +55,12 @@ def test_frozen_warm_start_keeps_every_eagle3_tensor_bit_identical_and_trains_th
     # stock SGLang still loads the export as plain EAGLE-3, skipping every new pr_ tensor
     out = tmp_path / "sglang"
     export_checkpoint(str(tmp_path / "out" / "specforge-run-step3"), str(out), "sglang")
+    # issue 73: the exports record that the run was warm-started, never the path it started from
+    hf = export_checkpoint(str(tmp_path / "out" / "specforge-run-step3"), str(tmp_path / "hf"), "hf")
+    for export in (str(out), hf):
+        text = open(os.path.join(export, "config.json")).read()
+        assert ckpt not in text and "init_from" not in text, export
+        assert json.loads(text)["pr_specforge_run"]["warm_start"] == {"freeze_one_pass": True}
     proc = subprocess.run([sys.executable, os.path.join(EXPORT_TESTS, "sglang_load.py"), str(out)],
                           env=dict(ENV, SGLANG_USE_CPU_ENGINE="1"), capture_output=True, text=True, timeout=240)
     line = [x for x in proc.stdout.splitlines() if x.startswith("SGLANG_REPORT ")]

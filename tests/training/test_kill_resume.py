@@ -1,9 +1,12 @@
-"""kill -9 mid-run and mid-save, resume: the final weights and the loss curve equal an uninterrupted run's, bitwise."""
+"""kill -9 mid-run and mid-save, resume: the final weights and the loss curve equal an uninterrupted run's, bitwise,
+with bf16 features and with float32 ones (whose teacher head is read in float32 at the first step after the resume:
+that read must not draw from the restored RNG stream)."""
 
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from pr_specforge.training.backends.checkpoint import RECIPE_STATE_KEY, SAVE_SLEEP_ENV
@@ -43,9 +46,14 @@ def _logged_steps(out):
     return len(read_metrics(out)) if os.path.isfile(path) else 0
 
 
-def test_kill_mid_run_and_mid_save_then_resume_matches_uninterrupted_run_bitwise(tmp_path):
+# bf16: both kill points; float32: the kill between saves is what puts the float32 head's first read after the
+# RNG restore (the kill inside a save is dtype-blind, so it is not run twice).
+@pytest.mark.parametrize("feature_dtype,kill_mid_save", [(torch.bfloat16, True), (torch.float32, False)],
+                         ids=["bf16", "float32"])
+def test_kill_mid_run_and_mid_save_then_resume_matches_uninterrupted_run_bitwise(tmp_path, feature_dtype,
+                                                                                 kill_mid_save):
     recipe = write_workspace(str(tmp_path), steps=STEPS, n=STEPS, pr_section={"max_depth": 2},
-                             extra={"training": {"save_interval": 2}})
+                             extra={"training": {"save_interval": 2}}, feature_dtype=feature_dtype)
     full = str(tmp_path / "full")
     _run(recipe, full)
     reference = _final_weights(full)
@@ -57,7 +65,21 @@ def test_kill_mid_run_and_mid_save_then_resume_matches_uninterrupted_run_bitwise
     _kill_when(recipe, mid_run, lambda: _logged_steps(mid_run) >= 5)
     _run(recipe, mid_run, f"training.resume_from={mid_run}")
 
-    # 2. kill -9 inside the save of step 6 (its training_state.pt.tmp written, not yet renamed).
+    resumed_runs = [mid_run]
+    if kill_mid_save:
+        resumed_runs.append(_kill_mid_save_and_resume(recipe, tmp_path))
+
+    curve = _losses(full)
+    assert sorted(curve) == list(range(1, STEPS + 1))
+    for out in resumed_runs:
+        resumed = _final_weights(out)
+        for name, tensor in reference["draft_state_dict"].items():
+            assert torch.equal(resumed["draft_state_dict"][name], tensor), (out, name)
+        assert _losses(out) == curve, out  # same loss at every step, including the replayed ones
+
+
+def _kill_mid_save_and_resume(recipe, tmp_path):
+    """kill -9 inside the save of step 6 (its training_state.pt.tmp written, not yet renamed), then resume."""
     mid_save = str(tmp_path / "mid_save")
     tmp_state = os.path.join(mid_save, "specforge-run-step6", "training_state.pt.tmp")
     _kill_when(recipe, mid_save, lambda: os.path.isfile(tmp_state) and os.path.getsize(tmp_state) > 0,
@@ -66,11 +88,4 @@ def test_kill_mid_run_and_mid_save_then_resume_matches_uninterrupted_run_bitwise
     last_good = torch.load(os.path.join(mid_save, "specforge-run-step4", "training_state.pt"), weights_only=False)
     assert last_good["global_step"] == 4  # the last good checkpoint is intact and loadable
     _run(recipe, mid_save, f"training.resume_from={mid_save}")
-
-    curve = _losses(full)
-    assert sorted(curve) == list(range(1, STEPS + 1))
-    for out in (mid_run, mid_save):
-        resumed = _final_weights(out)
-        for name, tensor in reference["draft_state_dict"].items():
-            assert torch.equal(resumed["draft_state_dict"][name], tensor), (out, name)
-        assert _losses(out) == curve, out  # same loss at every step, including the replayed ones
+    return mid_save

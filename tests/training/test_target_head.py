@@ -36,7 +36,9 @@ def test_bf16_features_score_as_specforge_and_float32_ones_in_float32(tmp_path):
     # float32 features: the stored float32 lm_head, never rounded through bf16
     weight = load_file(str(tmp_path / "target" / "model.safetensors"))["lm_head.weight"]
     assert weight.dtype == torch.float32
+    rng = torch.get_rng_state()
     out = head(hidden)
+    assert torch.equal(torch.get_rng_state(), rng)  # the float32 read draws nothing: a resume stays exact
     assert out.dtype == torch.float32 and torch.equal(out, torch.nn.functional.linear(hidden, weight))
     assert not torch.equal(out, specforge(hidden.bfloat16()).float())
     with pytest.raises(RuntimeError, match="same dtype"):

@@ -34,6 +34,8 @@ import torch
 log = logging.getLogger(__name__)
 
 RECIPE_STATE_KEY = "pr_specforge_recipe"
+#: the target the run trained on, by content (`data.hidden_states.target_weights_digest`), in every checkpoint
+TARGET_STATE_KEY = "pr_specforge_target"
 SAVE_SLEEP_ENV = "PR_SPECFORGE_TEST_SAVE_SLEEP"
 _RANK_FILE_PREFIX = "training_state_rank"
 
@@ -58,12 +60,15 @@ def _manager_class():
         """SpecForge's manager plus the recipe in every checkpoint, fsync and rank ordering."""
 
         recipe: Optional[Dict[str, Any]] = None
+        target: Optional[Dict[str, Any]] = None
 
         def save(self, state, step, *, rank_state=None):
             if state is not None:
                 check_finite_state(state.get("draft_state_dict") or {}, step)
             if state is not None and self.recipe is not None:
                 state = {**state, RECIPE_STATE_KEY: self.recipe}
+            if state is not None and self.target is not None:
+                state = {**state, TARGET_STATE_KEY: self.target}
             self._saving_step = step
             return super().save(state, step, rank_state=rank_state)
 
@@ -129,10 +134,11 @@ def recipe_checkpoint_manager():
     return _CLASS
 
 
-def install_checkpoint_manager(resolved_recipe: Dict[str, Any]) -> None:
-    """Make SpecForge's trainer build `RecipeCheckpointManager`s carrying `resolved_recipe`."""
+def install_checkpoint_manager(resolved_recipe: Dict[str, Any], target: Optional[Dict[str, Any]] = None) -> None:
+    """Make SpecForge's trainer build `RecipeCheckpointManager`s carrying `resolved_recipe` and the `target` record
+    (`TARGET_STATE_KEY`: its name and weights digest; None for a target that is no local directory)."""
     from pr_specforge._specforge import use_checkpoint_manager
 
     cls = recipe_checkpoint_manager()
-    cls.recipe = resolved_recipe
+    cls.recipe, cls.target = resolved_recipe, target
     use_checkpoint_manager(cls)
