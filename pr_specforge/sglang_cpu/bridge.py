@@ -30,6 +30,9 @@ speculative.eagle_utils.verify_tree_greedy_func       `tree.verify_tree_greedy`
 managers.overlap_utils.FutureMap                      the original, with `Tensor.record_stream` a no-op for the
   ._resolve_spec_extras                                 call (the overlap schedule's one CUDA-stream call; a CPU
                                                         tensor has no stream to be kept alive on)
+plugins (0.5.14 and 0.5.16+)                          unchanged; our per-request admission registered with its
+                                                        hook registry (`sglang_plugin.admission.install`): plain
+                                                        and EAGLE3 servers refuse an empty prompt in one line
 ====================================================  =========================================================
 
 Greedy verification only (temperature 0): SGLang's sampling verify needs sgl-kernel.
@@ -233,6 +236,16 @@ def _patch_overlap_utils(mod) -> None:
     _call_with_no_ops(mod.FutureMap, "_resolve_spec_extras", torch.Tensor, "record_stream")
 
 
+def _patch_plugins(mod) -> None:
+    """Per-request admission (`sglang_plugin.admission.install`: an empty or over-long prompt, a malformed
+    `/generate` body, sampling on a speculative CPU server refused in one line, HTTP 400) registered with SGLang's
+    hook registry as its plugin module loads, before `load_plugins` applies the hooks: a server the bridge runs
+    refuses so also where the serving install's entry point is absent (the checkout on PYTHONPATH). Idempotent."""
+    from pr_specforge.sglang_plugin.admission import install
+
+    install()
+
+
 def _patch_eagle_utils(mod) -> None:
     from pr_specforge.sglang_cpu.tree import build_tree, verify_tree_greedy
 
@@ -249,6 +262,7 @@ PATCHES: Dict[str, Callable] = {
     "sglang.srt.speculative.triton_ops.cache_locs": _patch_cache_locs,
     "sglang.srt.speculative.eagle_utils": _patch_eagle_utils,
     "sglang.srt.managers.overlap_utils": _patch_overlap_utils,
+    "sglang.srt.plugins": _patch_plugins,
 }
 
 
@@ -261,7 +275,8 @@ def _on_cpu() -> bool:
 
 #: SGLang 0.5.16+: the one 0.5.14 patch that still applies (the draft runs SGLang's Triton backend in the interpreter;
 #: the target's torch_native backend still has no TARGET_VERIFY); the CUDA-only ops: `kernels`' stand-in sgl_kernel
-PATCHES_0516: Dict[str, Callable] = {"sglang.srt.layers.attention.torch_native_backend": _patch_torch_native}
+PATCHES_0516: Dict[str, Callable] = {"sglang.srt.layers.attention.torch_native_backend": _patch_torch_native,
+                                     "sglang.srt.plugins": _patch_plugins}
 
 
 def _apply(name: str, module, patches: Dict[str, Callable] = PATCHES) -> None:

@@ -1,4 +1,5 @@
-"""Per-request admission of a speculative SGLang 0.5.14 server, and each `PR_EAGLE3` response's own `meta_info`.
+"""Per-request admission of an SGLang server (0.5.14 to 0.5.23; PR_EAGLE3, EAGLE3 and plain), and each `PR_EAGLE3`
+response's own `meta_info`.
 
 Refusals. SGLang 0.5.14 validates a request's sampling parameters in the tokenizer manager
 (`SamplingParams.verify`) and, per speculative algorithm, in the scheduler (`Scheduler.handle_generate_request`:
@@ -19,6 +20,24 @@ own abort path: HTTP 400, one line naming the field; the request never runs, eve
     out of range is refused.
 The scheduler computes the server's limits from its own arguments (`limits`, once per process).
 
+Prompts. An empty prompt (`{"text": ""}`) crashes SGLang 0.5.23's prefill (it tokenizes to nothing; llama's rotary
+embedding cannot reshape 0 elements, and SGLang then kills the whole server), plain, EAGLE3 and PR_EAGLE3 servers
+alike; 0.5.14 refuses it itself, in words that name no field. So `install` also registers BEFORE hooks, in the
+HTTP server's process, before anything is sent to the scheduler, on `TokenizerManager._tokenize_texts`
+(`check_texts`: an empty `text`, before it is tokenized) and on SGLang's own length check after tokenization,
+`TokenizerManager._validate_one_request` (`check_prompt`: a prompt of no token, and a prompt whose tokens, with the
+slots SGLang reserves for drafts, do not fit the context: SGLang's own refusal of it is one line but names no field;
+with `--allow-auto-truncate` SGLang truncates instead, and nothing is refused). Each raises a ValueError, which
+SGLang's `/generate` answers with HTTP 400 and the one line. SGLang refuses an empty `input_ids` list itself
+(`GenerateReqInput`, one line). `admit` refuses an empty prompt again in the scheduler, should one reach it another
+way. A body that is not JSON, or whose fields have the wrong type, never reaches the tokenizer manager: FastAPI
+refuses it before SGLang's endpoint runs, and SGLang's handler answers with a multi-line dump naming a server file.
+`install` puts `body_refusal` before that handler (`install_body_refusal`, when SGLang's HTTP module is imported):
+for `/generate`, one line naming the field, in `/generate`'s `{"error": {"message": ...}}` form; every other route
+keeps SGLang's answer.
+The plugin's entry point calls `install` in every SGLang process; the CPU bridge (`sglang_cpu.bridge`) calls it too
+(on import of `sglang.srt.plugins`), so a server the bridge runs refuses the same without the serving install.
+
 Meta info. SGLang carries per-token extras from the scheduler to the response through `Req.customized_info`
 (`{key: [one entry per output token]}`, sliced per sent chunk by the output streamer and accumulated into
 `meta_info[key]` by the tokenizer manager). Every request a `PR_EAGLE3` scheduler admits gets the key `pr_eagle3`
@@ -35,6 +54,7 @@ Does not own: the server's shape and start-up refusals (`checks`), the round (`w
 from __future__ import annotations
 
 import logging
+import re
 from typing import Dict, Optional, Tuple
 
 from pr_specforge.sglang_plugin.checks import (
@@ -46,6 +66,11 @@ log = logging.getLogger(__name__)
 META_KEY = REQUEST_KEY  # meta_info["pr_eagle3"]: one entry per output token, the last the request's total
 REQUEST_FIELD = f"sampling_params.custom_params.{REQUEST_KEY}"
 HOOK_TARGET = "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue"
+PROMPT_HOOK_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+TEXTS_HOOK_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._tokenize_texts"
+HTTP_MODULE = "sglang.srt.entrypoints.http_server"
+#: the route whose malformed bodies get `body_refusal`'s one line (every other route keeps SGLang's answer)
+BODY_ROUTE = "/generate"
 #: the worker's warning for a drafted round SGLang never reported verified (the fault test reads server logs for it)
 UNREPORTED_LINE = "PR_EAGLE3: a drafted round's verify result never reached the worker (not in its requests' meta_info)"
 _installed = False
@@ -56,14 +81,174 @@ class PRRequestError(ValueError):
 
 
 def install() -> None:
-    """Register `admit` with SGLang's hook registry (once per process; `load_plugins` applies it)."""
+    """Register `admit` and `check_prompt` with SGLang's hook registry (once per process; `load_plugins` applies
+    them), and `body_refusal` on SGLang's HTTP app once its module is imported (`install_body_refusal`)."""
     global _installed
     if _installed:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(HOOK_TARGET, admit, HookType.BEFORE)
+    HookRegistry.register(PROMPT_HOOK_TARGET, check_prompt, HookType.BEFORE)
+    HookRegistry.register(TEXTS_HOOK_TARGET, check_texts, HookType.BEFORE)
+    _after_import(HTTP_MODULE, install_body_refusal)
     _installed = True
+
+
+def sglang_line() -> str:
+    """`SGLang 0.5.23`: the line this process runs on, as refusals name it."""
+    from pr_specforge.sglang_plugin.seam import installed_version
+
+    try:
+        return f"SGLang {installed_version()}"
+    except Exception:  # noqa: BLE001 - a refusal's wording must never fail the refusal
+        return "SGLang"
+
+
+# ----------------------------------------------------------------------------- prompts (the tokenizer manager)
+def prompt_field(obj) -> str:
+    """The request field a prompt came from: `input_ids` when the client sent token ids, else `text`."""
+    return "input_ids" if getattr(obj, "input_ids", None) is not None else "text"
+
+
+def prompt_error(field: str, n_tokens: int, context_len: int, reserved: int = 0, truncate: bool = False
+                 ) -> Optional[str]:
+    """Why a prompt of `n_tokens` cannot be served (None where it can): no token at all (SGLang's prefill of an
+    empty prompt kills the server), or more than the context holds with the `reserved` slots SGLang keeps for a
+    speculative request's drafts (`TokenizerManager.num_reserved_tokens`) - not when SGLang truncates (`truncate`:
+    `--allow-auto-truncate`)."""
+    if n_tokens == 0:
+        return f"{field}: the prompt is empty (0 tokens after tokenization); send at least one token"
+    if not truncate and n_tokens + reserved >= context_len:
+        room = f": SGLang keeps {reserved} of the {context_len} for speculative drafts" if reserved else ""
+        return (f"{field}: the prompt is {n_tokens} tokens after tokenization, too long for this server's context "
+                f"length of {context_len} tokens (at most {max(context_len - reserved - 1, 0)} prompt tokens{room})")
+    return None
+
+
+def check_texts(tokenizer_manager, texts, *args, **kwargs) -> None:
+    """The BEFORE hook of SGLang's `TokenizerManager._tokenize_texts(texts, ...)`: an empty `text` is refused with
+    `prompt_error`'s line before it is tokenized (SGLang 0.5.14 refuses it there itself, as "texts cannot be empty
+    and tokenizer must be initialized"; 0.5.23 tokenizes it to nothing, and `check_prompt` would see it after)."""
+    if isinstance(texts, str) and texts == "" or isinstance(texts, list) and "" in texts:
+        raise ValueError(prompt_error("text", 0, 1))
+    return None
+
+
+def check_prompt(tokenizer_manager, obj, input_ids, *args, **kwargs) -> None:
+    """The BEFORE hook of SGLang's `TokenizerManager._validate_one_request(obj, input_ids)`: a ValueError (SGLang's
+    HTTP 400, one line) for a prompt `prompt_error` refuses. A request without token ids (input embeddings) passes."""
+    if input_ids is None:
+        return None
+    truncate = getattr(tokenizer_manager, "allow_auto_truncate", None)  # 0.5.23 keeps it here, 0.5.14 in server_args
+    if truncate is None:
+        truncate = getattr(getattr(tokenizer_manager, "server_args", None), "allow_auto_truncate", False)
+    error = prompt_error(prompt_field(obj), len(input_ids), int(tokenizer_manager.context_len),
+                         int(getattr(tokenizer_manager, "num_reserved_tokens", 0) or 0), bool(truncate))
+    if error:
+        raise ValueError(error)
+    return None
+
+
+# ----------------------------------------------------------------------------- bodies (SGLang's HTTP layer)
+#: a union member's tag in a pydantic error's `loc` (`text.str`, `sampling_params.dict[any,any]`): not a field
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|bytes|dict|list|tuple|set|none|any)(\[.*\])?$")
+
+
+def _field(loc) -> str:
+    names = []
+    for x in loc:
+        if x == "body" and not names:
+            continue
+        if isinstance(x, str) and _TYPE_TAG.match(x):
+            break
+        names.append(f"[{x}]" if isinstance(x, int) else str(x))
+    return ".".join(names).replace(".[", "[")
+
+
+def body_error(errors) -> str:
+    """One line for FastAPI's validation `errors` of a request body: not JSON (where it failed), or the first field
+    at fault with what each alternative of its type said, and how many more fields were."""
+    errors = list(errors or [])
+    if not errors:
+        return "request body: not a valid request"
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        why = (first.get("ctx") or {}).get("error") or first.get("msg", "")
+        at = [x for x in first.get("loc", ()) if isinstance(x, int)]
+        line = f"request body: not valid JSON ({why}{f' at character {at[0]}' if at else ''})"
+    else:
+        fields: Dict[str, list] = {}
+        for e in errors:
+            msgs = fields.setdefault(_field(e.get("loc", ())), [])
+            if e.get("msg") and e["msg"] not in msgs:
+                msgs.append(e["msg"])
+        name, msgs = next(iter(fields.items()))
+        if not name and first.get("type") in ("dataclass_type", "model_type", "dict_type", "model_attributes_type"):
+            msgs = ["must be a JSON object"]
+        more = len(fields) - 1
+        line = (f"{name or 'request body'}: {' or '.join(msgs) or 'not valid'}"
+                + (f" (and {more} more field{'s' * (more > 1)})" if more else ""))
+    return " ".join(line.split())
+
+
+def install_body_refusal(http_module) -> None:
+    """Answer `/generate`'s body validation errors (FastAPI's `RequestValidationError`: not JSON, a field of the
+    wrong type) with `body_error`'s one line, HTTP 400, in the form of `/generate`'s other refusals; every other
+    route goes to the handler SGLang registered. Once per app."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.responses import JSONResponse
+
+    app = getattr(http_module, "app", None)
+    if app is None or getattr(app, "_pr_body_refusal", False):
+        return
+    sglangs = app.exception_handlers.get(RequestValidationError)
+
+    async def body_refusal(request, exc):
+        path = request.url.path.removeprefix(request.scope.get("root_path", "") or "")
+        if path != BODY_ROUTE and sglangs is not None:
+            return await sglangs(request, exc)
+        return JSONResponse({"error": {"message": body_error(exc.errors())}}, status_code=400)
+
+    app.add_exception_handler(RequestValidationError, body_refusal)
+    app._pr_body_refusal = True
+
+
+class _AfterImport:
+    """A `sys.meta_path` finder that runs `then(module)` right after `name`'s body (once)."""
+
+    def __init__(self, name: str, then) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        run_body, then = spec.loader.exec_module, self.then
+
+        def exec_module(module):
+            run_body(module)
+            try:
+                then(module)
+            except Exception:  # noqa: BLE001 - SGLang's own handler stays
+                log.exception("%s: could not install on %s", ALGORITHM, fullname)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _after_import(name: str, then) -> None:
+    """`then(module)` now if `name` is imported, else right after it is (in this process)."""
+    import sys
+
+    if name in sys.modules:
+        then(sys.modules[name])
+    elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, then))
 
 
 def admit(scheduler, req, is_retracted: bool = False, *args, **kwargs) -> None:
@@ -77,7 +262,7 @@ def admit(scheduler, req, is_retracted: bool = False, *args, **kwargs) -> None:
         return None
     shape = None
     try:
-        error = sampling_error(server_args, req.sampling_params)
+        error = empty_error(req) or sampling_error(server_args, req.sampling_params)
         if pr:
             shape, max_rows = limits(server_args)
             shape = request_shape(shape, req.sampling_params.custom_params, max_rows)
@@ -93,6 +278,15 @@ def admit(scheduler, req, is_retracted: bool = False, *args, **kwargs) -> None:
     return None
 
 
+def empty_error(req) -> Optional[str]:
+    """A prompt of no token that reached the scheduler (`check_prompt` refuses it before, where it ran); one that
+    carries input embeddings or multimodal inputs instead passes."""
+    if len(req.origin_input_ids or ()) or getattr(req, "input_embeds", None) is not None \
+            or getattr(req, "multimodal_inputs", None) is not None:
+        return None
+    return prompt_error("input_ids", 0, 1)
+
+
 def sampling_error(server_args, sampling_params) -> Optional[str]:
     """Why a speculative server on a CPU cannot serve `sampling_params` (None where it can): SGLang samples a request
     whose `top_k` is above 1 after its own normalisation (temperature 0 sets top_k 1)."""
@@ -101,8 +295,23 @@ def sampling_error(server_args, sampling_params) -> Optional[str]:
     if int(sampling_params.top_k) <= 1:
         return None
     return (f"sampling_params.temperature {sampling_params.temperature:g} (top_k {_top_k(sampling_params.top_k)}): "
-            f"this speculative server on a CPU verifies greedily only (SGLang 0.5.14's sampling verify needs "
-            f"sgl-kernel's CUDA ops); send temperature 0 or top_k 1")
+            f"this speculative server on a CPU verifies greedily only ({sampling_why(sglang_line())}); send "
+            "temperature 0 or top_k 1")
+
+
+def sampling_why(line: str) -> str:
+    """Why `line` (`SGLang 0.5.14`) cannot sample-verify on a CPU: 0.5.14's verify calls sgl-kernel's CUDA ops;
+    0.5.16+ calls its sampling op (`tree_speculative_sampling_target_only`), which has no CPU build here and no
+    stand-in in the CPU bridge."""
+    from pr_specforge.sglang_plugin.seam import version_tuple
+
+    try:
+        newer = version_tuple(line.split()[-1]) >= (0, 5, 16)
+    except Exception:  # noqa: BLE001
+        newer = False
+    if newer:
+        return f"{line}'s sampling verify needs sgl-kernel's sampling op, which the CPU bridge does not stand in for"
+    return f"{line}'s sampling verify needs sgl-kernel's CUDA ops"
 
 
 def _top_k(top_k: int) -> str:
