@@ -59,12 +59,12 @@ def post(port: int, path: str, body: dict, timeout: float = 600) -> dict:
 
 @contextlib.contextmanager
 def serving(cmd: Sequence[str], port: int, log_path, env: Dict[str, str],
-            start_timeout: float = START_TIMEOUT, ready_text: str = "fired up") -> Iterator[subprocess.Popen]:
-    """Run the server command `cmd` (in its own process group) until it answers on `port` and its log holds
-    `ready_text` (SGLang's "fired up"; vLLM's "Application startup complete"); stop it on exit."""
+            start_timeout: float = START_TIMEOUT, ready_text: str = "fired up", cwd=None) -> Iterator[subprocess.Popen]:
+    """Run the server command `cmd` (in its own process group; in `cwd` if given) until it answers on `port` and its
+    log holds `ready_text` (SGLang's "fired up"; vLLM's "Application startup complete"); stop it on exit."""
     record_start(cmd)
     log = open(log_path, "w")
-    proc = subprocess.Popen(list(cmd), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(list(cmd), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
     try:
         deadline = time.time() + start_timeout
         while True:

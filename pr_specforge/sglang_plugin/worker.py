@@ -471,7 +471,8 @@ class PREagleWorkerV2(EAGLEWorkerV2):
             super().__init__(*args, **kwargs)
         self._draft_worker.__class__ = PRDraftWorker
         self._draft_worker.pr_setup(mode)
-        log.info("PR_EAGLE3 draft worker ready: %s, rows: %s", self._draft_worker.pr_shape, mode)
+        log.info("PR_EAGLE3 draft worker ready: %s, rows: %s, pr_specforge from %s", self._draft_worker.pr_shape, mode,
+                 os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the installed package or a checkout
 
     def forward_batch_generation(self, batch, *args, **kwargs):
         out = super().forward_batch_generation(batch, *args, **kwargs)
