@@ -209,7 +209,8 @@ def shared_pr_script_0523(shared, live_run):
         port = free_port()
         cmd = ["bash", str(SCRIPTS / "sglang_cpu_serve_pr.sh"), live_run["target"], export, str(port), *flags]
         # its start-up includes SGLang's warm-up request, minutes in Triton's interpreter on a small CPU
-        return _port_of(serving(cmd, port, log, env, start_timeout=1200), port)
+        # started outside the checkout (the registry's directory): the installed package serves (issue 74)
+        return _port_of(serving(cmd, port, log, env, start_timeout=1200, cwd=str(Path(log).parent)), port)
 
     server = shared.get("pr-script-0.5.23", key, start)
     return server, Path(str(server.log) + ".rounds")

@@ -6,17 +6,34 @@ session's one 0.5.23 PR server: `scripts/sglang_cpu_serve_pr.sh` in that environ
 (k 2, B_w 2, m 1, gamma 3, B 6), as test_live_pr_eagle3.py on 0.5.14, tolerance zero: four concurrent requests and
 the same four one by one each equal our decoder (outputs = plain greedy serving, verify rounds, accepted drafts,
 counters, every round's tree); a request's m = 0 equals our m = 0; a repeated prompt hits the radix cache and gives
-the same. (The one-line refusal through a real 0.5.23 launch: test_live_sglang_0523.py.)"""
+the same. The same server then gets every bad request of the refusal table (issue 74: empty text, which killed a
+0.5.23 server, malformed bodies, over-long prompts, the request refusals), each HTTP 400 in one line and each
+followed by a good request equal to plain greedy. (The one-line refusal through a real 0.5.23 launch:
+test_live_sglang_0523.py.)"""
 
 from __future__ import annotations
 
+import urllib.request
 
 import pytest
 
+from tests.sglang_live.conftest import greedy
 from tests.sglang_live.pr_eagle3 import (SCRIPT_SHAPE, Ours, Shape, assert_same, generate, generate_together, round_log,
                                          served_counts, shared_pr_script_0523)
+from tests.sglang_live.refusals import assert_each_refused_then_greedy, prompt_table
 
 SHAPE = SCRIPT_SHAPE
+CONTEXT = 512  # the live target's max_position_embeddings (tests.helpers), SGLang's context length here
+FIELD = "sampling_params.custom_params.pr_eagle3"
+#: the request refusals of this shape that do not depend on the server's KV room (sent as custom_params["pr_eagle3"],
+#: or as sampling parameters), with the start of each one line
+REQUEST_REFUSALS = [
+    ({"m": -1}, f"{FIELD}.m -1 is outside [0, 3]"), ({"m": "x"}, f"{FIELD}.m must be an integer, got 'x'"),
+    ({"bw": 1000}, f"{FIELD}.bw 1000 is outside [1, 6]"), ({"bw": 0}, f"{FIELD}.bw 0 is outside [1, 6]"),
+    ({"m": 100}, f"{FIELD}.m 100 is outside [0, 3]"), ("junk", f"{FIELD} must be an object"),
+    ({"zz": 1}, f"{FIELD} has unknown key(s) 'zz'"),
+    ({"temperature": 0.8}, "sampling_params.temperature 0.8 (top_k all): this speculative server on a CPU verifies "
+                           "greedily only (SGLang 0.5.23's sampling verify needs sgl-kernel's sampling op")]
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +71,25 @@ def test_on_0_5_23_m0_equals_our_decoders_m0_tree(live_run, served):
     # a batch all at m = 0 is SGLang 0.5.23's own EAGLE-3 draft (`PR_EAGLE3_M0_DRAFT=sglang`), the tree still ours
     assert served[5] and all(r["rows"] == "eagle3" for r in served[5])
     assert_same([alone], Ours(live_run).decode(Shape(k=2, bw=2, m=0, gamma=3, budget=6), live_run["prompts"][1:2]))
+
+
+def _request_body(prompt, bad) -> dict:
+    params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    if isinstance(bad, dict) and "temperature" in bad:
+        params.update(bad)
+    else:
+        params["custom_params"] = {"pr_eagle3": bad}
+    return {"input_ids": list(prompt), "sampling_params": params}
+
+
+def test_on_0_5_23_every_bad_request_of_the_table_is_one_line_and_the_next_good_request_equals_plain_greedy(
+        live_run, plain, shared, served):
+    """On the session's 0.5.23 PR server, after `served` (the module's rounds are read first)."""
+    server, _ = shared_pr_script_0523(shared, live_run)
+    port, prompt, new = server.port, live_run["prompts"][0], 4
+    table = prompt_table(CONTEXT, prompt) + [(f"custom/sampling {bad!r}", _request_body(prompt, bad), start)
+                                             for bad, start in REQUEST_REFUSALS]
+    assert_each_refused_then_greedy(port, table, lambda: greedy(port, prompt, new)["output_ids"], plain[0][:new])
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
+        assert r.status == 200
+    assert "Traceback" not in server.log.read_text()

@@ -3,7 +3,10 @@
 (`SGLANG_INIT_NEW_TOKEN_RATIO`) so that it runs out and retracts, and whose context is 128 tokens.
 
 Each refusal (`sglang_plugin.admission`, through SGLang's own abort path) is one line naming the field, with HTTP
-400, and the server keeps serving; a request asking to sample (temperature 0.8), which killed the scheduler before
+400, and the server keeps serving; so is every prompt and body refusal of the table (issue 74: empty text, which
+killed the whole server, empty input_ids, a body that is not JSON or not an object, a field of the wrong type, an
+over-long prompt as token ids and as text; `tests.sglang_live.refusals`), each followed by a good request that
+must equal plain greedy; a request asking to sample (temperature 0.8), which killed the scheduler before
 admission refused it, is refused the same way. Then, at once: eight greedy requests with mixed per-request m
 (0, 1, 2, the server's), more than the pool holds, so SGLang retracts some; a client that disconnects from a
 streamed request mid-generation; every bad request again, interleaved; a prompt exactly at the context limit and
@@ -29,6 +32,7 @@ import pytest
 from pr_specforge.sglang_plugin.admission import UNREPORTED_LINE
 from tests.sglang_live.conftest import LIVE_DEVICE, greedy, post
 from tests.sglang_live.pr_eagle3 import Shape, shared_pr
+from tests.sglang_live.refusals import assert_each_refused_then_greedy, prompt_table, refused
 
 SHAPE = Shape(k=2, bw=2, m=1, gamma=3, budget=6)
 POOL, CONTEXT, NEW = 256, 128, 96
@@ -124,6 +128,28 @@ def test_each_refusal_is_one_line_naming_the_field_and_the_server_keeps_serving(
     out = post(port, "/generate", _body(prompt))
     assert out["output_ids"] == greedy(plain_server, prompt, NEW)["output_ids"]
     assert out["meta_info"]["pr_eagle3"][-1]["rounds"] == out["meta_info"]["spec_verify_ct"]
+
+
+def test_every_bad_request_of_the_table_is_one_line_and_the_next_good_request_equals_plain_greedy(
+        live_run, server, plain_server):
+    """On SGLang 0.5.14: the prompt and body refusals (issue 74) and this server's own (`BAD`), one after another
+    on the one server; after each, a good request equals plain greedy serving's."""
+    port, log = server
+    prompt, new = live_run["prompts"][0], 8
+    table = prompt_table(CONTEXT, prompt) + [(f"custom/sampling {bad!r}", _body(prompt, new=4, bad=bad), start)
+                                             for bad, start in BAD]
+    plain = greedy(plain_server, prompt, new)["output_ids"]
+    messages = assert_each_refused_then_greedy(port, table, lambda: greedy(port, prompt, new)["output_ids"], plain)
+    assert "(at most 120 prompt tokens: SGLang keeps 7 of the 128 for speculative drafts)" in messages[5]
+    assert "SGLang 0.5.14's sampling verify" in messages[-1] or LIVE_DEVICE != "cpu"
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
+        assert r.status == 200
+    assert "Traceback" not in log.read_text()
+    # the plain reference server (no draft: the CPU bridge and the plugin's entry point load the same admission)
+    for what, body, start in table[:4]:
+        code, message = refused(plain_server, body)
+        assert code == 400 and message.startswith(start), f"plain server, {what}: {code} {message}"
+    assert greedy(plain_server, prompt, new)["output_ids"] == plain
 
 
 def _limit_prompt(live_run):

@@ -1,6 +1,8 @@
 """SGLang 0.5.23 live on this CPU (`.venv-serve`: SGLang's own pins, the serving install, no SpecForge), through the
 CPU bridge (`sglang_cpu.kernels`' stand-in `sgl_kernel`): plain greedy serving of the live target equals SGLang
-0.5.14's (the package's `plain` server), and a real `PR_EAGLE3` launch on 0.5.23 takes the serving install's
+0.5.14's (the package's `plain` server), an empty text (which killed a plain 0.5.23 server: SGLang's prefill of no
+token) is refused in one line (`sglang_plugin.admission`, loaded by the bridge and the serving install's entry
+point) and the server goes on serving, and a real `PR_EAGLE3` launch on 0.5.23 takes the serving install's
 entry point and refuses an unsupported shape in one line. (PR_EAGLE3's rounds on 0.5.23: test_live_pr_eagle3_0523.py;
 its touch points one by one: tests/sglang_plugin/test_sglang_lines.py.)"""
 
@@ -11,11 +13,13 @@ from pr_specforge.sglang_cpu.server import SGLANG_PYTHON_ENV
 from tests.serve_contract import ROOT, serve_python
 from tests.sglang_live.conftest import ENV, greedy, refused_launch, sglang_server
 from tests.sglang_live.eagle3 import MAX_NEW
+from tests.sglang_live.refusals import EMPTY_TEXT, GREEDY, refused
 
 
 def test_plain_greedy_serving_on_0_5_23_equals_0_5_14s(live_run, plain, tmp_path, monkeypatch):
     monkeypatch.setenv(SGLANG_PYTHON_ENV, serve_python())
     with sglang_server(live_run["target"], tmp_path / "plain-0.5.23.log") as port:
+        assert refused(port, {"text": "", "sampling_params": GREEDY}) == (400, EMPTY_TEXT)
         served = [greedy(port, p, MAX_NEW)["output_ids"] for p in live_run["prompts"]]
     assert served == plain
 
