@@ -13,13 +13,15 @@ test_live_sglang_0523.py.)"""
 
 from __future__ import annotations
 
+import json
+import os
 import urllib.request
 
 import pytest
 
 from tests.sglang_live.conftest import greedy
-from tests.sglang_live.pr_eagle3 import (SCRIPT_SHAPE, Ours, Shape, assert_same, generate, generate_together, round_log,
-                                         served_counts, shared_pr_script_0523)
+from tests.sglang_live.pr_eagle3 import (SCRIPT_SHAPE, SCRIPTS, Ours, Shape, assert_same, generate, generate_together,
+                                         round_log, served_counts, shared_pr_script_0523)
 from tests.sglang_live.refusals import assert_each_refused_then_greedy, prompt_table
 
 SHAPE = SCRIPT_SHAPE
@@ -93,3 +95,48 @@ def test_on_0_5_23_every_bad_request_of_the_table_is_one_line_and_the_next_good_
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
         assert r.status == 200
     assert "Traceback" not in server.log.read_text()
+
+
+def test_the_pr_script_serves_in_sglang_0_5_23s_own_environment_with_only_the_serving_install(live_run, plain, shared):
+    """The script alone, no test environment of ours (no PYTHONPATH, no bridge environment: the script sets what it
+    needs; on 0.5.23 its preflight gives the draft SGLang's Triton attention), on `export CKPT OUT --to sglang
+    --target TARGET` of the live run; 127.0.0.1, a free port, stopped also on failure. The test run's one 0.5.23 PR
+    server (`shared_pr_script_0523`, which this module's other tests check round by round). The shape is given after
+    PORT (later flags override the script's k 6, gamma 8, B 48): the paper's shape starts in about 5 minutes on 2 cores
+    (SGLang's warm-up request in Triton's interpreter), which CI's budget cannot carry; it served the same way."""
+    from tests.serve_contract import serve_python
+    from tests.sglang_live.pr_eagle3 import shared_pr_script_0523
+
+    server, _ = shared_pr_script_0523(shared, live_run)
+    port = server.port
+    new = 4
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=60) as r:
+        info = json.loads(r.read())
+    out = greedy(port, live_run["prompts"][0], new)
+    assert info["version"] == "0.5.23" and "PR_EAGLE3" in str(info["speculative_algorithm"])
+    assert (info["speculative_eagle_topk"], info["speculative_num_steps"], info["speculative_num_draft_tokens"]) == (2, 3, 7)
+    assert info["speculative_draft_attention_backend"] == "triton"  # the preflight's pick for 0.5.16+
+    assert out["output_ids"] == plain[0][:new]  # lossless: plain greedy serving's first tokens
+    assert out["meta_info"]["spec_verify_ct"] >= 1, out["meta_info"]
+    # the installed package served, not this checkout: the script's line and the scheduler's own ready line
+    python = serve_python()
+    checkout = str(SCRIPTS.parent)
+    installed = _site_packages(python)
+    log = server.log.read_text()
+    assert f"sglang_cpu_serve.sh: serving pr_specforge installed in {python} ({installed}/pr_specforge)" in log, log[:2000]
+    ready = [line for line in log.splitlines() if "PR_EAGLE3 draft worker ready" in line]
+    assert ready and all(line.endswith(f"pr_specforge from {installed}/pr_specforge") for line in ready), ready
+    for root in {checkout, os.path.realpath(checkout)}:  # the checkout's own package never appears
+        assert os.path.join(os.path.normpath(root), "pr_specforge") not in log
+    assert "Traceback" not in log
+
+
+def _site_packages(python: str) -> str:
+    """Where `python` (an absolute path) imports the installed `pr_specforge` from, asked outside any checkout."""
+    import subprocess
+
+    found = subprocess.run([python, "-E", "-c", "import pr_specforge, os; "
+                            "print(os.path.dirname(os.path.dirname(os.path.abspath(pr_specforge.__file__))))"],
+                           cwd="/", capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+    assert os.path.basename(found) == "site-packages", found
+    return found
