@@ -25,8 +25,8 @@ setup-all:
 run: setup
 	.venv/bin/pr-specforge run $(ARGS)
 
-# The test suite (CPU, tiny random models, serial; both SGLang lines and vLLM: 29 min of tests on 2 quiet Intel cores at d515ad7;
-# .venv-serve adds ~4.5 min of install once, .venv-vllm ~2 min).
+# The test suite (CPU, tiny random models, serial; both SGLang lines and vLLM: 24 min on 2 emulated AVX2-only cores at 100e508;
+# the three environments install side by side first, ~4 min from nothing).
 test: setup-all
 	PR_SERVE_VENV_REQUIRED=1 .venv/bin/python -m pytest -q tests $(ARGS)
 

@@ -76,6 +76,7 @@ def report(junit: str, setup_times: str, starts: str, ci_seconds: float, commit:
     t = totals(junit)
     machine = cpu(cpuinfo)
     if emulated:
+        machine["host"] = cpu()  # the CPU the emulation ran on, as it is
         machine["emulated"] = ("an AVX2-only CPU emulated on this one: /proc/cpuinfo without AVX-512/AMX flags, "
                                + ", ".join(f"{k}={v}" for k, v in AVX2_ENV.items()))
     return {"commit": commit, "date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": machine,
