@@ -64,13 +64,11 @@ def totals(junit: str) -> Dict[str, float]:
 
 def report(junit: str, setup_times: str, starts: str, ci_seconds: float, commit: str, emulated: bool,
            command: str, cpuinfo: str = "/proc/cpuinfo") -> dict:
+    from tests.live_servers import start_counts
     from tests.live_servers import starts as read_starts
 
     lines = read_starts(starts)
-    kinds: Dict[str, int] = {}
-    for line in lines:
-        how = line.split("\t", 1)[0]
-        kinds[how] = kinds.get(how, 0) + 1
+    kinds = start_counts(lines)
     with open(setup_times) as f:
         installs = json.load(f)
     t = totals(junit)

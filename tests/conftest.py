@@ -102,20 +102,18 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.when == "call" and _REGISTRY is not None:
+        if not report.failed:
+            _REGISTRY.forget(item.nodeid)
+            return
         for name, text in _REGISTRY.grown(item.nodeid):
-            if report.failed:
-                report.sections.append((f"server log: {name} (this test's lines)", text))
+            report.sections.append((f"server log: {name} (this test's lines)", text))
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    from tests.live_servers import STARTS_ENV, starts
+    from tests.live_servers import STARTS_ENV, start_counts, starts
 
     path = getattr(config, "_pr_server_starts", None) or os.environ.get(STARTS_ENV)
     lines = starts(path)
     if lines:
-        kinds = {}
-        for line in lines:
-            how = line.split("\t", 1)[0]
-            kinds[how] = kinds.get(how, 0) + 1
-        said = ", ".join(f"{n} {how}" for how, n in sorted(kinds.items()))
+        said = ", ".join(f"{n} {how}" for how, n in sorted(start_counts(lines).items()))
         terminalreporter.write_line(f"server start-ups this session: {len(lines)} ({said}); list: {path}")

@@ -2,8 +2,8 @@
 
 Every live module (SGLang 0.5.14 and 0.5.23 through the CPU bridge, vLLM's CPU build) asks this registry for its
 server instead of starting its own: `shared.get(name, key, start)` returns the running `Server` of that key, starting
-it the first time (`start(log_path)` is a context manager that yields the port: `sglang_server`, `serving`,
-`vllm_server`). The key is the server's whole launch (interpreter, target, drafter, flags, environment), so two
+it the first time (`start(log_path)` is a context manager that yields the port: `sglang_server`, or `serving` through
+`with_port`). vLLM's modules start their own: each of their launches is a different export. The key is the server's whole launch (interpreter, target, drafter, flags, environment), so two
 modules never share a server whose settings differ; what the plugin takes per request (m, B_w, the refusals) goes
 through requests. A server is stopped (its process group, also on failure) when the session ends, or earlier when
 more than `keep` servers are up (the least recently used goes: the suite's modules are ordered so that none is
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ContextManager, Dict, List, Optional, Tuple
 
-STARTS_ENV = "PR_SPECFORGE_SERVER_STARTS"
+from pr_specforge.local_server import STARTS_ENV  # noqa: F401 (tests/conftest.py reads it from here)
 
 
 @dataclass
@@ -88,6 +88,10 @@ class Registry:
         for server, _ in self._alive.values():
             server.marks[test] = _size(server.log)
 
+    def forget(self, test: str) -> None:
+        for server, _ in self._alive.values():
+            server.marks.pop(test, None)
+
     def grown(self, test: str) -> List[Tuple[str, str]]:
         """(server name, its log's lines written since `mark(test)`) for each server alive now whose log grew."""
         out = []
@@ -113,3 +117,8 @@ def starts(path: Optional[str]) -> List[str]:
         return []
     with open(path) as f:
         return [line.rstrip("\n") for line in f if line.strip()]
+
+
+def start_counts(lines: List[str]) -> Dict[str, int]:
+    """How many of the recorded `lines` each kind of start (`serve`, `refused`) has."""
+    return dict(collections.Counter(line.split("\t", 1)[0] for line in lines))

@@ -167,7 +167,7 @@ def plain_sglang(shared, live_run) -> int:
     def start(log):
         port = free_port()
         env = child_env(dict(ENV, HF_HUB_OFFLINE="1", PYTHON=sys.executable))
-        return _yielding_port(serving(["bash", PLAIN_SCRIPT, live_run["target"], str(port)], port, log, env), port)
+        return with_port(serving(["bash", PLAIN_SCRIPT, live_run["target"], str(port)], port, log, env), port)
 
     key = {"engine": "sglang", "script": "sglang_cpu_serve_plain.sh", "python": sys.executable,
            "model": live_run["target"]}
@@ -175,7 +175,8 @@ def plain_sglang(shared, live_run) -> int:
 
 
 @contextlib.contextmanager
-def _yielding_port(ctx, port: int):
+def with_port(ctx, port: int):
+    """`serving(cmd, port, ...)` as a context that yields `port` (what `Registry.get` expects of a start)."""
     with ctx:
         yield port
 

@@ -11,7 +11,6 @@ drafter from the `--to hf` export of the same run) with the same (k, B_w, m, gam
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Dict, List
 
 import torch
 
-from tests.sglang_live.conftest import extra_rounds, post, server_file, sglang_server, shared_sglang
+from tests.sglang_live.conftest import extra_rounds, post, server_file, sglang_server, shared_sglang, with_port
 
 MAX_NEW = 24
 
@@ -205,18 +204,12 @@ def shared_pr_script_0523(shared, live_run):
 
     def start(log):
         env = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}
-        env.update(settings, HF_HUB_OFFLINE="1", PYTHON=python, PR_EAGLE3_ROUND_LOG=str(log) + ".rounds")
+        env.update(settings, HF_HUB_OFFLINE="1", PYTHON=python, PR_EAGLE3_ROUND_LOG=str(log) + ".PR_EAGLE3_ROUND_LOG")
         port = free_port()
         cmd = ["bash", str(SCRIPTS / "sglang_cpu_serve_pr.sh"), live_run["target"], export, str(port), *flags]
         # its start-up includes SGLang's warm-up request, minutes in Triton's interpreter on a small CPU
         # started outside the checkout (the registry's directory): the installed package serves (issue 74)
-        return _port_of(serving(cmd, port, log, env, start_timeout=1200, cwd=str(Path(log).parent)), port)
+        return with_port(serving(cmd, port, log, env, start_timeout=1200, cwd=str(Path(log).parent)), port)
 
     server = shared.get("pr-script-0.5.23", key, start)
-    return server, Path(str(server.log) + ".rounds")
-
-
-@contextlib.contextmanager
-def _port_of(ctx, port: int):
-    with ctx:
-        yield port
+    return server, server_file(server, "PR_EAGLE3_ROUND_LOG")
